@@ -1,0 +1,125 @@
+"""Every choice in a skyq configuration is one of these enums."""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Precision(str, Enum):
+    """The precision of a run: what the trainer computes in and what crosses the wire."""
+
+    bf16 = "bf16"
+    fp8_blockwise = "fp8_blockwise"
+    mxfp8 = "mxfp8"
+    int4_qat = "int4_qat"
+
+
+class Fp8Recipe(str, Enum):
+    """FP8 recipe; `auto` is resolved on each worker from its own device."""
+
+    auto = "auto"
+    blockwise = "blockwise"
+    mxfp8 = "mxfp8"
+
+
+class ScaleFormat(str, Enum):
+    """How FP8 blockwise scales are stored: plain fp32 or power-of-two (ue8m0)."""
+
+    fp32 = "fp32"
+    ue8m0 = "ue8m0"
+
+
+class Int4Grid(str, Enum):
+    """INT4 quantization grid: `kimi` (/7, codes [-7,7]) or `rtn` (/7.5, codes [-8,7])."""
+
+    kimi = "kimi"
+    rtn = "rtn"
+
+
+class QuantScope(str, Enum):
+    """Which linears a precision quantizes."""
+
+    routed_experts = "routed_experts"
+    all_linear = "all_linear"
+
+
+class ModelFamily(str, Enum):
+    """Architecture family; picks the ModelQuantizationLayout."""
+
+    qwen3_moe = "qwen3_moe"
+    deepseek_v3 = "deepseek_v3"
+
+
+class Placement(str, Enum):
+    """Trainer and rollout engines on the same GPUs (colocated) or on separate ones (split)."""
+
+    colocated = "colocated"
+    split = "split"
+
+
+class TrainerBackend(str, Enum):
+    torch = "torch"
+    megatron = "megatron"
+
+
+class RolloutBackend(str, Enum):
+    embedded = "embedded"
+    vllm = "vllm"
+
+
+class LoggerBackend(str, Enum):
+    jsonl = "jsonl"
+    wandb = "wandb"
+
+
+class TaskName(str, Enum):
+    arith = "arith"
+    dapo_math = "dapo_math"
+    multimodal_open_r1 = "multimodal_open_r1"
+
+
+class RewardName(str, Enum):
+    """Reward function: exact match for arith, boxed-answer math, or openr1mm (format + accuracy)."""
+
+    exact_match = "exact_match"
+    math = "math"
+    openr1mm = "openr1mm"
+
+
+class Device(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class WeightSyncMode(str, Enum):
+    """Full weight sync every step, or incremental (delta) sync (bf16 only)."""
+
+    full = "full"
+    delta = "delta"
+
+
+class TransportKind(str, Enum):
+    """How weight buckets move: same process, torch.distributed broadcast, or CUDA IPC."""
+
+    in_process = "in_process"
+    broadcast = "broadcast"
+    cuda_ipc = "cuda_ipc"
+
+
+class RecomputeGranularity(str, Enum):
+    none = "none"
+    selective = "selective"
+    full = "full"
+
+
+class RecomputeMethod(str, Enum):
+    uniform = "uniform"
+    block = "block"
+
+
+class ISCorrection(str, Enum):
+    """Importance-sampling correction for train/rollout mismatch."""
+
+    none = "none"
+    tis = "tis"  # truncated importance sampling, token level
+    icepop = "icepop"  # mask tokens whose ratio leaves [low, high]
