@@ -123,3 +123,10 @@ class ISCorrection(str, Enum):
     none = "none"
     tis = "tis"  # truncated importance sampling, token level
     icepop = "icepop"  # mask tokens whose ratio leaves [low, high]
+
+
+class ArithOp(str, Enum):
+    """The embedded arith task's operation."""
+
+    copy = "copy"
+    add_mod10 = "add_mod10"

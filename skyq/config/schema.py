@@ -1,0 +1,390 @@
+"""The typed schema of a skyq run: the one home of every default.
+
+Each field carries a one-line docstring (docs/configuration.md is generated from them).
+Hydra group options (conf/<group>/<option>.yaml) only pick and override these fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from skyq.config.enums import (
+    ArithOp,
+    Device,
+    Fp8Recipe,
+    Int4Grid,
+    ISCorrection,
+    LoggerBackend,
+    ModelFamily,
+    Placement,
+    Precision,
+    QuantScope,
+    RecomputeGranularity,
+    RecomputeMethod,
+    RewardName,
+    RolloutBackend,
+    ScaleFormat,
+    TaskName,
+    TrainerBackend,
+    TransportKind,
+    WeightSyncMode,
+)
+
+CONFIG_VERSION = 1
+
+
+@dataclass
+class PrecisionConfig:
+    name: Precision = Precision.bf16
+    """Precision of the run: trainer compute and rollout wire format."""
+    fp8_recipe: Fp8Recipe = Fp8Recipe.auto
+    """FP8 recipe; `auto` is resolved on each worker (blockwise before SM100, mxfp8 on SM100+)."""
+    scale_format: ScaleFormat = ScaleFormat.fp32
+    """FP8 blockwise scale format: fp32, or ue8m0 (power-of-two scales)."""
+    block_size: list[int] = field(default_factory=lambda: [128, 128])
+    """FP8 blockwise weight block [rows, cols]."""
+    activation_tile: int = 128
+    """FP8 blockwise activation tile length along K (1 x tile)."""
+    fp8_targets: QuantScope = QuantScope.all_linear
+    """Linears FP8 blockwise quantizes (all_linear covers attention and experts)."""
+    mxfp8_targets: QuantScope = QuantScope.routed_experts
+    """Linears MXFP8 quantizes (routed_experts is the expert-only recipe)."""
+    int4_group_size: int = 128
+    """INT4 group size G along K (Qwen3 recipes 128, Kimi-K2.x 32)."""
+    int4_grid: Int4Grid = Int4Grid.kimi
+    """INT4 grid: kimi (/7, [-7,7]) or rtn (/7.5, [-8,7])."""
+    qat_scope: QuantScope = QuantScope.routed_experts
+    """Linears the INT4 fake-quant (QAT) covers; must equal what the rollout checkpoint quantizes."""
+    emulate: bool = False
+    """Allow a recipe the hardware lacks (e.g. mxfp8 before SM100) by exact emulation."""
+    persistent_fp8_params: bool = False
+    """Keep trainer parameters persistently in FP8 (blockwise only)."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny_moe"
+    """Model preset name."""
+    family: ModelFamily = ModelFamily.qwen3_moe
+    """Architecture family; selects the quantization layout."""
+    vocab_size: int = 32
+    """Vocabulary size."""
+    hidden_size: int = 64
+    """Hidden size."""
+    num_layers: int = 2
+    """Number of decoder layers."""
+    num_attention_heads: int = 4
+    """Attention heads."""
+    num_key_value_heads: int = 2
+    """Key/value heads (GQA)."""
+    head_dim: int = 16
+    """Per-head dimension (Qwen3 attention)."""
+    intermediate_size: int = 128
+    """Dense MLP width (dense layers and shared-expert width for deepseek_v3)."""
+    moe_intermediate_size: int = 64
+    """Routed-expert MLP width."""
+    num_experts: int = 4
+    """Routed experts per MoE layer."""
+    num_experts_per_tok: int = 2
+    """Experts each token is routed to (top-k)."""
+    num_shared_experts: int = 0
+    """Shared experts per MoE layer (deepseek_v3)."""
+    first_k_dense_replace: int = 0
+    """Leading layers with a dense MLP instead of MoE (deepseek_v3)."""
+    max_position_embeddings: int = 512
+    """Longest sequence (prompt + response) the model takes."""
+    rope_theta: float = 1000000.0
+    """RoPE base."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon."""
+    tie_word_embeddings: bool = False
+    """Share the embedding and lm_head weights."""
+    q_lora_rank: Optional[int] = None
+    """MLA query low-rank dimension (deepseek_v3; None = no q compression)."""
+    kv_lora_rank: int = 0
+    """MLA key/value low-rank dimension (deepseek_v3)."""
+    qk_nope_head_dim: int = 0
+    """MLA non-rotary query/key head dimension (deepseek_v3)."""
+    qk_rope_head_dim: int = 0
+    """MLA rotary query/key head dimension (deepseek_v3)."""
+    v_head_dim: int = 0
+    """MLA value head dimension (deepseek_v3)."""
+    num_nextn_predict_layers: int = 0
+    """Multi-token-prediction layers in the checkpoint (never quantized)."""
+    text_prefix: str = ""
+    """Prefix of text weights in the checkpoint (Kimi-K2.6: `language_model.`)."""
+    vision_num_layers: int = 0
+    """Vision-tower blocks (0 = text-only model)."""
+    vision_hidden_size: int = 0
+    """Vision-tower hidden size."""
+    vision_intermediate_size: int = 0
+    """Vision-tower MLP width."""
+    init_seed: int = 0
+    """Seed of the random init when skyq builds a tiny checkpoint itself."""
+    init_sft_steps: int = 60
+    """Supervised warm-up steps on the task when skyq builds a tiny checkpoint (0 = random init)."""
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Trainer tensor parallel size."""
+    pp: int = 1
+    """Trainer pipeline parallel size."""
+    cp: int = 1
+    """Trainer context parallel size."""
+    ep: int = 1
+    """Trainer expert parallel size (must divide the expert count)."""
+    etp: int = 1
+    """Trainer expert tensor parallel size."""
+    dp: Optional[int] = None
+    """Trainer data parallel size (None = trainer GPUs / (tp*pp*cp))."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (with tp > 1)."""
+    vision_dp_when_tp: bool = False
+    """Run the vision tower data-parallel across the TP group."""
+    first_stage_layers: Optional[int] = None
+    """Decoder layers on the first pipeline stage (None = even split)."""
+    last_stage_layers: Optional[int] = None
+    """Decoder layers on the last pipeline stage (None = even split)."""
+
+
+@dataclass
+class TopologyConfig:
+    name: str = "cpu"
+    """Topology preset name."""
+    device: Device = Device.cpu
+    """Device kind the run needs."""
+    num_nodes: int = 1
+    """Nodes in the cluster."""
+    gpus_per_node: int = 0
+    """GPUs per node (0 on a CPU topology)."""
+    placement: Placement = Placement.split
+    """Trainer and rollout on the same GPUs (colocated) or on separate ones (split)."""
+    trainer_gpus: int = 0
+    """GPUs the trainer uses."""
+    rollout_gpus: int = 0
+    """GPUs the rollout engines use (colocated: the same GPUs as the trainer)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Trainer parallel layout."""
+
+
+@dataclass
+class WeightSyncConfig:
+    mode: WeightSyncMode = WeightSyncMode.full
+    """Full sync every step, or incremental (delta; bf16 only)."""
+    transport: TransportKind = TransportKind.broadcast
+    """How buckets move: in_process, broadcast (gloo/NCCL), cuda_ipc."""
+    bucket_bytes: int = 64 * 1024 * 1024
+    """Target bytes per bucket."""
+    timeout_s: float = 120.0
+    """Deadline for every wait of a sync."""
+    verify_checksum: bool = True
+    """Receiver checks the manifest checksum of every bucket."""
+
+
+@dataclass
+class RolloutConfig:
+    backend: RolloutBackend = RolloutBackend.embedded
+    """Rollout engine backend."""
+    gpus_per_engine: int = 1
+    """GPUs per rollout engine."""
+    tp_size: Optional[int] = None
+    """Engine tensor parallel size (None = gpus_per_engine)."""
+    dp_size: int = 1
+    """Engine attention data parallel size."""
+    ep_size: int = 1
+    """Engine expert parallel size."""
+    gpu_memory_fraction: float = 0.7
+    """Fraction of GPU memory the engine may take."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for engine processes."""
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """Trainer -> engine weight sync."""
+
+
+@dataclass
+class OptimizerConfig:
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.98
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    grad_clip: float = 1.0
+    """Max global gradient norm."""
+    lr_warmup_steps: int = 0
+    """Linear learning-rate warm-up steps."""
+    cpu_offload: bool = False
+    """Keep optimizer state on the CPU."""
+    overlap_cpu_offload: bool = False
+    """Overlap the optimizer's D2H/H2D copies with compute (with cpu_offload)."""
+    precision_aware: bool = False
+    """Precision-aware optimizer (low-precision moments, fp32 master weights)."""
+
+
+@dataclass
+class RecomputeConfig:
+    granularity: RecomputeGranularity = RecomputeGranularity.none
+    """Activation recompute granularity."""
+    method: RecomputeMethod = RecomputeMethod.uniform
+    """How recomputed layers are chosen."""
+    num_layers: int = 1
+    """Layers per recompute unit."""
+
+
+@dataclass
+class TrainerConfig:
+    backend: TrainerBackend = TrainerBackend.torch
+    """Trainer backend."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward micro-batch."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Optimizer."""
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    """Activation recompute."""
+    moe_token_dispatcher: str = "alltoall"
+    """Megatron MoE token dispatcher (alltoall, flex for DeepEP)."""
+    deepep_max_dispatch_tokens: int = 0
+    """DeepEP dispatch tokens per rank (0 = DeepEP off)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for trainer processes."""
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "grpo"
+    """RL algorithm."""
+    num_steps: int = 60
+    """Training steps (one rollout batch and one update each)."""
+    group_size: int = 8
+    """Responses sampled per prompt."""
+    global_batch_size: int = 64
+    """Responses per training step (prompts x group_size)."""
+    lr: float = 3e-4
+    """Learning rate."""
+    kl_coef: float = 0.0
+    """Weight of the KL-to-reference loss (0 = no reference model)."""
+    clip_eps_low: float = 0.2
+    """PPO clip lower epsilon."""
+    clip_eps_high: float = 0.28
+    """PPO clip upper epsilon."""
+    normalize_adv_std: bool = True
+    """Divide group advantages by the group's std."""
+    is_correction: ISCorrection = ISCorrection.tis
+    """Importance-sampling correction for train/rollout mismatch."""
+    is_cap: float = 2.0
+    """TIS: cap on the token importance ratio."""
+    is_low: float = 0.5
+    """icepop: tokens with ratio below this are masked."""
+    is_high: float = 2.0
+    """icepop: tokens with ratio above this are masked."""
+
+
+@dataclass
+class EvalConfig:
+    dataset: Optional[str] = None
+    """Eval dataset (path or name; None = the task's built-in eval split)."""
+    interval: int = 0
+    """Evaluate every N steps (0 = never)."""
+    num_samples: int = 1
+    """Samples per eval prompt."""
+
+
+@dataclass
+class TaskConfig:
+    name: TaskName = TaskName.arith
+    """Task."""
+    dataset: Optional[str] = None
+    """Training dataset (path or name; None = the task's built-in generator)."""
+    reward: RewardName = RewardName.exact_match
+    """Reward function."""
+    prompt_key: str = "prompt"
+    """Dataset key of the prompt."""
+    label_key: str = "label"
+    """Dataset key of the reference answer."""
+    image_key: Optional[str] = None
+    """Dataset key of images (multimodal tasks)."""
+    max_image_tokens: int = 0
+    """Image-token budget per sample (multimodal tasks)."""
+    apply_chat_template: bool = False
+    """Wrap prompts with the tokenizer's chat template."""
+    max_prompt_length: int = 8
+    """Longest prompt in tokens."""
+    max_response_length: int = 4
+    """Longest response in tokens."""
+    arith_op: ArithOp = ArithOp.add_mod10
+    """arith task: the operation the model must learn."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation."""
+
+
+@dataclass
+class LoggerConfig:
+    backend: LoggerBackend = LoggerBackend.jsonl
+    """Metrics sink (JSONL is always written; wandb in addition when chosen)."""
+    project: str = "skyq"
+    """wandb project."""
+    wandb_mode: str = "offline"
+    """wandb mode: online, offline or disabled."""
+    progress_bar: bool = True
+    """Show a progress bar."""
+    plot: bool = True
+    """Write a PNG plot of reward and mismatch at the end of the run."""
+
+
+@dataclass
+class CheckpointConfig:
+    hf_checkpoint: Optional[str] = None
+    """BF16 HF checkpoint the trainer starts from (None for tiny models: built and cached)."""
+    rollout_checkpoint: Optional[str] = None
+    """Checkpoint the rollout engines boot from (quantized for fp8/mxfp8/int4 precisions)."""
+    ref_load: Optional[str] = None
+    """Reference-model checkpoint for the KL term (BF16)."""
+    load: Optional[str] = None
+    """Trainer checkpoint to resume from (Megatron/torch format)."""
+    save: Optional[str] = None
+    """Where trainer checkpoints go (None = <run dir>/checkpoints)."""
+    save_interval: int = 20
+    """Save a checkpoint every N steps (0 = only at the end)."""
+    cache_dir: str = ".skyq_cache"
+    """Where skyq keeps tiny checkpoints it builds itself."""
+
+
+@dataclass
+class TrainConfig:
+    config_version: int = CONFIG_VERSION
+    """Schema version written into skyq_config.json."""
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """Precision."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model."""
+    topology: TopologyConfig = field(default_factory=TopologyConfig)
+    """Hardware and placement."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """RL algorithm."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """Task and data."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout engines."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Trainer."""
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    """Logging."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint paths."""
+    seed: int = 0
+    """Global seed (data order, sampling, init)."""
+    dry_run: bool = False
+    """Print the resolved plan and exit without touching a GPU."""
+    resume: Optional[str] = None
+    """Run directory to resume (continues at its last checkpoint)."""
+    output_root: str = "runs"
+    """Parent directory of run directories."""
