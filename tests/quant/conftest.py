@@ -52,6 +52,16 @@ def _spread(gen: torch.Generator, shape: tuple[int, ...], row_dim: int) -> torch
     return x * 10.0 ** (torch.rand(mag_shape, generator=gen) * 6 - 3)
 
 
+@pytest.fixture(scope="session")
+def weight_from_seed():
+    """For hypothesis tests: `weight_from_seed(seed, shape, dtype, layout)`, a pure function."""
+
+    def make(seed, shape, dtype=torch.float32, layout="contiguous"):
+        return random_weight(torch.Generator().manual_seed(seed), tuple(shape), dtype, layout)
+
+    return make
+
+
 @pytest.fixture
 def make_weight(gen: torch.Generator):
     def make(shape, dtype=torch.float32, layout="contiguous"):
