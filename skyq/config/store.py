@@ -7,6 +7,7 @@ wrong types fail at compose time with the full key path.
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
@@ -30,7 +31,10 @@ GROUPS: dict[str, type] = {
 
 
 def register() -> None:
-    """Register `base_train` and one `base_<group>` schema node per group (idempotent)."""
+    """Register `base_train`, one `base_<group>` schema node per group and skyq's resolvers (idempotent)."""
+    if not OmegaConf.has_resolver("skyq_uid"):
+        # A random run-directory suffix, resolved once per config (two runs in one second differ).
+        OmegaConf.register_new_resolver("skyq_uid", lambda: uuid.uuid4().hex[:8], use_cache=True)
     cs = ConfigStore.instance()
     cs.store(name="base_train", node=schema.TrainConfig)
     for group, node in GROUPS.items():

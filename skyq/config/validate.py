@@ -1,0 +1,234 @@
+"""Cross-field validation: every mistake the seeds warn about in prose, refused before a GPU is touched.
+
+`validate(cfg)` collects every problem and raises one ConfigValidationError (a ValueError) whose
+lines each name the keys, the values and the fix. Checks that need a checkpoint on disk are listed in
+the report's `skipped` when the path does not exist (a dry run on a laptop).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from skyq.config.checkpoint_rules import checkpoint_errors
+from skyq.config.enums import Device, Placement, Precision, RolloutBackend, TrainerBackend, WeightSyncMode
+from skyq.config.schema import TrainConfig
+from skyq.config.shard_rules import ShardCheck, shard_checks, shard_errors
+
+
+class ConfigValidationError(ValueError):
+    """One or more cross-field rules failed; each line names keys, values and the fix."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = errors
+        super().__init__("invalid skyq config:\n" + "\n".join(f"  - {e}" for e in errors))
+
+
+@dataclass
+class ValidationReport:
+    shard_checks: list[ShardCheck] = field(default_factory=list)
+    """Every shard-divisibility row (for the dry run)."""
+    skipped: list[str] = field(default_factory=list)
+    """Checks that could not be made (checkpoint paths that do not exist here)."""
+
+
+def trainer_dp(cfg: TrainConfig) -> int:
+    """Data-parallel size of the trainer: given, or derived from the GPUs and the other sizes."""
+    p = cfg.topology.parallel
+    if p.dp is not None:
+        return p.dp
+    return max(cfg.topology.trainer_gpus // (p.tp * p.pp * p.cp), 1)
+
+
+def num_engines(cfg: TrainConfig) -> int:
+    if cfg.topology.device is Device.cpu:
+        return 1
+    return cfg.topology.rollout_gpus // cfg.rollout.gpus_per_engine
+
+
+def validate(cfg: TrainConfig) -> ValidationReport:
+    """Check every cross-field rule; raise ConfigValidationError listing all failures."""
+    report = ValidationReport()
+    errors: list[str] = []
+    errors += _precision_errors(cfg)
+    errors += _topology_errors(cfg)
+    errors += _length_errors(cfg)
+    errors += _algorithm_errors(cfg)
+    gpu = cfg.topology.device is Device.cuda
+    report.shard_checks = shard_checks(
+        model=cfg.model, precision=cfg.precision, parallel=cfg.topology.parallel, rollout=cfg.rollout, gpu=gpu
+    )
+    errors += shard_errors(report.shard_checks)
+    ckpt_errors, report.skipped = checkpoint_errors(precision=cfg.precision, checkpoint=cfg.checkpoint)
+    errors += ckpt_errors
+    if errors:
+        raise ConfigValidationError(errors)
+    return report
+
+
+def _precision_errors(cfg: TrainConfig) -> list[str]:
+    p, errors = cfg.precision, []
+    quantized_wire = p.name is not Precision.bf16
+    if quantized_wire and cfg.rollout.weight_sync.mode is WeightSyncMode.delta:
+        errors.append(
+            f"rollout.weight_sync.mode=delta with precision.name={p.name.value}: incremental sync of a "
+            "quantized wire format re-sends stale scales. Fix: rollout.weight_sync.mode=full (or precision=bf16)."
+        )
+    if p.name is Precision.mxfp8 and p.persistent_fp8_params:
+        errors.append(
+            "precision.persistent_fp8_params=true with precision.name=mxfp8: persistent FP8 parameters are "
+            "blockwise-only. Fix: precision.persistent_fp8_params=false."
+        )
+    if p.name is Precision.mxfp8 and p.fp8_recipe.value == "blockwise":
+        errors.append(
+            "precision.fp8_recipe=blockwise contradicts precision.name=mxfp8. Fix: precision.fp8_recipe=auto "
+            "(or mxfp8), or precision=fp8_blockwise."
+        )
+    if len(p.block_size) != 2 or min(p.block_size) <= 0:
+        errors.append(f"precision.block_size={list(p.block_size)} must be two positive ints, e.g. [128, 128].")
+    if p.int4_group_size not in (32, 64, 128, 256):
+        errors.append(f"precision.int4_group_size={p.int4_group_size} must be one of 32, 64, 128, 256.")
+    if p.activation_tile <= 0:
+        errors.append(f"precision.activation_tile={p.activation_tile} must be positive (128 is standard).")
+    return errors
+
+
+def _topology_errors(cfg: TrainConfig) -> list[str]:
+    t, par, r, m, errors = cfg.topology, cfg.topology.parallel, cfg.rollout, cfg.model, []
+    if t.device is Device.cpu:
+        if t.trainer_gpus or t.rollout_gpus or t.gpus_per_node:
+            errors.append(
+                f"topology.device=cpu with topology.trainer_gpus={t.trainer_gpus}, rollout_gpus="
+                f"{t.rollout_gpus}, gpus_per_node={t.gpus_per_node}: a CPU topology has no GPUs. "
+                "Fix: set them to 0 or pick topology=1gpu/8gpu/256gpu."
+            )
+        if r.backend is RolloutBackend.vllm or cfg.trainer.backend is TrainerBackend.megatron:
+            errors.append(
+                f"rollout.backend={r.backend.value}, trainer.backend={cfg.trainer.backend.value} need GPUs but "
+                "topology.device=cpu. Fix: rollout=embedded trainer=torch, or a GPU topology."
+            )
+        if par.tp * par.pp * par.cp * par.ep * par.etp != 1:
+            errors.append("topology.parallel sizes must all be 1 on topology.device=cpu (one trainer process).")
+        return errors
+    total = t.num_nodes * t.gpus_per_node
+    if t.placement is Placement.colocated:
+        if not (t.trainer_gpus == t.rollout_gpus == total):
+            errors.append(
+                f"topology.placement=colocated needs topology.trainer_gpus == topology.rollout_gpus == "
+                f"num_nodes*gpus_per_node ({t.num_nodes}*{t.gpus_per_node}={total}); got "
+                f"{t.trainer_gpus} and {t.rollout_gpus}. Fix: set both to {total}."
+            )
+    elif t.trainer_gpus + t.rollout_gpus != total:
+        errors.append(
+            f"topology.placement=split: topology.trainer_gpus ({t.trainer_gpus}) + topology.rollout_gpus "
+            f"({t.rollout_gpus}) must equal num_nodes*gpus_per_node = {total}."
+        )
+    model_par = par.tp * par.pp * par.cp
+    if par.dp is None and t.trainer_gpus % model_par:
+        errors.append(
+            f"topology.trainer_gpus={t.trainer_gpus} is not divisible by tp*pp*cp = {par.tp}*{par.pp}*{par.cp} "
+            f"= {model_par}. Fix: change topology.parallel sizes."
+        )
+    elif model_par * trainer_dp(cfg) != t.trainer_gpus:
+        errors.append(
+            f"topology.parallel: tp*pp*cp*dp = {par.tp}*{par.pp}*{par.cp}*{trainer_dp(cfg)} = "
+            f"{model_par * trainer_dp(cfg)} != topology.trainer_gpus={t.trainer_gpus}. Fix: topology.parallel.dp=null "
+            "(derived) or sizes whose product is the trainer GPUs."
+        )
+    if m.num_experts % par.ep:
+        errors.append(
+            f"topology.parallel.ep={par.ep} does not divide model.num_experts={m.num_experts}. "
+            f"Fix: an EP in {{{', '.join(str(e) for e in range(1, 65) if m.num_experts % e == 0)}}}."
+        )
+    non_pp = par.tp * par.cp * trainer_dp(cfg)
+    if non_pp % (par.ep * par.etp):
+        errors.append(
+            f"topology.parallel: ep*etp = {par.ep}*{par.etp} must divide tp*cp*dp = {non_pp} "
+            "(experts are sharded over the non-pipeline ranks)."
+        )
+    errors += _pipeline_errors(cfg)
+    if t.rollout_gpus % r.gpus_per_engine:
+        errors.append(
+            f"topology.rollout_gpus={t.rollout_gpus} is not a multiple of rollout.gpus_per_engine="
+            f"{r.gpus_per_engine}: engines x GPUs per engine must equal the rollout GPUs."
+        )
+    engine_tp = r.tp_size or r.gpus_per_engine
+    if engine_tp > r.gpus_per_engine or r.gpus_per_engine % engine_tp:
+        errors.append(
+            f"rollout.tp_size={engine_tp} must divide rollout.gpus_per_engine={r.gpus_per_engine}."
+        )
+    if engine_tp % r.dp_size or engine_tp % r.ep_size:
+        errors.append(
+            f"rollout.dp_size={r.dp_size} and rollout.ep_size={r.ep_size} must divide the engine TP size {engine_tp}."
+        )
+    if m.num_experts % r.ep_size:
+        errors.append(f"rollout.ep_size={r.ep_size} does not divide model.num_experts={m.num_experts}.")
+    if not 0.0 < r.gpu_memory_fraction <= 1.0:
+        errors.append(f"rollout.gpu_memory_fraction={r.gpu_memory_fraction} must be in (0, 1].")
+    return errors
+
+
+def _pipeline_errors(cfg: TrainConfig) -> list[str]:
+    par, layers = cfg.topology.parallel, cfg.model.num_layers
+    first, last = par.first_stage_layers, par.last_stage_layers
+    if par.pp == 1:
+        return (
+            ["topology.parallel.first_stage_layers/last_stage_layers need topology.parallel.pp > 1."]
+            if first is not None or last is not None
+            else []
+        )
+    middle_stages = par.pp - (first is not None) - (last is not None)
+    rest = layers - (first or 0) - (last or 0)
+    if middle_stages <= 0 or rest < 0 or rest % middle_stages:
+        return [
+            f"topology.parallel: model.num_layers={layers} minus first_stage_layers={first} and "
+            f"last_stage_layers={last} leaves {rest} layers for {middle_stages} pipeline stages "
+            f"(pp={par.pp}), not an even split. Fix: adjust the stage layer counts or pp."
+        ]
+    return []
+
+
+def _length_errors(cfg: TrainConfig) -> list[str]:
+    task, m = cfg.task, cfg.model
+    total = task.max_prompt_length + task.max_response_length
+    errors = []
+    if total > m.max_position_embeddings:
+        errors.append(
+            f"task.max_prompt_length + task.max_response_length = {task.max_prompt_length} + "
+            f"{task.max_response_length} = {total} exceeds model.max_position_embeddings="
+            f"{m.max_position_embeddings}. Fix: shorten the lengths."
+        )
+    if task.image_key is not None and task.max_image_tokens <= 0:
+        errors.append(
+            f"task.image_key={task.image_key} needs task.max_image_tokens > 0 (the image-token budget)."
+        )
+    if task.image_key is not None and m.vision_num_layers == 0:
+        errors.append(
+            f"task.image_key={task.image_key} (a multimodal task) with model={m.name}, which has no vision "
+            "tower (model.vision_num_layers=0). Fix: a multimodal model or a text task."
+        )
+    return errors
+
+
+def _algorithm_errors(cfg: TrainConfig) -> list[str]:
+    a, errors = cfg.algorithm, []
+    if a.group_size < 2:
+        errors.append(f"algorithm.group_size={a.group_size}: GRPO needs >= 2 responses per prompt.")
+    elif a.global_batch_size % a.group_size:
+        errors.append(
+            f"algorithm.global_batch_size={a.global_batch_size} is not a multiple of algorithm.group_size="
+            f"{a.group_size} (the batch is whole groups)."
+        )
+    if a.lr <= 0:
+        errors.append(f"algorithm.lr={a.lr} must be > 0.")
+    if a.kl_coef < 0:
+        errors.append(f"algorithm.kl_coef={a.kl_coef} must be >= 0.")
+    if a.kl_coef > 0 and cfg.checkpoint.ref_load is None and cfg.model.name != "tiny_moe":
+        errors.append(
+            f"algorithm.kl_coef={a.kl_coef} needs a reference model: set checkpoint.ref_load (a BF16 checkpoint)."
+        )
+    if not 0 < a.is_low < 1 < a.is_high or a.is_cap < 1:
+        errors.append(
+            f"algorithm.is_low={a.is_low}, is_high={a.is_high}, is_cap={a.is_cap}: need 0 < is_low < 1 < is_high "
+            "and is_cap >= 1."
+        )
+    return errors

@@ -1,0 +1,83 @@
+"""`python -m skyq.train`: compose -> validate -> (dry run | build and run).
+
+    python -m skyq.train                                   # the embedded default: tiny MoE, CPU
+    python -m skyq.train precision=mxfp8 model=qwen3_30b topology=8gpu dry_run=true
+    python -m skyq.train --help
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from skyq.config.enums import Device, RolloutBackend, TrainerBackend
+from skyq.config.schema import TrainConfig
+from skyq.config.store import register, strict
+from skyq.config.validate import ConfigValidationError, validate
+
+register()
+
+
+class HardwareMissingError(RuntimeError):
+    """The run needs hardware or a backend this machine does not have."""
+
+
+def check_hardware(cfg: TrainConfig) -> None:
+    """Refuse a GPU topology on a machine without those GPUs (before anything starts)."""
+    if cfg.topology.device is Device.cpu:
+        return
+    import torch
+
+    have = torch.cuda.device_count()  # counts devices without creating a CUDA context
+    need = cfg.topology.gpus_per_node
+    if have < need:
+        raise HardwareMissingError(
+            f"topology={cfg.topology.name} needs {need} CUDA GPUs per node x {cfg.topology.num_nodes} node(s) "
+            f"(trainer_gpus={cfg.topology.trainer_gpus}, rollout_gpus={cfg.topology.rollout_gpus}, "
+            f"{cfg.topology.placement.value}), but this machine has {have}. "
+            "Add dry_run=true to print the resolved plan without GPUs, or run topology=cpu."
+        )
+    if cfg.trainer.backend is TrainerBackend.megatron or cfg.rollout.backend is RolloutBackend.vllm:
+        raise HardwareMissingError(
+            f"trainer={cfg.trainer.backend.value} rollout={cfg.rollout.backend.value}: the Megatron-core/TE "
+            "trainer and vLLM rollout backends are not in this build of skyq yet; run trainer=torch "
+            "rollout=embedded (topology=1gpu or cpu), or add dry_run=true to print the plan."
+        )
+
+
+def run(cfg: DictConfig, run_dir: Path) -> None:
+    """Validate, then dry-run or run. Raises on any configuration problem."""
+    cfg = strict(cfg)
+    obj: TrainConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    report = validate(obj)
+    if obj.dry_run:
+        from skyq.dryrun import render_plan
+
+        print(render_plan(obj, report))
+        return
+    check_hardware(obj)
+    from skyq.launch.embedded import run_embedded
+
+    container = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    run_embedded(config=obj, config_container=container, run_dir=run_dir)
+
+
+@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        run(cfg, run_dir)
+    except (ConfigValidationError, HardwareMissingError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        if run_dir.is_dir() and not any(run_dir.iterdir()):
+            run_dir.rmdir()  # a dry run or a refused config leaves no empty run directory behind
+
+
+if __name__ == "__main__":
+    main()
