@@ -1,0 +1,64 @@
+"""Crash-safe file writes: a final name only ever points at complete, durable bytes.
+
+A write goes to a unique temp name in the same directory, is fsynced, then renamed over the final
+name and the directory is fsynced. A crash at any moment leaves either the old file, the new file
+or a stray temp file (removed by `remove_stale_temp_files` on the next run) - never a torn file.
+Unique temp names (pid + random) keep two writers from sharing one temp file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+TEMP_MARKER = ".skyq-tmp-"
+
+
+def temp_path_for(path: Path) -> Path:
+    """A unique hidden temp name next to `path` that `remove_stale_temp_files` recognises."""
+    return path.with_name(f".{path.name}{TEMP_MARKER}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename inside `directory` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes | memoryview) -> None:
+    """Write `data` to `path` via temp + fsync + rename; nothing is left under `path` on failure."""
+    tmp = temp_path_for(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    """Deterministic JSON (sorted keys, 2-space indent, trailing newline) written atomically."""
+    atomic_write_bytes(path, json_bytes(obj))
+
+
+def json_bytes(obj: Any) -> bytes:
+    """The one JSON encoding skyq writes, so equal content gives equal bytes."""
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+
+
+def remove_stale_temp_files(directory: Path) -> list[Path]:
+    """Delete temp files a killed writer left in `directory`; returns what was removed."""
+    stale = sorted(p for p in directory.iterdir() if TEMP_MARKER in p.name and p.is_file())
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
