@@ -37,6 +37,7 @@ from skyq.checkpoint.manifest import MANIFEST_NAME, build_manifest, file_record,
 from skyq.checkpoint.reader import CONFIG_NAME, INDEX_NAME, read_header
 
 DONE_LOG_NAME = ".skyq_done.jsonl"
+EMPTY_SHARD = "empty"  # done-log / `done` marker of an input shard that yields no output shard
 # Fixed header metadata: the same tensors always serialize to the same bytes.
 SHARD_METADATA = {"format": "pt"}
 
@@ -116,7 +117,10 @@ class ConversionOutput:
             )
         for shard, sha in sorted(candidates.items()):
             path = self.dir / shard
-            if path.is_file() and file_record(path)["sha256"] == sha:
+            if sha == EMPTY_SHARD:
+                path.unlink(missing_ok=True)
+                self.done[shard] = sha
+            elif path.is_file() and file_record(path)["sha256"] == sha:
                 self.done[shard] = sha
 
     def _done_log_bytes(self) -> bytes:
@@ -131,10 +135,16 @@ class ConversionOutput:
             raise CheckpointError(f"{shard}: refusing to write a shard with no tensors")
         return self.write_serialized(shard, serialize_shard(tensors))
 
-    def write_serialized(self, shard: str, blob: bytes) -> int:
-        """`write_shard` for bytes from `serialize_shard` (serialization can run on another thread)."""
-        atomic_write_bytes(self.dir / shard, blob)
-        sha = hashlib.sha256(blob).hexdigest()
+    def write_serialized(self, shard: str, blob: bytes | None) -> int:
+        """`write_shard` for bytes from `serialize_shard` (serialization can run on another thread).
+
+        `None` records a shard whose tensors all went elsewhere (e.g. a shard of scales only):
+        done, but no file, so no empty shard appears next to the index."""
+        if blob is None:
+            sha = EMPTY_SHARD
+        else:
+            atomic_write_bytes(self.dir / shard, blob)
+            sha = hashlib.sha256(blob).hexdigest()
         with self._lock:
             self.done[shard] = sha
             # Append + fsync: a torn last line (killed mid-append) is ignored on resume.
@@ -142,7 +152,7 @@ class ConversionOutput:
                 f.write(json.dumps({"shard": shard, "sha256": sha}, sort_keys=True) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
-        return len(blob)
+        return 0 if blob is None else len(blob)
 
     def copy_file(self, relative: str) -> None:
         """Copy a non-weight file (tokenizer, generation config...) from the model dir, crash-safely."""
@@ -166,6 +176,7 @@ class ConversionOutput:
         missing = sorted(set(shards) - set(self.done))
         if missing:
             raise CheckpointError(f"{self.dir}: cannot finalize, shard(s) not converted yet: {missing[:4]}")
+        shards = [s for s in shards if self.done[s] != EMPTY_SHARD]
         stray = sorted(p.name for p in self.dir.glob("*.safetensors") if p.name not in shards)
         if stray:
             raise CheckpointError(f"{self.dir / stray[0]}: a shard this conversion did not write; remove it")

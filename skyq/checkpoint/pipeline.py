@@ -127,7 +127,7 @@ def run_conversion(
             with tqdm(total=len(tensors), desc=shard, leave=False, disable=None, file=sys.stderr) as bar:
                 result = transform(shard, tensors, bar.update)
             del tensors
-            blob = serialize_shard(result.tensors)
+            blob = serialize_shard(result.tensors) if result.tensors else None
             with lock:
                 stats.converted += result.converted
                 stats.kept += result.kept

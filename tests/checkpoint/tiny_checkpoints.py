@@ -76,3 +76,105 @@ def dir_bytes(directory: Path) -> dict[str, bytes]:
     return {
         str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()
     }
+
+
+# ---- tiny models ----------------------------------------------------------------------------------
+
+TOKENIZER_FILES = {
+    "tokenizer_config.json": '{"model_max_length": 64, "tokenizer_class": "PreTrainedTokenizerFast"}\n',
+    "special_tokens_map.json": '{"eos_token": "<eos>"}\n',
+}
+
+
+def _save_with_transformers(model, directory: Path) -> dict[str, torch.Tensor]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        tensors = load_all(Path(tmp))
+        config = json.loads((Path(tmp) / "config.json").read_text())
+        generation = (Path(tmp) / "generation_config.json").read_text()
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "generation_config.json").write_text(generation)
+    for name, text in TOKENIZER_FILES.items():
+        (directory / name).write_text(text)
+    return tensors, config
+
+
+def qwen3_moe_hf_config() -> dict:
+    """Dims are multiples of 128 so transformers' FP8 loader (which infers the block from the scale
+    grid) can serve as an oracle for our blockwise output."""
+    return dict(
+        vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def make_qwen3_moe(directory: Path, *, seed: int = 0, max_shard_bytes: int = 48 * 1024) -> list[str]:
+    """A tiny random Qwen3-MoE saved by transformers 5, resharded into many small shards."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**qwen3_moe_hf_config())).to(torch.bfloat16)
+    tensors, config = _save_with_transformers(model, directory)
+    return write_sharded(tensors, directory, max_shard_bytes=max_shard_bytes, config=config)
+
+
+VISION = {
+    "vt_num_hidden_layers": 1,
+    "vt_hidden_size": 64,
+    "vt_intermediate_size": 128,
+    "vt_num_attention_heads": 2,
+}
+
+
+def make_kimi_like(directory: Path, *, seed: int = 0, max_shard_bytes: int = 96 * 1024) -> list[str]:
+    """A tiny Kimi-K2.6-like checkpoint: a DeepSeek-V3 text model (MLA, dense layer 0, routed +
+    shared experts) under `language_model.`, a MoonViT-style `vision_tower` and an `mm_projector`,
+    with the text config nested under `text_config`."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    from skyq.checkpoint.hf_config import model_config_from_hf
+    from skyq.quant.layouts import vision
+
+    torch.manual_seed(seed)
+    text = DeepseekV3Config(
+        vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=32,
+        v_head_dim=32, n_group=1, topk_group=1, max_position_embeddings=64, num_nextn_predict_layers=0,
+    )  # fmt: skip
+    model = DeepseekV3ForCausalLM(text).to(torch.bfloat16)
+    text_tensors, text_config = _save_with_transformers(model, directory)
+    config = {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "text_config": text_config,
+        "vision_config": dict(VISION, patch_size=14, mm_hidden_size=64),
+    }
+    tensors = {"language_model." + k: v for k, v in text_tensors.items()}
+    g = torch.Generator().manual_seed(seed + 1)
+    for name, shape in vision.vision_parameters(model_config_from_hf(config)):
+        tensors[name] = (torch.randn(shape, generator=g) * 0.02).bfloat16()
+    return write_sharded(tensors, directory, max_shard_bytes=max_shard_bytes, config=config)
+
+
+def reshard(
+    src: Path, dst: Path, *, max_shard_bytes: int, place: Callable[[str], str | None] | None = None
+) -> list[str]:
+    """Copy a checkpoint into new small shards (e.g. every scale pinned apart from its weight)."""
+    import shutil
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for p in src.iterdir():
+        if p.suffix != ".safetensors" and p.name not in (INDEX, "skyq_manifest.json") and p.is_file():
+            shutil.copyfile(p, dst / p.name)
+    return write_sharded(load_all(src), dst, max_shard_bytes=max_shard_bytes, place=place)
+
+
+def scales_apart(name: str) -> str | None:
+    """`place` hook: every quantization side tensor goes to a shard of its own group."""
+    return (
+        "zz-scales" if name.endswith(("_scale", "_scale_inv", "weight_shape", "weight_zero_point")) else None
+    )

@@ -1,0 +1,105 @@
+"""BF16 -> W4A16 (compressed-tensors `pack-quantized`): the shard transform and config block.
+
+Symmetric groups of G along K with skyq.quant.int4 (the trainer's STE arithmetic, so the served
+weights are the ones QAT trained against): `X.weight_packed` int32 [N, K/8], `X.weight_scale` bf16
+[N, K/G], `X.weight_shape` int64 [2]. Asymmetric output (zero points in compressed-tensors layout)
+exists only for compatibility and cannot serve INT4 QAT.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from skyq.checkpoint.errors import CheckpointError
+from skyq.checkpoint.fp8_convert import check_kept_finite
+from skyq.checkpoint.pipeline import ShardResult, ShardTransform
+from skyq.checkpoint.reader import TensorInfo
+from skyq.config.enums import Int4Grid
+from skyq.quant import int4
+
+
+@dataclass(frozen=True)
+class Int4Options:
+    group_size: int
+    grid: Int4Grid = Int4Grid.kimi
+    symmetric: bool = True
+
+
+def matches_ignore_rule(module: str, rule: str) -> bool:
+    """compressed-tensors semantics: `re:` patterns are `re.match`ed on module names, else equality."""
+    return re.match(rule[3:], module) is not None if rule.startswith("re:") else module == rule
+
+
+def check_group_divisibility(names: frozenset[str], tensors: dict[str, TensorInfo], group_size: int) -> None:
+    """Every quantized weight needs K % G == 0 and K % 8 == 0 (packing); refuse before writing anything."""
+    if group_size <= 0:
+        raise CheckpointError(f"--group-size must be positive, got {group_size}")
+    for name in sorted(names):
+        k = tensors[name].shape[-1]
+        if k % group_size or k % 8:
+            raise CheckpointError(
+                f"tensor {name!r} in {tensors[name].shard}: K = {k} is not divisible by the group size "
+                f"{group_size} ({k} = {k // group_size} * {group_size} + {k % group_size}); pick a --group-size "
+                "dividing every quantized K (32 or 128 for the supported models)"
+            )
+
+
+def make_int4_transform(quantized: frozenset[str], opts: Int4Options) -> ShardTransform:
+    def quantize(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        base = name.removesuffix(".weight")
+        if opts.symmetric:
+            q, scale = int4.quantize(w, group_size=opts.group_size, grid=opts.grid, name=name)
+            extra = {}
+        else:
+            q, scale, zp = int4.quantize_asymmetric(w, group_size=opts.group_size, name=name)
+            extra = {f"{base}.weight_zero_point": int4.pack_zero_point(zp, name=name)}
+        return {
+            f"{base}.weight_packed": int4.pack(q, name=name),
+            f"{base}.weight_scale": scale,
+            f"{base}.weight_shape": int4.weight_shape_tensor(*w.shape),
+            **extra,
+        }
+
+    def transform(shard: str, tensors: dict[str, torch.Tensor], tick: Callable[[], None]) -> ShardResult:
+        result = ShardResult(tensors={})
+        for name in sorted(tensors):
+            if name in quantized:
+                result.tensors.update(quantize(name, tensors[name]))
+                result.converted += 1
+            else:
+                check_kept_finite(name, tensors[name])
+                result.tensors[name] = tensors[name]
+                result.kept += 1
+            tick()
+        return result
+
+    return transform
+
+
+def int4_quantization_config(opts: Int4Options, ignore: list[str]) -> dict[str, Any]:
+    """compressed-tensors `pack-quantized` block (FORMATS.md "INT4 W4A16")."""
+    weights = {
+        "actorder": None, "block_structure": None, "dynamic": False, "group_size": opts.group_size,
+        "num_bits": 4, "observer": "minmax", "observer_kwargs": {}, "strategy": "group",
+        "symmetric": opts.symmetric, "type": "int",
+    }  # fmt: skip
+    return {
+        "config_groups": {
+            "group_0": {
+                "input_activations": None,
+                "output_activations": None,
+                "targets": ["Linear"],
+                "weights": weights,
+            }
+        },
+        "format": "pack-quantized",
+        "ignore": ignore,
+        "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+    }

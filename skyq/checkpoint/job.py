@@ -1,0 +1,80 @@
+"""One conversion from start to finish: verify input, resume output, convert, copy, finalize.
+
+Each converter builds a `ConversionJob` (its options, its per-shard transform and the config it
+writes) after validating the input from shard headers alone, so bad input is refused before any
+output file exists. `run_job` does the rest the same way for every converter.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from skyq.checkpoint.atomic import TEMP_MARKER
+from skyq.checkpoint.manifest import MANIFEST_NAME
+from skyq.checkpoint.output import DONE_LOG_NAME, ConversionOutput
+from skyq.checkpoint.pipeline import ConversionStats, ShardTransform, run_conversion
+from skyq.checkpoint.reader import CONFIG_NAME, INDEX_NAME, ShardedCheckpoint
+
+_NEVER_COPIED = {INDEX_NAME, CONFIG_NAME, MANIFEST_NAME, DONE_LOG_NAME}
+
+
+@dataclass
+class ConversionJob:
+    tool: str
+    source: ShardedCheckpoint
+    save_dir: Path
+    options: dict[str, Any]
+    """Everything that changes the output bytes; part of the resume fingerprint and the manifest."""
+    transform: ShardTransform
+    config: dict[str, Any]
+    """The config.json to write."""
+    extra_json: dict[str, Any] = field(default_factory=dict)
+    """Other JSON files to write next to config.json (e.g. the quantization_config.json sidecar)."""
+    shards: list[str] | None = None
+    """Convert only these shards (None: all); the index and config are written once all are done."""
+    max_workers: int = 1
+    overwrite: bool = False
+
+
+def files_to_copy(model_dir: Path, skip: set[str]) -> list[str]:
+    """Relative paths of the non-weight files (tokenizer, generation config, code...) to carry over."""
+    out = []
+    for path in sorted(model_dir.rglob("*")):
+        rel = path.relative_to(model_dir)
+        if not path.is_file() or any(part.startswith(".") for part in rel.parts) or TEMP_MARKER in path.name:
+            continue
+        if path.suffix == ".safetensors" or str(rel) in _NEVER_COPIED | skip:
+            continue
+        out.append(str(rel))
+    return out
+
+
+def run_job(job: ConversionJob) -> ConversionStats:
+    """Run `job`; prints a summary line. Returns the statistics."""
+    source = job.source
+    source.verify_checksums()
+    all_shards = source.shard_names
+    sources = {s: source.shard_bytes(s) for s in all_shards}
+    output = ConversionOutput(
+        save_dir=job.save_dir, model_dir=source.dir, tool=job.tool, options=job.options, sources=sources,
+        overwrite=job.overwrite,
+    )  # fmt: skip
+    selected = all_shards if job.shards is None else [s for s in all_shards if s in set(job.shards)]
+    stats = run_conversion(
+        source=source, output=output, shards=selected, transform=job.transform, max_workers=job.max_workers,
+        tool=job.tool,
+    )  # fmt: skip
+    missing = [s for s in all_shards if s not in output.done]
+    if missing:
+        print(f"{job.tool}: {len(missing)} of {len(all_shards)} shard(s) still to convert (e.g. {missing[0]}); "
+              "index and config are written once all are done")  # fmt: skip
+    else:
+        copied = files_to_copy(source.dir, set(job.extra_json))
+        for rel in copied:
+            output.copy_file(rel)
+        output.finalize(shards=all_shards, config=job.config, extra_json=job.extra_json, copied=copied)
+    print(stats.summary(job.tool), file=sys.stdout, flush=True)
+    return stats

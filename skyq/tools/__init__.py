@@ -1,0 +1,1 @@
+"""Command-line tools: `python -m skyq.tools.<name>` (converters and checkpoint inspection)."""

@@ -1,0 +1,60 @@
+"""FP8 e4m3 HF checkpoint -> BF16 (blockwise, per-channel or per-tensor scales, from config.json).
+
+    python -m skyq.tools.convert_fp8_to_bf16 --model-dir D --save-dir S [--max-workers N] [--overwrite]
+
+Every FP8 weight is dequantized with its scale, wherever the index puts it; a weight without its
+scale stops the run (it is never copied as is). `quantization_config` is removed from config.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from skyq.checkpoint.fp8_dequant import (
+    fp8_layout_from_config,
+    make_fp8_dequant_transform,
+    pair_fp8_weights,
+    strip_quantization_config,
+)
+from skyq.checkpoint.job import ConversionJob, run_job
+from skyq.checkpoint.reader import CONFIG_NAME, ShardedCheckpoint
+from skyq.tools.cli import run_tool
+
+TOOL = "convert_fp8_to_bf16"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=f"python -m skyq.tools.{TOOL}", description=__doc__.split("\n")[0])
+    p.add_argument("--model-dir", required=True, type=Path, help="FP8 HF checkpoint to read")
+    p.add_argument("--save-dir", required=True, type=Path, help="output dir (not inside --model-dir)")
+    p.add_argument("--max-workers", type=int, default=1, help="converter threads (memory: ~1 shard each)")
+    p.add_argument("--overwrite", action="store_true", help="replace checkpoint files already in --save-dir")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    source = ShardedCheckpoint(args.model_dir)
+    config = source.config()
+    layout = fp8_layout_from_config(config, str(source.dir / CONFIG_NAME))
+    pairs = pair_fp8_weights(source.tensors, layout)
+    strip_quantization_config(config)
+    job = ConversionJob(
+        tool=TOOL,
+        source=source,
+        save_dir=args.save_dir,
+        options={"scale_suffix": layout.scale_suffix, "block_size": layout.block_size},
+        transform=make_fp8_dequant_transform(source, pairs, layout),
+        config=config,
+        max_workers=args.max_workers,
+        overwrite=args.overwrite,
+    )
+    run_job(job)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_tool(main))

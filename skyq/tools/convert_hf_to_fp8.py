@@ -1,0 +1,77 @@
+"""BF16 HF checkpoint -> FP8 e4m3 (blockwise, per-channel or per-tensor scales).
+
+    python -m skyq.tools.convert_hf_to_fp8 --model-dir D --save-dir S [--strategy block|channel|tensor]
+        [--block-size 128 128] [--max-workers N] [--scale-fmt ue8m0] [--overwrite]
+
+What is quantized comes from the model layout (config.json's architecture): attention, dense MLP,
+shared and routed expert linears; router, embeddings, lm_head, norms, MTP and vision stay BF16.
+A killed run resumes where it stopped when started again with the same arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from skyq.checkpoint.fp8_convert import (
+    Fp8Options,
+    Fp8Strategy,
+    check_fp8_input,
+    fp8_quantization_config,
+    make_fp8_transform,
+)
+from skyq.checkpoint.job import ConversionJob, run_job
+from skyq.checkpoint.reader import ShardedCheckpoint
+from skyq.checkpoint.selection import select
+from skyq.config.enums import QuantScope
+from skyq.tools.cli import checkpoint_model_config, run_tool
+
+TOOL = "convert_hf_to_fp8"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=f"python -m skyq.tools.{TOOL}", description=__doc__.split("\n")[0])
+    p.add_argument("--model-dir", required=True, type=Path, help="BF16 HF checkpoint to read")
+    p.add_argument("--save-dir", required=True, type=Path, help="output dir (not inside --model-dir)")
+    p.add_argument("--strategy", choices=[s.value for s in Fp8Strategy], default="block")
+    p.add_argument("--block-size", nargs=2, type=int, default=[128, 128], metavar=("BN", "BK"))
+    p.add_argument("--max-workers", type=int, default=1, help="converter threads (memory: ~1 shard each)")
+    p.add_argument("--scale-fmt", choices=["ue8m0"], default=None, help="power-of-two scales (block only)")
+    p.add_argument("--overwrite", action="store_true", help="replace checkpoint files already in --save-dir")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    opts = Fp8Options(
+        strategy=Fp8Strategy(args.strategy),
+        block_size=tuple(args.block_size),
+        pow2_scales=args.scale_fmt == "ue8m0",
+    )
+    source = ShardedCheckpoint(args.model_dir)
+    check_fp8_input({n: info.dtype for n, info in source.tensors.items()})
+    selection = select(source.tensors, checkpoint_model_config(source), QuantScope.all_linear)
+    config = source.config()
+    config["quantization_config"] = fp8_quantization_config(opts, selection.kept_modules)
+    job = ConversionJob(
+        tool=TOOL,
+        source=source,
+        save_dir=args.save_dir,
+        options={
+            "strategy": opts.strategy.value,
+            "block_size": list(opts.block_size),
+            "pow2": opts.pow2_scales,
+        },
+        transform=make_fp8_transform(selection.quantized, opts),
+        config=config,
+        max_workers=args.max_workers,
+        overwrite=args.overwrite,
+    )
+    run_job(job)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_tool(main))

@@ -1,0 +1,108 @@
+"""BF16 HF checkpoint -> W4A16 INT4 (compressed-tensors pack-quantized, symmetric by default).
+
+    python -m skyq.tools.convert_hf_to_int4 --model-dir D --save-dir S [--group-size G] [--grid kimi|rtn]
+        [--is-symmetric] [--asymmetric] [--ignore-rules R ...] [--max-workers N] [--overwrite]
+
+Routed-expert linears are quantized (the layout of config.json's architecture decides which tensors
+those are); `--ignore-rules` (compressed-tensors module rules: `re:<regex>` or an exact module name)
+keeps more modules in BF16. Symmetric is the default; `--is-symmetric` is accepted for seed launch
+scripts and changes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from skyq.checkpoint.fp8_convert import check_fp8_input
+from skyq.checkpoint.int4_convert import (
+    Int4Options,
+    check_group_divisibility,
+    int4_quantization_config,
+    make_int4_transform,
+    matches_ignore_rule,
+)
+from skyq.checkpoint.job import ConversionJob, run_job
+from skyq.checkpoint.reader import ShardedCheckpoint
+from skyq.checkpoint.selection import select
+from skyq.config.enums import Int4Grid, QuantScope
+from skyq.quant.layouts import get_layout
+from skyq.tools.cli import checkpoint_model_config, run_tool
+
+TOOL = "convert_hf_to_int4"
+ASYMMETRIC_WARNING = (
+    "warning: --asymmetric writes zero points; such a checkpoint cannot serve INT4 QAT (skyq's STE is "
+    "symmetric and an asymmetric rollout checkpoint is refused by int4_qat runs)"
+)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=f"python -m skyq.tools.{TOOL}", description=__doc__.split("\n")[0])
+    p.add_argument("--model-dir", required=True, type=Path, help="BF16 HF checkpoint to read")
+    p.add_argument("--save-dir", required=True, type=Path, help="output dir (not inside --model-dir)")
+    p.add_argument(
+        "--group-size", type=int, default=32, help="INT4 group along K (seed default 32; Qwen3: 128)"
+    )
+    p.add_argument(
+        "--grid", choices=[g.value for g in Int4Grid], default="kimi", help="kimi: /7 [-7,7]; rtn: /7.5"
+    )
+    p.add_argument(
+        "--is-symmetric", action="store_true", help="accepted for compatibility: symmetric is the default"
+    )
+    p.add_argument("--asymmetric", action="store_true", help="zero-point groups (cannot serve INT4 QAT)")
+    p.add_argument(
+        "--ignore-rules", nargs="+", default=[], help="extra modules kept BF16 (re:<regex> or name)"
+    )
+    p.add_argument("--max-workers", type=int, default=1, help="converter threads (memory: ~1 shard each)")
+    p.add_argument("--overwrite", action="store_true", help="replace checkpoint files already in --save-dir")
+    args = p.parse_args(argv)
+    if args.asymmetric and args.is_symmetric:
+        p.error("--asymmetric and --is-symmetric contradict each other")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.asymmetric:
+        print(ASYMMETRIC_WARNING, file=sys.stderr)
+    opts = Int4Options(group_size=args.group_size, grid=Int4Grid(args.grid), symmetric=not args.asymmetric)
+    source = ShardedCheckpoint(args.model_dir)
+    check_fp8_input({n: info.dtype for n, info in source.tensors.items()})
+    model_cfg = checkpoint_model_config(source)
+    selection = select(source.tensors, model_cfg, QuantScope.routed_experts)
+    module_of = get_layout(model_cfg.family).module_name
+    user_ignored = {
+        n for n in selection.quantized if any(matches_ignore_rule(module_of(n), r) for r in args.ignore_rules)
+    }
+    quantized = selection.quantized - user_ignored
+    if not quantized:
+        raise ValueError(f"{source.dir}: no routed-expert linear left to quantize (check --ignore-rules)")
+    check_group_divisibility(quantized, source.tensors, opts.group_size)
+    ignore = sorted(set(selection.kept_modules) | {module_of(n) for n in user_ignored}) + sorted(
+        args.ignore_rules
+    )
+    config = source.config()
+    config["quantization_config"] = int4_quantization_config(opts, ignore)
+    job = ConversionJob(
+        tool=TOOL,
+        source=source,
+        save_dir=args.save_dir,
+        options={
+            "group_size": opts.group_size,
+            "grid": opts.grid.value,
+            "symmetric": opts.symmetric,
+            "ignore_rules": sorted(args.ignore_rules),
+        },  # fmt: skip
+        transform=make_int4_transform(frozenset(quantized), opts),
+        config=config,
+        max_workers=args.max_workers,
+        overwrite=args.overwrite,
+    )
+    run_job(job)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_tool(main))
