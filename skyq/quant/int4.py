@@ -92,6 +92,10 @@ def dequantize(
     """
     _check_codes(q, name)
     _check_scale(scale, q.shape, group_size, name)
+    return _dequantize(q, scale, group_size, dtype)
+
+
+def _dequantize(q: Tensor, scale: Tensor, group_size: int, dtype: torch.dtype) -> Tensor:
     groups = q.unflatten(-1, (-1, group_size)).to(scale.dtype) * scale[..., None]
     return groups.flatten(-2).to(dtype)
 

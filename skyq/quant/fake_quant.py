@@ -1,0 +1,75 @@
+"""Straight-through fake quantization for QAT: forward is `dequantize(quantize(w))` of the
+reference quantizers, bit for bit, in `w`'s dtype; backward passes the gradient through unchanged.
+
+The forward reuses the exact quantize/dequantize arithmetic of `fp8_blockwise`, `mxfp8` and
+`int4`, so what the trainer sees equals what the engine serves after a weight push. Input checks
+(finite, shapes) run in the forward; the dequantize-side checks are skipped because the codes and
+scales were just produced by the quantizer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from skyq.config.enums import Int4Grid
+from skyq.quant import fp8_blockwise, int4, mxfp8
+
+
+class _FakeQuantFp8Blockwise(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w: Tensor, block_size: tuple[int, int], pow2_scale: bool, name: str) -> Tensor:
+        q, scale_inv = fp8_blockwise.quantize(w, block_size=block_size, pow2_scale=pow2_scale, name=name)
+        return fp8_blockwise._dequantize(q, scale_inv, *block_size, w.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None, None, None
+
+
+class _FakeQuantMxfp8(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w: Tensor, name: str) -> Tensor:
+        q, scale = mxfp8.quantize(w, name=name)
+        return mxfp8._dequantize(q, scale, w.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+class _FakeQuantInt4(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w: Tensor, group_size: int, grid: Int4Grid | str, name: str) -> Tensor:
+        q, scale = int4.quantize(w, group_size=group_size, grid=grid, name=name)
+        return int4._dequantize(q, scale, group_size, w.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None, None, None
+
+
+def fake_quant_fp8_blockwise(
+    w: Tensor, block_size: tuple[int, int] = (128, 128), pow2_scale: bool = False, *, name: str = "weight"
+) -> Tensor:
+    """FP8 blockwise fake quant of a weight [..., N, K]; see `fp8_blockwise.quantize`."""
+    return _FakeQuantFp8Blockwise.apply(w, tuple(block_size), pow2_scale, name)
+
+
+def fake_quant_mxfp8(w: Tensor, *, name: str = "weight") -> Tensor:
+    """MXFP8 fake quant of a weight [..., N, K] (K % 32 == 0); see `mxfp8.quantize`."""
+    return _FakeQuantMxfp8.apply(w, name)
+
+
+def fake_quant_int4(
+    w: Tensor, group_size: int, grid: Int4Grid | str = Int4Grid.kimi, *, name: str = "weight"
+) -> Tensor:
+    """INT4 W4A16 fake quant of a weight [..., N, K]; see `int4.quantize`."""
+    return _FakeQuantInt4.apply(w, group_size, grid, name)
+
+
+def fake_quant_fp8_activation(
+    x: Tensor, tile: int = 128, pow2_scale: bool = False, *, name: str = "activation"
+) -> Tensor:
+    """FP8 fake quant of activations [..., M, K] in 1 x `tile` tiles along K."""
+    return _FakeQuantFp8Blockwise.apply(x, (1, tile), pow2_scale, name)
