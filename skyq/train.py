@@ -1,8 +1,8 @@
 """`python -m skyq.train`: compose -> validate -> (dry run | build and run).
 
-    python -m skyq.train                                   # the embedded default: tiny MoE, CPU
-    python -m skyq.train precision=mxfp8 model=qwen3_30b topology=8gpu dry_run=true
-    python -m skyq.train --help
+python -m skyq.train                                   # the embedded default: tiny MoE, CPU
+python -m skyq.train precision=mxfp8 model=qwen3_30b topology=8gpu dry_run=true
+python -m skyq.train --help
 """
 
 from __future__ import annotations

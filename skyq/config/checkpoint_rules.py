@@ -20,7 +20,9 @@ _CONVERT = {
 }
 
 
-def checkpoint_errors(*, precision: PrecisionConfig, checkpoint: CheckpointConfig) -> tuple[list[str], list[str]]:
+def checkpoint_errors(
+    *, precision: PrecisionConfig, checkpoint: CheckpointConfig
+) -> tuple[list[str], list[str]]:
     """(errors, skipped checks) for the checkpoint roles of a run."""
     errors: list[str] = []
     skipped: list[str] = []
@@ -76,7 +78,9 @@ def _rollout_errors(precision: PrecisionConfig, info: CheckpointQuantization, co
     if name is Precision.fp8_blockwise:
         block = info.block.get("weight_block_size")
         if info.quant_method != "fp8":
-            return [f"{key} has quant_method={info.quant_method}; precision=fp8_blockwise needs fp8. Fix: {convert}"]
+            return [
+                f"{key} has quant_method={info.quant_method}; precision=fp8_blockwise needs fp8. Fix: {convert}"
+            ]
         if list(block or []) != list(precision.block_size):
             return [
                 f"{key} has weight_block_size={block} but precision.block_size={list(precision.block_size)}. "
@@ -93,7 +97,9 @@ def _rollout_errors(precision: PrecisionConfig, info: CheckpointQuantization, co
     return _int4_errors(precision, info, key, convert)
 
 
-def _int4_errors(precision: PrecisionConfig, info: CheckpointQuantization, key: str, convert: str) -> list[str]:
+def _int4_errors(
+    precision: PrecisionConfig, info: CheckpointQuantization, key: str, convert: str
+) -> list[str]:
     if info.quant_method != "compressed-tensors" or info.ct_format != "pack-quantized":
         return [
             f"{key} has quant_method={info.quant_method}, format={info.ct_format}; precision=int4_qat needs a "

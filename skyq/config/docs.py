@@ -55,7 +55,12 @@ def _type_name(annotation: str) -> str:
 def _section(cls: type, prefix: str, lines: list[str]) -> None:
     docs = field_docs(cls)
     nested = []
-    lines += [f"### `{prefix.rstrip('.') or '(top level)'}`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+    lines += [
+        f"### `{prefix.rstrip('.') or '(top level)'}`",
+        "",
+        "| key | type | default | meaning |",
+        "|---|---|---|---|",
+    ]
     for f in dataclasses.fields(cls):
         sub = getattr(schema, str(f.type), None)
         if isinstance(sub, type) and dataclasses.is_dataclass(sub):

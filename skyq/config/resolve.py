@@ -8,8 +8,9 @@ never guessed on the driver. A process with no GPU (capability None) leaves `aut
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 from skyq.config.enums import Fp8Recipe, Precision, ScaleFormat
 from skyq.config.schema import PrecisionConfig

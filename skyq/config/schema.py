@@ -50,8 +50,8 @@ class PrecisionConfig:
     """Linears FP8 blockwise quantizes (all_linear covers attention and experts)."""
     mxfp8_targets: QuantScope = QuantScope.routed_experts
     """Linears MXFP8 quantizes (routed_experts is the expert-only recipe)."""
-    int4_group_size: int = 128
-    """INT4 group size G along K (Qwen3 recipes 128, Kimi-K2.x 32)."""
+    int4_group_size: int = 32
+    """INT4 group size G along K (Kimi-K2.x and the tiny model 32; the Qwen3 recipes set 128)."""
     int4_grid: Int4Grid = Int4Grid.kimi
     """INT4 grid: kimi (/7, [-7,7]) or rtn (/7.5, [-8,7])."""
     qat_scope: QuantScope = QuantScope.routed_experts

@@ -74,7 +74,12 @@ def _dims(model: ModelConfig, scope: QuantScope) -> list[tuple[str, str, int, bo
         if model.kv_lora_rank:  # MLA: the per-head projections are the sharded ones
             heads = model.num_attention_heads
             dims.append(
-                ("attention q/o heads", "model.num_attention_heads*model.v_head_dim", heads * model.v_head_dim, False)
+                (
+                    "attention q/o heads",
+                    "model.num_attention_heads*model.v_head_dim",
+                    heads * model.v_head_dim,
+                    False,
+                )
             )
         else:
             dims.append(
@@ -100,27 +105,61 @@ def _dims(model: ModelConfig, scope: QuantScope) -> list[tuple[str, str, int, bo
 
 
 def shard_checks(
-    *, model: ModelConfig, precision: PrecisionConfig, parallel: ParallelConfig, rollout: RolloutConfig, gpu: bool
+    *,
+    model: ModelConfig,
+    precision: PrecisionConfig,
+    parallel: ParallelConfig,
+    rollout: RolloutConfig,
+    gpu: bool,
 ) -> list[ShardCheck]:
-    """Every shard-divisibility row for this run (empty for bf16 or a CPU run)."""
+    """Every divisibility row for this run (empty for bf16).
+
+    Group formats (MXFP8 1x32, INT4 groups of G) need K divisible by the group on every run; sharded
+    dims are checked on GPU topologies. FP8 blockwise handles an unsharded edge block (zero padding),
+    so only real shards (count > 1) must be multiples of the block.
+    """
     div = _divisor(precision)
-    if div is None or not gpu:
+    if div is None:
         return []
     divisor, divisor_key = div
+    scope = _scope(precision)
+    checks = []
+    if precision.name is not Precision.fp8_blockwise:
+        for tensor, key, size in _k_dims(model, scope):
+            checks.append(ShardCheck("format", tensor, key, size, 1, "unsharded", divisor, divisor_key))
+    if not gpu:
+        return checks
     engine_tp = rollout.tp_size or rollout.gpus_per_engine
     expert_tp = max(engine_tp // rollout.ep_size, 1)
     attn_tp = max(engine_tp // rollout.dp_size, 1)
-    checks = []
-    for tensor, key, size, is_expert in _dims(model, _scope(precision)):
+    for tensor, key, size, is_expert in _dims(model, scope):
         if is_expert:
             engine = (expert_tp, "rollout.tp_size / rollout.ep_size")
             trainer = (parallel.etp, "topology.parallel.etp")
         else:
             engine = (attn_tp, "rollout.tp_size / rollout.dp_size")
             trainer = (parallel.tp, "topology.parallel.tp")
-        checks.append(ShardCheck("engine", tensor, key, size, engine[0], engine[1], divisor, divisor_key))
-        checks.append(ShardCheck("trainer", tensor, key, size, trainer[0], trainer[1], divisor, divisor_key))
+        for side, (shards, shards_key) in (("engine", engine), ("trainer", trainer)):
+            if shards > 1 or precision.name is not Precision.fp8_blockwise:
+                checks.append(ShardCheck(side, tensor, key, size, shards, shards_key, divisor, divisor_key))
     return checks
+
+
+def _k_dims(model: ModelConfig, scope: QuantScope) -> list[tuple[str, str, int]]:
+    """The input (K) dims of the quantized linears: a group along K must divide each."""
+    dims = [
+        ("routed-expert gate/up K", "model.hidden_size", model.hidden_size),
+        ("routed-expert down K", "model.moe_intermediate_size", model.moe_intermediate_size),
+    ]
+    if scope is QuantScope.all_linear and not model.kv_lora_rank:
+        dims.append(
+            (
+                "attention o_proj K",
+                "model.num_attention_heads*model.head_dim",
+                model.num_attention_heads * model.head_dim,
+            )
+        )
+    return dims
 
 
 def shard_errors(checks: list[ShardCheck]) -> list[str]:
@@ -129,7 +168,13 @@ def shard_errors(checks: list[ShardCheck]) -> list[str]:
         if c.ok:
             continue
         valid = ", ".join(map(str, c.valid_shard_counts()))
-        fix = f"use a shard count in {{{valid}}}" if valid else "no shard count works"
+        if c.shards == 1:
+            errors.append(
+                f"{c.tensor}: {c.arithmetic()}. Fix: a {c.divisor_key} that divides {c.dim} "
+                f"(group formats need K % group == 0)."
+            )
+            continue
+        fix = f"use a shard count in {{{valid}}}" if valid else f"change {c.divisor_key}"
         if c.tensor == "routed-expert width":
             fix += " or shard experts with EP instead of TP (rollout.ep_size / topology.parallel.ep)"
         errors.append(f"{c.side} shard of {c.tensor}: {c.arithmetic()}. Fix: {fix}.")

@@ -84,7 +84,9 @@ def _precision_errors(cfg: TrainConfig) -> list[str]:
             "(or mxfp8), or precision=fp8_blockwise."
         )
     if len(p.block_size) != 2 or min(p.block_size) <= 0:
-        errors.append(f"precision.block_size={list(p.block_size)} must be two positive ints, e.g. [128, 128].")
+        errors.append(
+            f"precision.block_size={list(p.block_size)} must be two positive ints, e.g. [128, 128]."
+        )
     if p.int4_group_size not in (32, 64, 128, 256):
         errors.append(f"precision.int4_group_size={p.int4_group_size} must be one of 32, 64, 128, 256.")
     if p.activation_tile <= 0:
@@ -107,7 +109,9 @@ def _topology_errors(cfg: TrainConfig) -> list[str]:
                 "topology.device=cpu. Fix: rollout=embedded trainer=torch, or a GPU topology."
             )
         if par.tp * par.pp * par.cp * par.ep * par.etp != 1:
-            errors.append("topology.parallel sizes must all be 1 on topology.device=cpu (one trainer process).")
+            errors.append(
+                "topology.parallel sizes must all be 1 on topology.device=cpu (one trainer process)."
+            )
         return errors
     total = t.num_nodes * t.gpus_per_node
     if t.placement is Placement.colocated:
@@ -153,9 +157,7 @@ def _topology_errors(cfg: TrainConfig) -> list[str]:
         )
     engine_tp = r.tp_size or r.gpus_per_engine
     if engine_tp > r.gpus_per_engine or r.gpus_per_engine % engine_tp:
-        errors.append(
-            f"rollout.tp_size={engine_tp} must divide rollout.gpus_per_engine={r.gpus_per_engine}."
-        )
+        errors.append(f"rollout.tp_size={engine_tp} must divide rollout.gpus_per_engine={r.gpus_per_engine}.")
     if engine_tp % r.dp_size or engine_tp % r.ep_size:
         errors.append(
             f"rollout.dp_size={r.dp_size} and rollout.ep_size={r.ep_size} must divide the engine TP size {engine_tp}."

@@ -1,0 +1,125 @@
+"""`dry_run=true`: the resolved plan of a run, printed without touching a GPU.
+
+Placement and parallel layout, the per-parameter quantization plan (from the model config alone),
+bytes per weight sync, a per-GPU memory estimate, the shard-divisibility table, the env vars and the
+packing alignment each GPU generation would resolve to (the driver never guesses which it has).
+"""
+
+from __future__ import annotations
+
+from skyq.config.enums import Device, Precision
+from skyq.config.resolve import ResolutionError, packing_alignment, resolve_worker
+from skyq.config.schema import TrainConfig
+from skyq.config.validate import ValidationReport, num_engines, trainer_dp
+from skyq.quant.layouts import Role
+from skyq.quant.plan import QuantPlan, build_plan
+from skyq.quant.strategies import get_strategy
+
+GIB = 2**30
+CAPABILITIES = {"SM90 (Hopper)": (9, 0), "SM100 (Blackwell)": (10, 0)}
+
+
+def render_plan(cfg: TrainConfig, report: ValidationReport) -> str:
+    plan = build_plan(cfg.model, cfg.precision)
+    sections = [
+        f"skyq dry run: model={cfg.model.name} precision={cfg.precision.name.value} topology={cfg.topology.name} "
+        f"trainer={cfg.trainer.backend.value} rollout={cfg.rollout.backend.value} task={cfg.task.name.value}",
+        _placement(cfg),
+        plan.summary(),
+        _sync_bytes(plan),
+        _memory(cfg, plan),
+        _shards(report),
+        _resolution(cfg),
+    ]
+    if report.skipped:
+        sections.append("not checked (paths absent here):\n" + "\n".join(f"  - {s}" for s in report.skipped))
+    sections.append("config valid; dry run only (nothing started).")
+    return "\n\n".join(sections)
+
+
+def _placement(cfg: TrainConfig) -> str:
+    t, p, r = cfg.topology, cfg.topology.parallel, cfg.rollout
+    if t.device is Device.cpu:
+        return (
+            "placement: CPU; trainer and one embedded engine as separate Ray actors, weights synced over gloo"
+        )
+    engine_tp = r.tp_size or r.gpus_per_engine
+    lines = [
+        f"placement: {t.num_nodes} node(s) x {t.gpus_per_node} GPUs, {t.placement.value}",
+        f"  trainer: {t.trainer_gpus} GPUs  TP{p.tp} PP{p.pp} CP{p.cp} DP{trainer_dp(cfg)} EP{p.ep} ETP{p.etp}"
+        + (f" (first/last stage layers {p.first_stage_layers}/{p.last_stage_layers})" if p.pp > 1 else ""),
+        f"  rollout: {num_engines(cfg)} engine(s) x {r.gpus_per_engine} GPUs  TP{engine_tp} DP{r.dp_size} "
+        f"EP{r.ep_size}, memory fraction {r.gpu_memory_fraction}",
+    ]
+    return "\n".join(lines)
+
+
+def _sync_bytes(plan: QuantPlan) -> str:
+    ratio = plan.wire_bytes / plan.bf16_bytes if plan.bf16_bytes else 1.0
+    return (
+        f"bytes per weight sync: {plan.wire_bytes / GIB:.3f} GiB ({plan.precision.value}) vs "
+        f"{plan.bf16_bytes / GIB:.3f} GiB (bf16), ratio {ratio:.3f}"
+    )
+
+
+def _memory(cfg: TrainConfig, plan: QuantPlan) -> str:
+    """Per-GPU estimate: bf16 weights, fp32 grads, Adam (fp32 master + moments) over the DP shards."""
+    t, p = cfg.topology, cfg.topology.parallel
+    if t.device is Device.cpu:
+        return f"memory: {plan.bf16_bytes / 2 / 1e6:.2f} M parameters on the CPU"
+    expert = sum(x.bf16_bytes // 2 for x in plan if x.role is Role.routed_expert)
+    dense = sum(x.bf16_bytes // 2 for x in plan) - expert
+    per_gpu = dense / (p.tp * p.pp) + expert / (p.ep * p.etp * p.pp)
+    dp = trainer_dp(cfg)
+    expert_dp = max(p.tp * p.cp * dp // (p.ep * p.etp), 1)
+    opt_bytes = 8 if cfg.trainer.optimizer.precision_aware else 12  # master fp32 + 2 moments (fp32 or bf16)
+    optimizer = (dense / (p.tp * p.pp) / dp + expert / (p.ep * p.etp * p.pp) / expert_dp) * opt_bytes
+    where = "host (cpu_offload)" if cfg.trainer.optimizer.cpu_offload else "GPU"
+    engine_gpu = plan.wire_bytes / cfg.rollout.gpus_per_engine
+    return "\n".join(
+        [
+            "memory estimate per GPU (trainer: bf16 weights, fp32 grads, distributed Adam):",
+            f"  trainer weights {per_gpu * 2 / GIB:.2f} GiB, grads {per_gpu * 4 / GIB:.2f} GiB, "
+            f"optimizer {optimizer / GIB:.2f} GiB on {where}",
+            f"  engine weights ({plan.precision.value} wire format) {engine_gpu / GIB:.2f} GiB of "
+            f"{cfg.rollout.gpu_memory_fraction:.0%} of the GPU",
+        ]
+    )
+
+
+def _shards(report: ValidationReport) -> str:
+    if not report.shard_checks:
+        return "shard divisibility: nothing to check (bf16, or unsharded CPU run)"
+    rows = [f"  [{c.side:<7}] {c.tensor}: {c.arithmetic()}" for c in report.shard_checks]
+    return "shard divisibility:\n" + "\n".join(rows)
+
+
+def _resolution(cfg: TrainConfig) -> str:
+    """What each GPU generation would resolve to; the real run asks its workers and requires agreement."""
+    strategy = get_strategy(cfg.precision)
+    p = cfg.topology.parallel
+    lines = [
+        "per-worker resolution (fp8_recipe, scale format, env, packing alignment; asked of the workers at start):"
+    ]
+    if cfg.topology.device is Device.cpu:
+        lines.append("  CPU: no GPU, recipe stays `auto`; the embedded run emulates the formats exactly")
+        return "\n".join(lines)
+    for label, cap in CAPABILITIES.items():
+        try:
+            res = resolve_worker(cfg.precision, cap)
+        except ResolutionError as exc:
+            lines.append(f"  {label}: refused: {exc}")
+            continue
+        env = strategy.env_vars(res.fp8_recipe)
+        align = packing_alignment(cfg.precision, res, tp=p.tp, cp=p.cp)
+        recipe = res.fp8_recipe.value if cfg.precision.name is not Precision.bf16 else "-"
+        lines.append(
+            f"  {label}: recipe {recipe}, scales {res.scale_format.value}"
+            f"{' (emulated)' if res.emulated else ''}, packing alignment {align} tokens"
+        )
+        for side in ("trainer", "engine"):
+            merged = {**env[side], **(cfg.trainer.env if side == "trainer" else cfg.rollout.env)}
+            lines.append(
+                f"    {side} env: " + (" ".join(f"{k}={v}" for k, v in sorted(merged.items())) or "(none)")
+            )
+    return "\n".join(lines)

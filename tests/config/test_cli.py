@@ -1,0 +1,69 @@
+"""The command-line entry points, run as a user runs them (subprocesses)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def test_train_help_explains_groups_and_options():
+    out = _run("-m", "skyq.train", "--help")
+    assert out.returncode == 0
+    for word in ("precision:", "fp8_blockwise", "model:", "qwen3_30b", "topology:", "dry_run=true", "recipe"):
+        assert word in out.stdout, word
+
+
+def test_dry_run_of_a_gpu_recipe_prints_the_plan_and_exits_0(tmp_path):
+    out = _run(
+        "-m",
+        "skyq.train",
+        "precision=mxfp8",
+        "model=qwen3_30b",
+        "topology=8gpu",
+        "dry_run=true",
+        f"output_root={tmp_path}",
+    )
+    assert out.returncode == 0, out.stderr
+    assert "routed_expert" in out.stdout and "bytes per weight sync" in out.stdout
+    assert list(tmp_path.iterdir()) == []  # a dry run leaves no run directory
+
+
+def test_gpu_topology_without_gpus_says_what_is_missing_and_mentions_dry_run(tmp_path):
+    out = _run(
+        "-m", "skyq.train", "precision=mxfp8", "model=qwen3_30b", "topology=8gpu", f"output_root={tmp_path}"
+    )
+    assert out.returncode != 0
+    assert "needs 8 CUDA GPUs" in out.stderr and "dry_run=true" in out.stderr
+
+
+def test_invalid_config_exits_nonzero_naming_the_key(tmp_path):
+    out = _run(
+        "-m",
+        "skyq.train",
+        "precision=mxfp8",
+        "precision.persistent_fp8_params=true",
+        "dry_run=true",
+        f"output_root={tmp_path}",
+    )
+    assert out.returncode == 2 and "precision.persistent_fp8_params" in out.stderr
+
+
+def test_config_ls_show_validate(tmp_path):
+    ls = _run("-m", "skyq.config", "ls")
+    assert ls.returncode == 0 and "kimi_k26_int4_qat_256gpu_text" in ls.stdout and "int4_qat" in ls.stdout
+    show = _run("-m", "skyq.config", "show", "model=qwen3_30b", "precision=int4_qat")
+    assert show.returncode == 0 and "moe_intermediate_size: 768" in show.stdout
+    recipe = tmp_path / "mine.yaml"
+    ok = _run("-m", "skyq.config", "cp", "qwen3_30b_int4_qat_8gpu", str(recipe))
+    assert ok.returncode == 0
+    assert _run("-m", "skyq.config", "validate", str(recipe)).returncode == 0
+    recipe.write_text(recipe.read_text().replace("int4_group_size: 128", "int4_group_size: 100"))
+    bad = _run("-m", "skyq.config", "validate", str(recipe))
+    assert bad.returncode == 2 and "precision.int4_group_size" in bad.stderr

@@ -1,0 +1,60 @@
+"""Project-wide rules: lean import, defaults only in the schema, generated docs up to date."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_import_skyq_is_lean_and_never_initialises_cuda():
+    code = (
+        "import sys, skyq, skyq.config.store, skyq.config.validate, skyq.quant; import torch\n"
+        "heavy = [m for m in ('vllm', 'megatron', 'transformer_engine', 'triton', 'ray', 'wandb') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "assert not torch.cuda.is_initialized()\n"
+        "print('lean')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and "lean" in out.stdout, out.stderr
+
+
+def test_no_config_get_with_default_in_skyq():
+    pattern = re.compile(r"\b(cfg|config|conf|[a-z_]*_cfg)\.get\(")
+    offenders = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in (ROOT / "skyq").rglob("*.py")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert offenders == [], offenders
+
+
+def test_every_schema_field_has_a_one_line_docstring():
+    import dataclasses
+
+    from skyq.config import schema
+    from skyq.config.docs import field_docs
+
+    for obj in vars(schema).values():
+        if isinstance(obj, type) and dataclasses.is_dataclass(obj):
+            docs = field_docs(obj)
+            for f in dataclasses.fields(obj):
+                assert f.name in docs and "\n" not in docs[f.name], f"{obj.__name__}.{f.name}"
+
+
+def test_configuration_doc_is_generated_from_the_schema():
+    from skyq.config.docs import render
+
+    assert (ROOT / "docs" / "configuration.md").read_text() == render(), "stale: run `make docs`"
+
+
+def test_conf_yaml_holds_no_defaults_of_its_own():
+    """Group options pick and override; each starts from its schema node."""
+    for path in (ROOT / "conf").glob("*/*.yaml"):
+        text = path.read_text()
+        assert f"- base_{path.parent.name}" in text, path
+        assert "_target_" not in text and "oc.env" not in text, path

@@ -1,0 +1,267 @@
+"""Each cross-field rule, with a bad config whose message names the keys and the fix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from skyq.config.store import compose, to_object
+from skyq.config.validate import ConfigValidationError, validate
+
+
+def _cfg(*overrides):
+    return to_object(compose(list(overrides)))
+
+
+def _refused(cfg, *needles):
+    with pytest.raises(ConfigValidationError) as info:
+        validate(cfg)
+    for needle in needles:
+        assert needle in str(info.value), str(info.value)
+    return str(info.value)
+
+
+def _ckpt(path, quantization_config=None, nested=False):
+    path.mkdir(parents=True)
+    cfg = {"model_type": "qwen3_moe"}
+    if quantization_config is not None:
+        if nested:
+            cfg["text_config"] = {"quantization_config": quantization_config}
+        else:
+            cfg["quantization_config"] = quantization_config
+    (path / "config.json").write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _int4_block(symmetric=True, group_size=128):
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": {
+                    "num_bits": 4,
+                    "type": "int",
+                    "symmetric": symmetric,
+                    "strategy": "group",
+                    "group_size": group_size,
+                    "dynamic": False,
+                    "observer": "minmax",
+                },
+                "input_activations": None,
+            }
+        },
+        "ignore": ["lm_head"],
+    }
+
+
+QWEN_INT4 = ["recipe=qwen3_30b_int4_qat_8gpu"]
+
+
+def test_int4_rollout_checkpoint_must_be_symmetric_with_reconvert_command(tmp_path):
+    ckpt = _ckpt(tmp_path / "int4", _int4_block(symmetric=False))
+    msg = _refused(
+        _cfg(*QWEN_INT4, f"checkpoint.rollout_checkpoint={ckpt}"),
+        "checkpoint.rollout_checkpoint",
+        "asymmetric",
+    )
+    assert "python -m skyq.tools.convert_hf_to_int4" in msg and "--group-size 128" in msg
+
+
+def test_int4_symmetric_checkpoint_with_matching_group_is_accepted(tmp_path):
+    ckpt = _ckpt(tmp_path / "int4", _int4_block(), nested=True)
+    bf16 = _ckpt(tmp_path / "bf16")
+    report = validate(
+        _cfg(
+            *QWEN_INT4,
+            f"checkpoint.rollout_checkpoint={ckpt}",
+            f"checkpoint.hf_checkpoint={bf16}",
+            f"checkpoint.ref_load={bf16}",
+        )
+    )
+    assert report.skipped == []
+
+
+def test_int4_group_size_must_equal_the_checkpoints(tmp_path):
+    ckpt = _ckpt(tmp_path / "int4", _int4_block(group_size=32))
+    _refused(
+        _cfg(*QWEN_INT4, f"checkpoint.rollout_checkpoint={ckpt}"),
+        "group_size=32",
+        "precision.int4_group_size=128",
+    )
+
+
+def test_swapped_roles_trainer_checkpoint_that_is_w4a16_is_refused(tmp_path):
+    int4 = _ckpt(tmp_path / "int4", _int4_block())
+    bf16 = _ckpt(tmp_path / "bf16")
+    msg = _refused(
+        _cfg(*QWEN_INT4, f"checkpoint.hf_checkpoint={int4}", f"checkpoint.rollout_checkpoint={bf16}"),
+        "checkpoint.hf_checkpoint",
+        "BF16",
+    )
+    assert "swap" in msg
+
+
+def test_bf16_rollout_checkpoint_for_a_quantized_precision_is_refused(tmp_path):
+    bf16 = _ckpt(tmp_path / "bf16")
+    msg = _refused(
+        _cfg("recipe=qwen3_30b_fp8_blockwise_8gpu", f"checkpoint.rollout_checkpoint={bf16}"),
+        "checkpoint.rollout_checkpoint",
+        "BF16",
+        "drop every quantized push",
+    )
+    assert "convert_hf_to_fp8" in msg
+
+
+def test_fp8_rollout_checkpoint_block_size_must_match(tmp_path):
+    fp8 = _ckpt(
+        tmp_path / "fp8",
+        {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [64, 64]},
+    )
+    _refused(
+        _cfg("recipe=qwen3_30b_fp8_blockwise_8gpu", f"checkpoint.rollout_checkpoint={fp8}"),
+        "weight_block_size=[64, 64]",
+        "precision.block_size=[128, 128]",
+    )
+    ok = _ckpt(tmp_path / "fp8ok", {"quant_method": "fp8", "weight_block_size": [128, 128]})
+    validate(_cfg("recipe=qwen3_30b_fp8_blockwise_8gpu", f"checkpoint.rollout_checkpoint={ok}"))
+
+
+def test_missing_checkpoint_paths_are_reported_as_skipped_checks():
+    report = validate(_cfg(*QWEN_INT4))
+    assert len(report.skipped) == 3
+    assert any("checkpoint.rollout_checkpoint" in s and "was not checked" in s for s in report.skipped)
+
+
+def test_delta_sync_with_quantized_wire_is_refused():
+    _refused(
+        _cfg("precision=fp8_blockwise", "rollout.weight_sync.mode=delta"),
+        "rollout.weight_sync.mode=delta",
+        "precision.name=fp8_blockwise",
+    )
+    validate(_cfg("precision=bf16", "rollout.weight_sync.mode=delta"))
+
+
+def test_mxfp8_with_persistent_fp8_params_is_refused():
+    _refused(
+        _cfg("precision=mxfp8", "precision.persistent_fp8_params=true"),
+        "precision.persistent_fp8_params=true",
+    )
+
+
+def test_parallel_product_must_equal_trainer_gpus():
+    _refused(
+        _cfg("model=qwen3_30b", "topology=8gpu", "topology.parallel.tp=2", "topology.parallel.dp=2"),
+        "tp*pp*cp*dp = 2*1*1*2 = 4",
+        "topology.trainer_gpus=8",
+    )
+    _refused(_cfg("model=qwen3_30b", "topology=8gpu", "topology.parallel.tp=3"), "not divisible by tp*pp*cp")
+
+
+def test_ep_must_divide_experts():
+    _refused(
+        _cfg("model=qwen3_30b", "topology=8gpu", "topology.parallel.ep=3"),
+        "topology.parallel.ep=3 does not divide model.num_experts=128",
+    )
+
+
+def test_engines_times_gpus_per_engine_must_equal_rollout_gpus():
+    _refused(
+        _cfg("model=qwen3_30b", "topology=8gpu", "rollout.gpus_per_engine=3"),
+        "topology.rollout_gpus=8",
+        "rollout.gpus_per_engine=3",
+    )
+
+
+def test_colocated_needs_the_same_gpus():
+    _refused(
+        _cfg("model=qwen3_30b", "topology=8gpu", "topology.rollout_gpus=4"), "topology.placement=colocated"
+    )
+
+
+def test_split_placement_must_add_up():
+    validate(
+        _cfg(
+            "model=qwen3_30b",
+            "topology=8gpu",
+            "topology.placement=split",
+            "topology.trainer_gpus=4",
+            "topology.rollout_gpus=4",
+            "topology.parallel.ep=4",
+        )
+    )
+    _refused(
+        _cfg(
+            "model=qwen3_30b",
+            "topology=8gpu",
+            "topology.placement=split",
+            "topology.trainer_gpus=4",
+            "topology.rollout_gpus=2",
+            "topology.parallel.ep=4",
+        ),
+        "topology.placement=split",
+    )
+
+
+def test_256_gpu_kimi_layout_is_valid():
+    cfg = _cfg("recipe=kimi_k26_int4_qat_256gpu_text")
+    validate(cfg)
+
+
+def test_shard_divisibility_shows_the_arithmetic():
+    msg = _refused(
+        _cfg("recipe=qwen3_30b_fp8_blockwise_8gpu", "rollout.gpus_per_engine=4"),
+        "model.moe_intermediate_size=768 / 4",
+        "= 192",
+        "NOT a multiple of 128",
+    )
+    assert "{1, 2, 3, 6}" in msg and "EP" in msg
+
+
+def test_mxfp8_trainer_shards_must_be_multiples_of_32():
+    _refused(
+        _cfg(
+            "precision=mxfp8",
+            "model=qwen3_30b",
+            "topology=8gpu",
+            "topology.parallel.etp=5",
+            "topology.parallel.tp=5",
+            "topology.parallel.dp=null",
+            "topology.trainer_gpus=5",
+            "topology.rollout_gpus=5",
+            "topology.gpus_per_node=5",
+            "topology.parallel.ep=1",
+        ),
+        "topology.parallel.etp",
+    )
+
+
+def test_group_size_must_divide_k():
+    _refused(
+        _cfg("precision=int4_qat", "precision.int4_group_size=128"),
+        "model.hidden_size=64",
+        "precision.int4_group_size",
+    )
+
+
+def test_prompt_plus_response_within_max_positions():
+    _refused(
+        _cfg("task.max_prompt_length=400", "task.max_response_length=200"),
+        "task.max_prompt_length + task.max_response_length = 400 + 200 = 600",
+        "model.max_position_embeddings=512",
+    )
+
+
+def test_gpu_backends_refused_on_cpu_topology():
+    _refused(_cfg("rollout=vllm"), "rollout.backend=vllm", "topology.device=cpu")
+
+
+def test_all_errors_are_reported_at_once():
+    with pytest.raises(ConfigValidationError) as info:
+        validate(
+            _cfg("precision=mxfp8", "precision.persistent_fp8_params=true", "rollout.weight_sync.mode=delta")
+        )
+    assert len(info.value.errors) == 2
