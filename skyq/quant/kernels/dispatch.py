@@ -1,0 +1,176 @@
+"""One function per format operation: the Triton kernel for CUDA tensors when Triton imports, the
+`skyq.quant` reference everywhere else. Both paths give the same bits and raise the same errors.
+
+Callers (weight sync, converters, fake-quant, the rollout engine) use these and never pick a
+path. The kernels cover the shapes real checkpoints use; an unusual block or group shape (not a
+power of two) quietly takes the reference path, which is slower but identical.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from skyq.config.enums import Int4Grid
+from skyq.quant import fp8_blockwise, int4, mxfp8
+from skyq.quant.errors import check_finite
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True when Triton can be imported (checked once, without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def uses_kernel(t: Tensor) -> bool:
+    """Whether an operation on `t` runs a Triton kernel (a CUDA tensor and Triton present)."""
+    return isinstance(t, Tensor) and t.is_cuda and triton_available()
+
+
+def _float_input(w: Tensor) -> bool:
+    return isinstance(w, Tensor) and w.is_floating_point() and w.ndim >= 2 and w.numel() > 0
+
+
+def _int_pair(block_size: Sequence[int]) -> bool:
+    return len(block_size) == 2 and all(isinstance(b, int) and b > 0 for b in block_size)
+
+
+# --- FP8 blockwise -------------------------------------------------------------------------------
+
+
+def quantize_fp8_blockwise(
+    w: Tensor, *, block_size: tuple[int, int] = (128, 128), pow2_scale: bool = False, name: str = "tensor"
+) -> tuple[Tensor, Tensor]:
+    """`fp8_blockwise.quantize`: `(q e4m3 [..., N, K], weight_scale_inv fp32 [..., ceil(N/bn),
+    ceil(K/bk)])`; `pow2_scale` gives the ue8m0 (power-of-two) scales."""
+    if uses_kernel(w) and _float_input(w) and _int_pair(block_size):
+        from skyq.quant.kernels import triton_fp8_blockwise as kernels
+
+        if kernels.supports(tuple(block_size)):
+            return kernels.quantize(w, block_size=tuple(block_size), pow2_scale=pow2_scale, name=name)
+    return fp8_blockwise.quantize(w, block_size=block_size, pow2_scale=pow2_scale, name=name)
+
+
+def dequantize_fp8_blockwise(
+    q: Tensor,
+    scale_inv: Tensor,
+    *,
+    block_size: tuple[int, int] = (128, 128),
+    dtype: torch.dtype = torch.bfloat16,
+    name: str = "tensor",
+) -> Tensor:
+    """`fp8_blockwise.dequantize`: `q * weight_scale_inv[i // bn, j // bk]` in fp32, cast to `dtype`."""
+    if uses_kernel(q) and scale_inv.is_cuda and _int_pair(block_size):
+        from skyq.quant.kernels import triton_fp8_blockwise as kernels
+
+        return kernels.dequantize(q, scale_inv, block_size=tuple(block_size), dtype=dtype, name=name)
+    return fp8_blockwise.dequantize(q, scale_inv, block_size=block_size, dtype=dtype, name=name)
+
+
+def quantize_fp8_activation(
+    x: Tensor, *, tile: int = 128, pow2_scale: bool = False, name: str = "activation"
+) -> tuple[Tensor, Tensor]:
+    """`fp8_blockwise.quantize_activation`: 1 x `tile` blocks along K, scales [..., M, ceil(K/tile)]."""
+    return quantize_fp8_blockwise(x, block_size=(1, tile), pow2_scale=pow2_scale, name=name)
+
+
+# --- MXFP8 ---------------------------------------------------------------------------------------
+
+
+def quantize_mxfp8(w: Tensor, *, name: str = "tensor", allow_pad: bool = False) -> tuple[Tensor, Tensor]:
+    """`mxfp8.quantize`: `(q e4m3 [..., N, K], scale uint8 [..., N, ceil(K/32)])`."""
+    if uses_kernel(w) and _float_input(w):
+        from skyq.quant.kernels import triton_mxfp8 as kernels
+
+        return kernels.quantize(w, name=name, allow_pad=allow_pad)
+    return mxfp8.quantize(w, name=name, allow_pad=allow_pad)
+
+
+def dequantize_mxfp8(
+    q: Tensor, scale_u8: Tensor, *, dtype: torch.dtype = torch.bfloat16, name: str = "tensor"
+) -> Tensor:
+    """`mxfp8.dequantize`: `q * 2^(scale - 127)` (exact), cast to `dtype`."""
+    if uses_kernel(q) and scale_u8.is_cuda:
+        from skyq.quant.kernels import triton_mxfp8 as kernels
+
+        return kernels.dequantize(q, scale_u8, dtype=dtype, name=name)
+    return mxfp8.dequantize(q, scale_u8, dtype=dtype, name=name)
+
+
+# --- INT4 ----------------------------------------------------------------------------------------
+
+
+def _int4_kernel_ok(w: Tensor, group_size: int, grid: Int4Grid | str) -> bool:
+    if not (uses_kernel(w) and _float_input(w) and grid in _INT4_GRIDS):
+        return False
+    from skyq.quant.kernels import triton_int4 as kernels
+
+    return kernels.supports(group_size) and w.shape[-1] % group_size == 0
+
+
+_INT4_GRIDS = {g.value for g in Int4Grid}
+
+
+def quantize_int4(
+    w: Tensor, *, group_size: int, grid: Int4Grid | str = Int4Grid.kimi, name: str = "tensor"
+) -> tuple[Tensor, Tensor]:
+    """`int4.quantize`: `(codes int8 [..., N, K], scale bf16 [..., N, K/G])`."""
+    if _int4_kernel_ok(w, group_size, grid):
+        from skyq.quant.kernels import triton_int4 as kernels
+
+        codes, _, scale = kernels.quantize(w, group_size=group_size, grid=grid, name=name, codes=True)
+        return codes, scale
+    return int4.quantize(w, group_size=group_size, grid=grid, name=name)
+
+
+def quantize_int4_packed(
+    w: Tensor, *, group_size: int, grid: Int4Grid | str = Int4Grid.kimi, name: str = "tensor"
+) -> tuple[Tensor, Tensor]:
+    """`int4.pack(int4.quantize(w))` in one pass: `(weight_packed int32 [..., N, K/8], weight_scale
+    bf16 [..., N, K/G])`, the compressed-tensors `pack-quantized` tensors."""
+    if _int4_kernel_ok(w, group_size, grid):
+        from skyq.quant.kernels import triton_int4 as kernels
+
+        _, packed, scale = kernels.quantize(
+            w, group_size=group_size, grid=grid, name=name, codes=False, packed=True
+        )
+        return packed, scale
+    q, scale = int4.quantize(w, group_size=group_size, grid=grid, name=name)
+    return int4.pack(q, name=name), scale
+
+
+def dequantize_int4_packed(
+    packed: Tensor,
+    scale: Tensor,
+    weight_shape: Tensor | Sequence[int],
+    *,
+    group_size: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    name: str = "tensor",
+) -> Tensor:
+    """`int4.dequantize_packed` (symmetric): dense [..., N, K] = codes * scale in the scale's dtype."""
+    if uses_kernel(packed) and scale.is_cuda and packed.dtype == torch.int32 and scale.is_floating_point():
+        from skyq.quant.kernels import triton_int4 as kernels
+
+        n, k = (int(v) for v in (weight_shape.tolist() if isinstance(weight_shape, Tensor) else weight_shape))
+        g = (
+            group_size
+            if group_size is not None
+            else (k // scale.shape[-1] if scale.ndim and scale.shape[-1] else 0)
+        )
+        shapes_ok = (
+            packed.ndim >= 2
+            and tuple(packed.shape[-2:]) == (n, k // 8)
+            and k % 8 == 0
+            and kernels.supports(g)
+            and k % g == 0
+            and tuple(scale.shape) == (*packed.shape[:-1], k // g)
+        )
+        if shapes_ok:
+            check_finite(scale, f"{name} weight_scale")
+            return kernels.dequantize_packed(packed, scale, n, k, g, dtype)
+    return int4.dequantize_packed(packed, scale, weight_shape, group_size=group_size, dtype=dtype, name=name)

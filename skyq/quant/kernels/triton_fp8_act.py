@@ -1,0 +1,137 @@
+"""Triton kernels that build the FP8 blockwise GEMM operands of a linear layer, in the exact
+memory layouts cuBLAS's blockwise `scaled_mm` wants, so no transpose, pad or copy runs between
+the quantizer and the GEMM.
+
+The training recipe (DeepSeek-V3 / TE blockwise) needs each activation twice: in 1 x 128 tiles
+along K (forward / dgrad operand) and in 1 x 128 tiles along M, transposed (wgrad operand).
+`quantize_rows_cols` reads the tensor once and writes both (2 B read, 2 B written per bf16
+element), the fused pass that makes FP8 training pay. Weights get their 128 x 128 codes in both
+orientations with the scales already padded to a multiple of 4 blocks along K (cuBLAS reads
+garbage otherwise: unpadded K = 768 scales gave silently wrong products on the H200).
+
+Scale layouts (all fp32 dequant multipliers, shapes as cuBLAS checks them):
+- rows of x [M, K]:    [M, ceil(K/128)], strides (1, M)
+- cols of x, as xT [K, Mp] (Mp = M rounded up to 128, zero padded): [K, Mp/128], strides (1, K)
+- weight w [N, K]:     [round4(ceil(K/128)), ceil(N/128)], strides (1, round4(...))
+- weight, transposed:  [round4(ceil(N/128)), ceil(K/128)], strides (1, round4(...))
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from skyq.quant.kernels._common import as_3d, cdiv
+from skyq.quant.kernels.triton_fp8_blockwise import _quant_kernel, fp8_scale, num_warps_for, to_e4m3
+
+TILE = 128
+ROW_BAND = 64  # rows per program in the rows-only kernel: 64 x 128 bf16 = 16 KB in flight
+
+
+@triton.jit
+def _rows_cols_kernel(
+    x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
+    M, K, MP, n_tiles_k,
+    sxm, sxk,
+    POW2: tl.constexpr, T: tl.constexpr,
+):  # fmt: skip
+    """One T x T tile of x [M, K]: row scales (1 x T along K) -> q [M, K] and s_buf [nK, M];
+    column scales (1 x T along M) -> qt [K, MP] (transposed, rows >= M written as 0) and
+    st_buf [MP / T, K]."""
+    pid = tl.program_id(0)
+    pid_m = pid // n_tiles_k
+    pid_k = pid % n_tiles_k
+    rm = pid_m.to(tl.int64) * T + tl.arange(0, T)
+    rk = pid_k * T + tl.arange(0, T)
+    row_ok = rm[:, None] < M
+    col_ok = rk[None, :] < K
+    x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=row_ok & col_ok, other=0.0).to(tl.float32)
+    ax = tl.abs(x)
+    row_scale = fp8_scale(tl.max(ax, axis=1, keep_dims=True), POW2)
+    tl.store(q_ptr + rm[:, None] * K + rk[None, :], to_e4m3(x * row_scale), mask=row_ok & col_ok)
+    tl.store(
+        s_ptr + pid_k * M + rm[:, None],
+        tl.math.div_rn(tl.zeros_like(row_scale) + 1.0, row_scale),
+        mask=row_ok,
+    )
+    col_scale = fp8_scale(tl.max(ax, axis=0, keep_dims=True), POW2)
+    qc = to_e4m3(x * col_scale)
+    tl.store(
+        qt_ptr + rk[:, None] * MP + rm[None, :], tl.trans(qc), mask=tl.trans(col_ok & (rm[:, None] < MP))
+    )
+    tl.store(
+        st_ptr + pid_m * K + rk[None, :],
+        tl.math.div_rn(tl.zeros_like(col_scale) + 1.0, col_scale),
+        mask=col_ok,
+    )
+
+
+def round_up(v: int, m: int) -> int:
+    return cdiv(v, m) * m
+
+
+def quantize_rows(x: Tensor, *, pow2_scale: bool = False) -> tuple[Tensor, Tensor]:
+    """x [M, K] (any strides) -> (q e4m3 [M, K], scale [M, ceil(K/128)] with strides (1, M)).
+    No finiteness check: in training a non-finite activation propagates, as it would in bf16."""
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s_buf = torch.empty((cdiv(k, TILE), m), dtype=torch.float32, device=x.device)
+    n_tiles_k = cdiv(k, TILE)
+    _quant_kernel[(cdiv(m, ROW_BAND) * n_tiles_k, 1)](
+        x, q, s_buf, q, s_buf, s_buf,
+        m, k, n_tiles_k,
+        0, *x.stride(),
+        0, 1, m,
+        0, 0, 0,
+        TN=ROW_BAND, TK=TILE, ROWWISE=True, POW2=pow2_scale, WRITE_T=False, WRITE_S2=False, CHECK=False,
+        num_warps=num_warps_for(ROW_BAND * TILE),
+    )  # fmt: skip
+    return q, s_buf.t()
+
+
+def quantize_rows_cols(x: Tensor, *, pow2_scale: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """x [M, K] (any strides) -> (q [M, K], scale [M, ceil(K/128)] strides (1, M),
+    qt [K, Mp], scale_t [K, Mp/128] strides (1, K)), Mp = M rounded up to 128, in one pass."""
+    m, k = x.shape
+    mp = round_up(m, TILE)
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s_buf = torch.empty((cdiv(k, TILE), m), dtype=torch.float32, device=x.device)
+    qt = torch.empty((k, mp), dtype=torch.float8_e4m3fn, device=x.device)
+    st_buf = torch.empty((mp // TILE, k), dtype=torch.float32, device=x.device)
+    n_tiles_k = cdiv(k, TILE)
+    _rows_cols_kernel[(cdiv(m, TILE) * n_tiles_k,)](
+        x, q, s_buf, qt, st_buf, m, k, mp, n_tiles_k, *x.stride(), POW2=pow2_scale, T=TILE, num_warps=8
+    )
+    return q, s_buf.t(), qt, st_buf.t()
+
+
+def quantize_weight(w: Tensor, *, pow2_scale: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """w [..., N, K] -> (q [..., N, K], scale_fwd [..., round4(nK), nN], qt [..., K, N],
+    scale_bwd [..., round4(nN), nK]) with 128 x 128 blocks; the codes and scale values are those
+    of `fp8_blockwise.quantize(w)`, the padding scales are 1."""
+    x = as_3d(w)
+    nb, n, k = x.shape
+    nn_, nk = cdiv(n, TILE), cdiv(k, TILE)
+    l4k, l4n = round_up(nk, 4), round_up(nn_, 4)
+    q = torch.empty((nb, n, k), dtype=torch.float8_e4m3fn, device=w.device)
+    qt = torch.empty((nb, k, n), dtype=torch.float8_e4m3fn, device=w.device)
+    s_fwd = torch.ones((nb, nn_, l4k), dtype=torch.float32, device=w.device)
+    s_bwd = torch.ones((nb, nk, l4n), dtype=torch.float32, device=w.device)
+    _quant_kernel[(nn_ * nk, nb)](
+        x, q, s_fwd, qt, s_bwd, s_fwd,
+        n, k, nk,
+        *x.stride(),
+        *s_fwd.stride(),
+        *s_bwd.stride(),
+        TN=TILE, TK=TILE, ROWWISE=False, POW2=pow2_scale, WRITE_T=True, WRITE_S2=True, CHECK=False,
+        num_warps=8,
+    )  # fmt: skip
+    lead = w.shape[:-2]
+    return (
+        q.reshape(w.shape),
+        s_fwd.transpose(-1, -2).reshape(*lead, l4k, nn_),
+        qt.reshape(*lead, k, n),
+        s_bwd.transpose(-1, -2).reshape(*lead, l4n, nk),
+    )

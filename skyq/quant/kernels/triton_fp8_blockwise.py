@@ -1,0 +1,216 @@
+"""Triton kernels for FP8 blockwise (FORMATS.md "FP8 blockwise"): quantize and dequantize.
+
+One program owns one scale block (`bn x bk`, e.g. 128 x 128) or, for 1 x `bk` tiles
+(activations), a band of rows: it reads the tile once, reduces its amax in registers and writes
+the codes and the scale, so the tensor crosses HBM once (2 B read + 1 B written per bf16 element).
+
+Bit-identity with `skyq.quant.fp8_blockwise` rests on three facts, each checked on the GPU:
+`tl.math.div_rn` is IEEE round-to-nearest division (the reference divides tensor by tensor, never
+multiplies by a reciprocal); fp32 products are correctly rounded; the e4m3 cast rounds to nearest
+even, and the clamp to +-448 comes first, as in the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from skyq.quant import fp8_blockwise
+from skyq.quant.kernels._common import as_3d, cdiv, new_flag, raise_if_flagged
+
+_FLT_MAX: tl.constexpr = 3.4028234663852886e38
+_EXPONENT_BITS: tl.constexpr = 0x7F800000
+ROW_TILE_ELEMENTS = 8192  # elements per program in 1 x bk mode: 16 KB of bf16 in flight
+
+
+@triton.jit
+def fp8_scale(amax, POW2: tl.constexpr):
+    """TE `compute_scale_from_amax` on a block of amaxes: correctly rounded fp32 `448 / amax`,
+    FLT_MAX when that overflows, 1 where `amax == 0`; POW2 clears the mantissa (rounds down)."""
+    scale = tl.math.div_rn(tl.zeros_like(amax) + 448.0, amax)
+    scale = tl.where(scale > _FLT_MAX, _FLT_MAX, scale)
+    scale = tl.where(amax == 0.0, 1.0, scale)
+    if POW2:
+        scale = (scale.to(tl.int32, bitcast=True) & _EXPONENT_BITS).to(tl.float32, bitcast=True)
+    return scale
+
+
+@triton.jit
+def to_e4m3(x):
+    """Clamp first: the hardware cast saturates too, but the clamp keeps the reference's order."""
+    return tl.clamp(x, -448.0, 448.0).to(tl.float8e4nv)
+
+
+@triton.jit
+def count_nonfinite(ax, flag_ptr):
+    """Bump `*flag_ptr` when the tile of |x| holds NaN or inf (NaN fails every comparison)."""
+    bad = tl.max(tl.max(tl.where(ax <= _FLT_MAX, 0, 1), axis=1), axis=0)
+    if bad > 0:
+        tl.atomic_add(flag_ptr, 1)
+
+
+@triton.jit
+def _quant_kernel(
+    x_ptr, q_ptr, s_ptr, qt_ptr, s2_ptr, flag_ptr,
+    N, K, n_tiles_k,
+    sxb, sxn, sxk,
+    ssb, ssn, ssk,
+    s2b, s2k, s2n,
+    TN: tl.constexpr, TK: tl.constexpr, ROWWISE: tl.constexpr, POW2: tl.constexpr,
+    WRITE_T: tl.constexpr, WRITE_S2: tl.constexpr, CHECK: tl.constexpr,
+):  # fmt: skip
+    """x [B, N, K] (any strides) -> q [B, N, K] contiguous, scale_inv at `s_ptr` with strides
+    (ssb, ssn, ssk) per (batch, block row, block col). ROWWISE: one scale per row of a TN x TK
+    tile (1 x TK blocks); else one scale per TN x TK tile. WRITE_T also writes q transposed,
+    [B, K, N] (the dgrad operand of a linear), and WRITE_S2 a second copy of the scales with
+    strides (s2b, s2k, s2n) per (batch, block col, block row) (the transposed GEMM scale layout)."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    pid_n = pid // n_tiles_k
+    pid_k = pid % n_tiles_k
+    rn = pid_n.to(tl.int64) * TN + tl.arange(0, TN)
+    rk = pid_k * TK + tl.arange(0, TK)
+    mask = (rn[:, None] < N) & (rk[None, :] < K)
+    x = tl.load(x_ptr + b * sxb + rn[:, None] * sxn + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
+    ax = tl.abs(x)
+    if CHECK:
+        count_nonfinite(ax, flag_ptr)
+    amax = tl.max(ax, axis=1, keep_dims=True)
+    if not ROWWISE:
+        amax = tl.max(amax, axis=0, keep_dims=True)
+    scale = fp8_scale(amax, POW2)
+    q = to_e4m3(x * scale)
+    base = b * N * K
+    tl.store(q_ptr + base + rn[:, None] * K + rk[None, :], q, mask=mask)
+    inv = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
+    if ROWWISE:
+        tl.store(s_ptr + b * ssb + rn[:, None] * ssn + pid_k * ssk, inv, mask=rn[:, None] < N)
+    else:
+        zero = tl.zeros([1, 1], dtype=tl.int64)
+        tl.store(s_ptr + b * ssb + pid_n * ssn + pid_k * ssk + zero, inv)
+        if WRITE_S2:
+            tl.store(s2_ptr + b * s2b + pid_k * s2k + pid_n * s2n + zero, inv)
+    if WRITE_T:
+        tl.store(qt_ptr + base + rk[:, None] * N + rn[None, :], tl.trans(q), mask=tl.trans(mask))
+
+
+@triton.jit
+def _dequant_kernel(
+    q_ptr, s_ptr, out_ptr, flag_ptr,
+    N, K, n_tiles_k,
+    sqb, sqn, sqk,
+    ssb, ssn, ssk,
+    BN: tl.constexpr, BK: tl.constexpr, TN: tl.constexpr, TK: tl.constexpr,
+):  # fmt: skip
+    """out[b, n, k] = q[b, n, k] * scale_inv[b, n // BN, k // BK] in fp32, cast to out's dtype.
+    Counts NaN codes (0x7F/0xFF) and non-finite scales into `flag_ptr`."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    pid_n = pid // n_tiles_k
+    pid_k = pid % n_tiles_k
+    rn = pid_n.to(tl.int64) * TN + tl.arange(0, TN)
+    rk = pid_k * TK + tl.arange(0, TK)
+    mask = (rn[:, None] < N) & (rk[None, :] < K)
+    q = tl.load(q_ptr + b * sqb + rn[:, None] * sqn + rk[None, :] * sqk, mask=mask, other=0.0)
+    s = tl.load(s_ptr + b * ssb + (rn // BN)[:, None] * ssn + (rk // BK)[None, :] * ssk, mask=mask, other=1.0)
+    nan_code = (q.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F
+    bad = tl.max(tl.max(tl.where(nan_code | ~(tl.abs(s) <= _FLT_MAX), 1, 0), axis=1), axis=0)
+    if bad > 0:
+        tl.atomic_add(flag_ptr, 1)
+    out = q.to(tl.float32) * s
+    tl.store(out_ptr + b * N * K + rn[:, None] * K + rk[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _pow2_at_most(v: int, limit: int) -> bool:
+    return 0 < v <= limit and v & (v - 1) == 0
+
+
+def supports(block_size: tuple[int, int]) -> bool:
+    """Block shapes the quantize kernel tiles directly: powers of two with at most 128 x 128
+    elements (the tile lives in registers). Anything else takes the reference path."""
+    bn, bk = block_size
+    return _pow2_at_most(bn, 256) and _pow2_at_most(bk, 1024) and bn * bk <= 16384
+
+
+def quant_tile(bn: int, bk: int) -> tuple[int, int, bool]:
+    """(TN, TK, rowwise) for a block shape: one block per program, or a band of rows for 1 x bk."""
+    if bn == 1:
+        return max(1, ROW_TILE_ELEMENTS // bk), bk, True
+    return bn, bk, False
+
+
+def num_warps_for(elements: int) -> int:
+    return 8 if elements >= 8192 else 4
+
+
+def quantize(
+    w: Tensor, *, block_size: tuple[int, int] = (128, 128), pow2_scale: bool = False, name: str = "tensor"
+) -> tuple[Tensor, Tensor]:
+    """Same contract and bits as `fp8_blockwise.quantize` for a floating-point `w` [..., N, K]
+    whose block shape passes `supports`. One kernel launch and one host sync (the finiteness
+    flag)."""
+    bn, bk = block_size
+    x = as_3d(w)
+    nb, n, k = x.shape
+    tn, tk, rowwise = quant_tile(bn, bk)
+    n_blocks_n, n_blocks_k = cdiv(n, bn), cdiv(k, bk)
+    q = torch.empty((nb, n, k), dtype=torch.float8_e4m3fn, device=w.device)
+    s = torch.empty((nb, n_blocks_n, n_blocks_k), dtype=torch.float32, device=w.device)
+    flag = new_flag(w.device)
+    n_tiles_k = cdiv(k, tk)
+    grid = (cdiv(n, tn) * n_tiles_k, nb)
+    _quant_kernel[grid](
+        x, q, s, q, s, flag,
+        n, k, n_tiles_k,
+        *x.stride(),
+        *s.stride(),
+        0, 0, 0,
+        TN=tn, TK=tk, ROWWISE=rowwise, POW2=pow2_scale, WRITE_T=False, WRITE_S2=False, CHECK=True,
+        num_warps=num_warps_for(tn * tk),
+    )  # fmt: skip
+    raise_if_flagged(flag, lambda: fp8_blockwise.quantize(w, block_size=block_size, name=name))
+    return q.reshape(w.shape), s.reshape(*w.shape[:-2], n_blocks_n, n_blocks_k)
+
+
+def _dequantize_args_ok(q: Tensor, scale_inv: Tensor, bn: int, bk: int) -> bool:
+    if q.dtype != torch.float8_e4m3fn or scale_inv.dtype != torch.float32 or q.ndim < 2 or q.numel() == 0:
+        return False
+    n, k = q.shape[-2:]
+    return tuple(scale_inv.shape) == (*q.shape[:-2], cdiv(n, bn), cdiv(k, bk))
+
+
+def dequantize(
+    q: Tensor,
+    scale_inv: Tensor,
+    *,
+    block_size: tuple[int, int] = (128, 128),
+    dtype: torch.dtype = torch.bfloat16,
+    name: str = "tensor",
+) -> Tensor:
+    """Same contract and bits as `fp8_blockwise.dequantize`; any positive block shape.
+
+    Dtypes and shapes are checked up front (cheap, no sync); a wrong one goes to the reference,
+    which raises its own error. NaN codes and non-finite scales are detected inside the kernel,
+    and then the reference's checks raise."""
+    bn, bk = block_size
+    if not _dequantize_args_ok(q, scale_inv, bn, bk):
+        return fp8_blockwise.dequantize(q, scale_inv, block_size=block_size, dtype=dtype, name=name)
+    q3, s3 = as_3d(q), as_3d(scale_inv)
+    nb, n, k = q3.shape
+    out = torch.empty((nb, n, k), dtype=dtype, device=q.device)
+    flag = new_flag(q.device)
+    tn, tk = 32, 128
+    n_tiles_k = cdiv(k, tk)
+    grid = (cdiv(n, tn) * n_tiles_k, nb)
+    _dequant_kernel[grid](
+        q3, s3, out, flag,
+        n, k, n_tiles_k,
+        *q3.stride(),
+        *s3.stride(),
+        BN=bn, BK=bk, TN=tn, TK=tk,
+        num_warps=4,
+    )  # fmt: skip
+    raise_if_flagged(flag, lambda: fp8_blockwise.dequantize(q, scale_inv, block_size=block_size, name=name))
+    return out.reshape(q.shape)

@@ -1,0 +1,153 @@
+"""Triton kernels for INT4 W4A16 (FORMATS.md "INT4 W4A16"): quantize + pack in one pass, and
+unpack + dequantize.
+
+A program loads [TN, TK/G, G] (one group per middle index), computes the bf16-rounded group
+scale, the codes with IEEE division and round-half-even, and packs eight nibbles per int32 in
+registers: 2 B read, 0.5 B + scales written per element, no int8 intermediate in HBM.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from skyq.config.enums import Int4Grid
+from skyq.quant import int4
+from skyq.quant.kernels._common import as_3d, cdiv, new_flag, raise_if_flagged
+
+_FLT_MAX: tl.constexpr = 3.4028234663852886e38
+_AMAX_FLOOR: tl.constexpr = 1e-10  # the reference's fp32(1e-10)
+# Adding then subtracting 1.5 * 2^23 rounds an fp32 |y| < 2^22 to an integer, ties to even: the
+# same result as torch.round, without libdevice (which the Triton CPU interpreter lacks).
+_ROUND_MAGIC: tl.constexpr = 12582912.0
+
+
+@triton.jit
+def _quant_pack_kernel(
+    x_ptr, packed_ptr, codes_ptr, scale_ptr, flag_ptr,
+    N, K, n_tiles_k,
+    sxb, sxn, sxk,
+    DIVISOR: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
+    G: tl.constexpr, TN: tl.constexpr, TK: tl.constexpr,
+    WRITE_PACKED: tl.constexpr, WRITE_CODES: tl.constexpr,
+):  # fmt: skip
+    """x [B, N, K] (K % G == 0) -> packed int32 [B, N, K/8] and/or codes int8 [B, N, K], and
+    scale [B, N, K/G] in the scale pointer's dtype (bf16)."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    pid_n = pid // n_tiles_k
+    pid_k = pid % n_tiles_k
+    rn = (pid_n.to(tl.int64) * TN + tl.arange(0, TN))[:, None, None]
+    rg = (pid_k * (TK // G) + tl.arange(0, TK // G))[None, :, None]
+    rk = rg * G + tl.arange(0, G)[None, None, :]
+    mask = (rn < N) & (rk < K)
+    x = tl.load(x_ptr + b * sxb + rn * sxn + rk * sxk, mask=mask, other=0.0).to(tl.float32)
+    ax = tl.abs(x)
+    bad = tl.max(tl.max(tl.max(tl.where(ax <= _FLT_MAX, 0, 1), axis=2), axis=1), axis=0)
+    if bad > 0:
+        tl.atomic_add(flag_ptr, 1)
+    amax = tl.maximum(tl.max(ax, axis=2, keep_dims=True), _AMAX_FLOOR)
+    scale = tl.math.div_rn(amax, tl.zeros_like(amax) + DIVISOR).to(scale_ptr.dtype.element_ty)
+    y = tl.clamp(tl.math.div_rn(x, scale.to(tl.float32)), QMIN - 1.0, QMAX + 1.0)
+    codes = tl.clamp((y + _ROUND_MAGIC) - _ROUND_MAGIC, QMIN, QMAX).to(tl.int32)
+    n_groups = K // G
+    tl.store(scale_ptr + b * N * n_groups + rn * n_groups + rg, scale, mask=(rn < N) & (rg < n_groups))
+    if WRITE_CODES:
+        tl.store(codes_ptr + b * N * K + rn * K + rk, codes.to(tl.int8), mask=mask)
+    if WRITE_PACKED:
+        nibbles = tl.reshape(codes + 8, (TN, TK // 8, 8))
+        words = tl.sum(nibbles << (tl.arange(0, 8) * 4)[None, None, :], axis=2)
+        rw = (pid_k * (TK // 8) + tl.arange(0, TK // 8))[None, :]
+        rn2 = pid_n.to(tl.int64) * TN + tl.arange(0, TN)[:, None]
+        tl.store(packed_ptr + b * N * (K // 8) + rn2 * (K // 8) + rw, words, mask=(rn2 < N) & (rw < K // 8))
+
+
+@triton.jit
+def _unpack_dequant_kernel(
+    packed_ptr, scale_ptr, out_ptr,
+    N, K, n_tiles_k,
+    G: tl.constexpr, TN: tl.constexpr, TK: tl.constexpr,
+):  # fmt: skip
+    """out = (q * scale) rounded to the scale's dtype, then cast to out's dtype, where q are the
+    nibbles of packed [B, N, K/8] minus 8 (K % G == 0, G % 8 == 0); all inputs contiguous."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    pid_n = pid // n_tiles_k
+    pid_k = pid % n_tiles_k
+    rn = (pid_n.to(tl.int64) * TN + tl.arange(0, TN))[:, None, None]
+    rw = (pid_k * (TK // 8) + tl.arange(0, TK // 8))[None, :, None]
+    mask_w = (rn < N) & (rw < K // 8)
+    words = tl.load(packed_ptr + b * N * (K // 8) + rn * (K // 8) + rw, mask=mask_w, other=0)
+    q = ((words >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF) - 8
+    rk = rw * 8 + tl.arange(0, 8)[None, None, :]
+    mask = (rn < N) & (rk < K)
+    n_groups = K // G
+    s = tl.load(scale_ptr + b * N * n_groups + rn * n_groups + rk // G, mask=mask, other=0.0)
+    deq = (q.to(tl.float32) * s.to(tl.float32)).to(scale_ptr.dtype.element_ty)
+    tl.store(out_ptr + b * N * K + rn * K + rk, deq.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _tile_k(group_size: int) -> int:
+    return group_size * max(1, 256 // group_size)
+
+
+def supports(group_size: int) -> bool:
+    """Group sizes the kernels tile: powers of two from 8 to 1024."""
+    return isinstance(group_size, int) and 8 <= group_size <= 1024 and group_size & (group_size - 1) == 0
+
+
+def quantize(
+    w: Tensor,
+    *,
+    group_size: int,
+    grid: Int4Grid | str = Int4Grid.kimi,
+    name: str = "tensor",
+    codes: bool = True,
+    packed: bool = False,
+) -> tuple[Tensor | None, Tensor | None, Tensor]:
+    """`(codes int8 | None, packed int32 | None, scale bf16)` with the bits of `int4.quantize`
+    and `int4.pack`; `codes`/`packed` select which outputs are written."""
+    divisor, qmin, qmax = int4.GRIDS[Int4Grid(grid)]
+    x = as_3d(w)
+    nb, n, k = x.shape
+    codes_out = torch.empty((nb, n, k), dtype=torch.int8, device=w.device) if codes else None
+    packed_out = torch.empty((nb, n, k // 8), dtype=torch.int32, device=w.device) if packed else None
+    scale = torch.empty((nb, n, k // group_size), dtype=torch.bfloat16, device=w.device)
+    flag = new_flag(w.device)
+    tk = _tile_k(group_size)
+    tn = max(1, 8192 // tk)
+    n_tiles_k = cdiv(k, tk)
+    dummy = scale
+    _quant_pack_kernel[(cdiv(n, tn) * n_tiles_k, nb)](
+        x, dummy if packed_out is None else packed_out, dummy if codes_out is None else codes_out, scale, flag,
+        n, k, n_tiles_k,
+        *x.stride(),
+        DIVISOR=divisor, QMIN=qmin, QMAX=qmax, G=group_size, TN=tn, TK=tk,
+        WRITE_PACKED=packed, WRITE_CODES=codes,
+        num_warps=8,
+    )  # fmt: skip
+    raise_if_flagged(flag, lambda: int4.quantize(w, group_size=group_size, grid=grid, name=name))
+    lead = w.shape[:-1]
+    return (
+        None if codes_out is None else codes_out.reshape(w.shape),
+        None if packed_out is None else packed_out.reshape(*lead, k // 8),
+        scale.reshape(*lead, k // group_size),
+    )
+
+
+def dequantize_packed(
+    packed: Tensor, scale: Tensor, n: int, k: int, group_size: int, dtype: torch.dtype
+) -> Tensor:
+    """Dense [..., N, K] from validated `pack-quantized` tensors (the dispatcher checks shapes)."""
+    p3, s3 = as_3d(packed).contiguous(), as_3d(scale).contiguous()
+    nb = p3.shape[0]
+    out = torch.empty((nb, n, k), dtype=dtype, device=packed.device)
+    tk = _tile_k(group_size)
+    tn = max(1, 8192 // tk)
+    n_tiles_k = cdiv(k, tk)
+    _unpack_dequant_kernel[(cdiv(n, tn) * n_tiles_k, nb)](
+        p3, s3, out, n, k, n_tiles_k, G=group_size, TN=tn, TK=tk, num_warps=8
+    )
+    return out.reshape(*packed.shape[:-1], k)

@@ -1,0 +1,131 @@
+"""Triton kernels for MXFP8 (FORMATS.md "MXFP8"): quantize and dequantize, one HBM pass each.
+
+A program loads a [TN, TK/32, 32] tile (each 1 x 32 block on its own last axis), takes the block
+max, derives TE's round-up E8M0 exponent from the fp32 bits exactly as `skyq.quant.mxfp8` does,
+and scales by a power of two built from bits, so `w * 2^-e` is exact and matches the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from skyq.quant import mxfp8
+from skyq.quant.kernels._common import as_3d, cdiv, new_flag, raise_if_flagged
+from skyq.quant.kernels.triton_fp8_blockwise import to_e4m3
+
+_FLT_MAX: tl.constexpr = 3.4028234663852886e38
+_INV_448: tl.constexpr = 1.0 / 448.0  # exactly the fp32 constant the reference multiplies by
+_HALF_MANTISSA: tl.constexpr = 0x400000
+_SUBNORMAL_2_POW_M127: tl.constexpr = 0x400000  # fp32 bits of 2^-127
+BLOCK = 32
+
+
+@triton.jit
+def pow2_from_biased(u):
+    """Exact fp32 2^(u - 127) for int32 u in [0, 254]; u = 0 gives the subnormal 2^-127."""
+    bits = tl.where(u == 0, _SUBNORMAL_2_POW_M127, u << 23)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _quant_kernel(
+    x_ptr, q_ptr, s_ptr, flag_ptr,
+    N, K, KB, n_tiles_k,
+    sxb, sxn, sxk,
+    TN: tl.constexpr, TG: tl.constexpr,
+):  # fmt: skip
+    """x [B, N, K] -> q [B, N, K] e4m3, scale [B, N, KB] uint8 (KB = ceil(K/32)); a tile is TN
+    rows x TG blocks of 32."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    pid_n = pid // n_tiles_k
+    pid_k = pid % n_tiles_k
+    rn = (pid_n.to(tl.int64) * TN + tl.arange(0, TN))[:, None, None]
+    rg = (pid_k * TG + tl.arange(0, TG))[None, :, None]
+    rk = rg * 32 + tl.arange(0, 32)[None, None, :]
+    mask = (rn < N) & (rk < K)
+    x = tl.load(x_ptr + b * sxb + rn * sxn + rk * sxk, mask=mask, other=0.0).to(tl.float32)
+    ax = tl.abs(x)
+    bad = tl.max(tl.max(tl.max(tl.where(ax <= _FLT_MAX, 0, 1), axis=2), axis=1), axis=0)
+    if bad > 0:
+        tl.atomic_add(flag_ptr, 1)
+    t = tl.max(ax, axis=2, keep_dims=True) * _INV_448
+    bits = t.to(tl.int32, bitcast=True)
+    biased = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    round_up = tl.where(biased == 0, mantissa > _HALF_MANTISSA, mantissa != 0)
+    u = tl.minimum(biased + round_up.to(tl.int32), 254)
+    q = to_e4m3(x * pow2_from_biased(254 - u))
+    tl.store(q_ptr + b * N * K + rn * K + rk, q, mask=mask)
+    tl.store(s_ptr + b * N * KB + rn * KB + rg, u.to(tl.uint8), mask=(rn < N) & (rg < KB))
+
+
+@triton.jit
+def _dequant_kernel(
+    q_ptr, s_ptr, out_ptr, flag_ptr,
+    N, K, KB, n_tiles_k,
+    TN: tl.constexpr, TG: tl.constexpr,
+):  # fmt: skip
+    """out = q * 2^(scale - 127) in fp32 (exact), cast to out's dtype; q and scale contiguous.
+    Counts NaN codes and E8M0 NaN bytes (0xFF) into `flag_ptr`."""
+    pid = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    pid_n = pid // n_tiles_k
+    pid_k = pid % n_tiles_k
+    rn = (pid_n.to(tl.int64) * TN + tl.arange(0, TN))[:, None, None]
+    rg = (pid_k * TG + tl.arange(0, TG))[None, :, None]
+    rk = rg * 32 + tl.arange(0, 32)[None, None, :]
+    mask = (rn < N) & (rk < K)
+    smask = (rn < N) & (rg < KB)
+    q = tl.load(q_ptr + b * N * K + rn * K + rk, mask=mask, other=0.0)
+    u = tl.load(s_ptr + b * N * KB + rn * KB + rg, mask=smask, other=127).to(tl.int32)
+    nan_code = (q.to(tl.uint8, bitcast=True) & 0x7F) == 0x7F
+    bad = tl.max(tl.max(tl.max(tl.where(nan_code | (u == 0xFF), 1, 0), axis=2), axis=1), axis=0)
+    if bad > 0:
+        tl.atomic_add(flag_ptr, 1)
+    out = q.to(tl.float32) * pow2_from_biased(u)
+    tl.store(out_ptr + b * N * K + rn * K + rk, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_TN, _TG = 16, 16  # 16 rows x 512 columns per program: 16 KB of bf16 read
+
+
+def quantize(w: Tensor, *, name: str = "tensor", allow_pad: bool = False) -> tuple[Tensor, Tensor]:
+    """Same contract and bits as `mxfp8.quantize` for a floating-point `w` [..., N, K]."""
+    k = w.shape[-1]
+    if k % BLOCK and not allow_pad:
+        return mxfp8.quantize(w, name=name, allow_pad=allow_pad)  # raises, with the arithmetic
+    x = as_3d(w)
+    nb, n, _ = x.shape
+    kb = cdiv(k, BLOCK)
+    q = torch.empty((nb, n, k), dtype=torch.float8_e4m3fn, device=w.device)
+    s = torch.empty((nb, n, kb), dtype=torch.uint8, device=w.device)
+    flag = new_flag(w.device)
+    n_tiles_k = cdiv(kb, _TG)
+    grid = (cdiv(n, _TN) * n_tiles_k, nb)
+    _quant_kernel[grid](x, q, s, flag, n, k, kb, n_tiles_k, *x.stride(), TN=_TN, TG=_TG, num_warps=8)
+    raise_if_flagged(flag, lambda: mxfp8.quantize(w, name=name, allow_pad=allow_pad))
+    return q.reshape(w.shape), s.reshape(*w.shape[:-1], kb)
+
+
+def dequantize(
+    q: Tensor, scale_u8: Tensor, *, dtype: torch.dtype = torch.bfloat16, name: str = "tensor"
+) -> Tensor:
+    """Same contract and bits as `mxfp8.dequantize`. Wrong dtypes or shapes go to the reference,
+    which raises; NaN codes and 0xFF scale bytes are detected in the kernel."""
+    ok = q.dtype == torch.float8_e4m3fn and scale_u8.dtype == torch.uint8 and q.ndim >= 2 and q.numel() > 0
+    if not ok or tuple(scale_u8.shape) != (*q.shape[:-1], cdiv(q.shape[-1], BLOCK)):
+        return mxfp8.dequantize(q, scale_u8, dtype=dtype, name=name)
+    q3, s3 = as_3d(q).contiguous(), as_3d(scale_u8).contiguous()
+    nb, n, k = q3.shape
+    kb = s3.shape[-1]
+    out = torch.empty((nb, n, k), dtype=dtype, device=q.device)
+    flag = new_flag(q.device)
+    n_tiles_k = cdiv(kb, _TG)
+    grid = (cdiv(n, _TN) * n_tiles_k, nb)
+    _dequant_kernel[grid](q3, s3, out, flag, n, k, kb, n_tiles_k, TN=_TN, TG=_TG, num_warps=8)
+    raise_if_flagged(flag, lambda: mxfp8.dequantize(q, scale_u8, dtype=dtype, name=name))
+    return out.reshape(q.shape)
