@@ -1,0 +1,226 @@
+"""`QuantizationStrategy`: everything one precision implies, and the registry keyed by `Precision`.
+
+A strategy answers, for its precision: which roles it quantizes, the wire tensors of a parameter
+(`wire_specs` from shapes alone, `serialize` from data — the plan and the sender agree by
+construction because both go through `wire_specs`), how the engine reads them back (`deserialize`),
+the trainer's fake-quant (`fake_quant`, bit-identical to `deserialize(serialize(w))`), the engine's
+`quantization_config`, the Transformer Engine recipe and the environment both sides need.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
+
+import torch
+from torch import Tensor
+
+from skyq.config.enums import Fp8Recipe, Precision, QuantScope
+from skyq.config.schema import ModelConfig, PrecisionConfig
+from skyq.quant.errors import QuantizationError
+from skyq.quant.layouts import ModelQuantizationLayout, Role, hf_dtype
+from skyq.quant.layouts import experts as expert_layout
+
+if TYPE_CHECKING:
+    from skyq.quant.plan import QuantPlan
+
+LINEAR_SCOPE: dict[QuantScope, frozenset[Role]] = {
+    QuantScope.routed_experts: frozenset({Role.routed_expert}),
+    QuantScope.all_linear: frozenset(
+        {Role.routed_expert, Role.shared_expert, Role.attention, Role.dense_mlp}
+    ),
+}
+"""Roles each scope covers. Router, norms, embeddings, lm_head, vision and MTP are in neither."""
+
+
+class WireSpec(NamedTuple):
+    """One tensor on the wire / in the checkpoint: its name, shape and dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class StrategyError(ValueError):
+    """A strategy asked to do something its precision or config cannot (wrong plan, unresolved recipe)."""
+
+
+class QuantizationStrategy(ABC):
+    """One precision: scope, wire format, engine config, trainer recipe and environment."""
+
+    precision: ClassVar[Precision]
+    format_name: ClassVar[str | None]
+    """Name of the wire format of quantized weights (`fp8_blockwise`, `mxfp8`, `int4`), None for bf16."""
+    wire_suffixes: ClassVar[tuple[str, ...]] = ()
+    """What a quantized `X.weight` becomes: `X` + each suffix."""
+
+    def __init__(self, precision_cfg: PrecisionConfig) -> None:
+        if precision_cfg.name is not self.precision:
+            raise StrategyError(
+                f"precision.name={precision_cfg.name.value} given to the {self.precision.value} strategy"
+            )
+        self.precision_cfg = precision_cfg
+
+    # scope -------------------------------------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def quantized_roles(self) -> frozenset[Role]:
+        """The roles whose 2-D `.weight` tensors this precision quantizes."""
+
+    def quantizes(self, role: Role) -> bool:
+        """Whether parameters of `role` are quantized (their 2-D `.weight`; biases never are)."""
+        return role in self.quantized_roles
+
+    def quantizes_param(self, name: str, shape: tuple[int, ...], role: Role) -> bool:
+        """Whether this exact tensor is quantized: a quantized role, a `.weight`, exactly 2-D."""
+        return self.quantizes(role) and name.endswith(".weight") and len(shape) == 2
+
+    def wire_settings(self) -> dict[str, object]:
+        """The settings that change the wire bytes (block, grid, scale format), as plain JSON values."""
+        return {}
+
+    def block(self) -> tuple[int, ...] | None:
+        """The quantization block (rows, cols) or group (1, G) of quantized weights; None for bf16."""
+        return None
+
+    # wire --------------------------------------------------------------------------------------
+
+    def wire_specs(self, name: str, shape: tuple[int, ...], role: Role) -> list[WireSpec]:
+        """The wire tensors of one parameter, from its shape alone; raises if the format cannot take it."""
+        if not self.quantizes_param(name, shape, role):
+            return [WireSpec(name, tuple(shape), hf_dtype(role))]
+        return self._quantized_wire_specs(name[: -len("weight")], tuple(shape))
+
+    def _quantized_wire_specs(self, stem: str, shape: tuple[int, ...]) -> list[WireSpec]:
+        raise StrategyError(
+            f"{self.precision.value} quantizes no tensor, yet {stem}weight reached its quantized path"
+        )
+
+    def serialize(self, name: str, tensor: Tensor, *, role: Role) -> dict[str, Tensor]:
+        """The wire tensors of `tensor` (named as FORMATS.md says); unquantized ones pass through."""
+        shape = tuple(tensor.shape)
+        specs = self.wire_specs(name, shape, role)
+        if not self.quantizes_param(name, shape, role):
+            return {name: tensor.to(specs[0].dtype)}
+        wire = self._encode(name[: -len("weight")], tensor)
+        for spec in specs:  # the plan promised these; a format change that breaks it must not ship
+            got = wire[spec.name]
+            assert (tuple(got.shape), got.dtype) == (spec.shape, spec.dtype), (spec, got.shape, got.dtype)
+        return wire
+
+    def _encode(self, stem: str, tensor: Tensor) -> dict[str, Tensor]:
+        raise StrategyError(
+            f"{self.precision.value} quantizes no tensor, yet {stem}weight reached its quantized path"
+        )
+
+    def deserialize(
+        self, name: str, wire: Mapping[str, Tensor], *, dtype: torch.dtype = torch.bfloat16
+    ) -> Tensor:
+        """The tensor an engine computes with: dequantized (in `dtype`) or the unquantized tensor as sent.
+
+        A quantized weight must arrive with every member of its unit (weight and scales); a partial
+        unit is an error naming what is missing, never a weight read without its scale.
+        """
+        if set(wire) == {name}:
+            return wire[name]
+        stem = name.removesuffix("weight")
+        expected = {stem + suffix for suffix in self.wire_suffixes}
+        if not name.endswith(".weight") or not expected or set(wire) != expected:
+            raise QuantizationError(
+                f"{name}: {self.precision.value} wire tensors must be exactly {sorted(expected or {name})} "
+                f"or [{name!r}] for an unquantized tensor; got {sorted(wire)}"
+            )
+        return self._decode(stem, wire, dtype)
+
+    def _decode(self, stem: str, wire: Mapping[str, Tensor], dtype: torch.dtype) -> Tensor:
+        raise StrategyError(
+            f"{self.precision.value} quantizes no tensor, yet {stem}weight reached its quantized path"
+        )
+
+    # trainer -----------------------------------------------------------------------------------
+
+    @abstractmethod
+    def fake_quant(self, tensor: Tensor, *, name: str = "weight") -> Tensor:
+        """dequant(quant(tensor)) in the tensor's dtype with a straight-through gradient.
+
+        Leading dims are independent matrices ([..., N, K]); pass one projection's expert stack, never
+        a fused gate_up tensor (use `fake_quant_param`, which splits it).
+        """
+
+    def fake_quant_param(
+        self, trainer_name: str, tensor: Tensor, *, layout: ModelQuantizationLayout, model_cfg: ModelConfig
+    ) -> Tensor:
+        """Fake-quant one trainer parameter if this precision quantizes it, else return it unchanged.
+
+        Fused expert tensors are fake-quantized per expert and per projection (gate and up apart),
+        so no block or group straddles gate/up rows or two experts — exactly what `serialize` of the
+        split HF tensors produces.
+        """
+        role = layout.role(trainer_name, model_cfg)
+        if expert_layout.parse_fused_name(trainer_name) is None:
+            if not self.quantizes_param(trainer_name, tuple(tensor.shape), role):
+                return tensor
+            return self.fake_quant(tensor, name=trainer_name)
+        if not self.quantizes(role):
+            return tensor
+        stacks = expert_layout.projection_stacks(trainer_name, tensor, model_cfg)
+        parts = [self.fake_quant(stack, name=f"{trainer_name}[{projection}]") for projection, stack in stacks]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def te_recipe_kwargs(self) -> dict[str, object] | None:
+        """Transformer Engine recipe for a Megatron trainer, as plain data (None: no TE FP8 recipe).
+
+        `recipe` names the TE class in `transformer_engine.common.recipe`; the other keys are its
+        constructor arguments, except those documented per strategy.
+        """
+        return None
+
+    def env_vars(self, resolved_recipe: Fp8Recipe) -> dict[str, dict[str, str]]:
+        """Environment for trainer and engine processes, given the FP8 recipe the WORKERS resolved.
+
+        `auto` is refused: env vars depend on the device, and the driver must never guess it.
+        """
+        if resolved_recipe is Fp8Recipe.auto:
+            raise StrategyError(
+                "env_vars needs the fp8 recipe the workers resolved (blockwise or mxfp8), got `auto`: "
+                "resolve precision.fp8_recipe on each worker first and pass the agreed value"
+            )
+        return {"trainer": {}, "engine": {}}
+
+    # checkpoint / engine -----------------------------------------------------------------------
+
+    @abstractmethod
+    def quantization_config(self, plan: QuantPlan) -> dict[str, object] | None:
+        """The `quantization_config` block of the engine's config.json (None: plain bf16 checkpoint)."""
+
+    def _check_plan(self, plan: QuantPlan) -> None:
+        if plan.precision is not self.precision:
+            raise StrategyError(
+                f"quantization_config: the plan was built for precision {plan.precision.value}, "
+                f"this strategy is {self.precision.value}; rebuild the plan with the same precision config"
+            )
+
+
+_REGISTRY: dict[Precision, type[QuantizationStrategy]] = {}
+
+
+def register_strategy(cls: type[QuantizationStrategy]) -> type[QuantizationStrategy]:
+    """Class decorator: make `cls` the strategy of `cls.precision` (one per precision)."""
+    if cls.precision in _REGISTRY:
+        raise StrategyError(
+            f"two strategies for precision {cls.precision.value}: {_REGISTRY[cls.precision]}, {cls}"
+        )
+    _REGISTRY[cls.precision] = cls
+    return cls
+
+
+def strategy_class(precision: Precision) -> type[QuantizationStrategy]:
+    """The registered strategy class of a precision."""
+    try:
+        return _REGISTRY[precision]
+    except KeyError:
+        raise StrategyError(
+            f"precision.name={precision!r} has no registered strategy; known: {sorted(p.value for p in _REGISTRY)}"
+        ) from None

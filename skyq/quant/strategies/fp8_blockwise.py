@@ -1,0 +1,129 @@
+"""FP8 blockwise: e4m3 codes + fp32 `weight_scale_inv` per bn x bk block (DeepSeek-V3 layout).
+
+Scope: `precision.fp8_targets` (all_linear by default: attention, dense MLP, shared and routed
+experts). Scales are powers of two exactly when `precision.scale_format=ue8m0`, and only then does
+the checkpoint say `scale_fmt: ue8m0` (FORMATS.md; a flag over non-pow2 scales is pitfall P2).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from skyq.config.enums import Fp8Recipe, Precision, ScaleFormat
+from skyq.config.schema import PrecisionConfig
+from skyq.quant import fake_quant, fp8_blockwise
+from skyq.quant.layouts import Role
+from skyq.quant.strategies.base import (
+    LINEAR_SCOPE,
+    QuantizationStrategy,
+    StrategyError,
+    WireSpec,
+    register_strategy,
+)
+
+if TYPE_CHECKING:
+    from skyq.quant.plan import QuantPlan
+
+
+@register_strategy
+class Fp8BlockwiseStrategy(QuantizationStrategy):
+    precision = Precision.fp8_blockwise
+    format_name = "fp8_blockwise"
+    wire_suffixes = ("weight", "weight_scale_inv")
+
+    def __init__(self, precision_cfg: PrecisionConfig) -> None:
+        super().__init__(precision_cfg)
+        block = list(precision_cfg.block_size)
+        if len(block) != 2 or not all(isinstance(b, int) and b > 0 for b in block):
+            raise StrategyError(f"precision.block_size={block!r}: expected [rows, cols] of two positive ints")
+        self.block_size: tuple[int, int] = (block[0], block[1])
+        self.pow2_scale = precision_cfg.scale_format is ScaleFormat.ue8m0
+
+    @property
+    def quantized_roles(self) -> frozenset[Role]:
+        return LINEAR_SCOPE[self.precision_cfg.fp8_targets]
+
+    def block(self) -> tuple[int, int]:
+        return self.block_size
+
+    def wire_settings(self) -> dict[str, object]:
+        return {"block_size": list(self.block_size), "scale_format": self.precision_cfg.scale_format.value}
+
+    def _quantized_wire_specs(self, stem: str, shape: tuple[int, ...]) -> list[WireSpec]:
+        (bn, bk), (n, k) = self.block_size, shape
+        return [
+            WireSpec(stem + "weight", (n, k), torch.float8_e4m3fn),
+            WireSpec(stem + "weight_scale_inv", (math.ceil(n / bn), math.ceil(k / bk)), torch.float32),
+        ]
+
+    def _encode(self, stem: str, tensor: Tensor) -> dict[str, Tensor]:
+        q, scale_inv = fp8_blockwise.quantize(
+            tensor, block_size=self.block_size, pow2_scale=self.pow2_scale, name=stem + "weight"
+        )
+        return {stem + "weight": q, stem + "weight_scale_inv": scale_inv}
+
+    def _decode(self, stem: str, wire: Mapping[str, Tensor], dtype: torch.dtype) -> Tensor:
+        return fp8_blockwise.dequantize(
+            wire[stem + "weight"], wire[stem + "weight_scale_inv"], block_size=self.block_size,
+            dtype=dtype, name=stem + "weight",
+        )  # fmt: skip
+
+    def fake_quant(self, tensor: Tensor, *, name: str = "weight") -> Tensor:
+        return fake_quant.fake_quant_fp8_blockwise(tensor, self.block_size, self.pow2_scale, name=name)
+
+    def quantization_config(self, plan: QuantPlan) -> dict[str, object]:
+        """DeepSeek-V3 / vLLM / SGLang / transformers FineGrainedFP8 block config."""
+        self._check_plan(plan)
+        config: dict[str, object] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": list(self.block_size),
+            "modules_to_not_convert": plan.unquantized_linear_modules(),
+        }
+        if self.pow2_scale:
+            config["scale_fmt"] = "ue8m0"
+        return config
+
+    def te_recipe_kwargs(self) -> dict[str, object]:
+        """TE `Float8BlockScaling`: 1x128 activation tiles, 128x128 weight blocks.
+
+        `use_f32_scales` is not a constructor argument: TE reads it from
+        NVTE_FP8_BLOCK_SCALING_FP32_SCALES at import time (see `env_vars`); the trainer asserts
+        the imported class attribute equals it. `fp8_param` is Megatron's persistent-FP8-weights switch.
+        """
+        return {
+            "recipe": "Float8BlockScaling",
+            "fp8_format": "E4M3",
+            "use_f32_scales": not self.pow2_scale,
+            "fp8_param": self.precision_cfg.persistent_fp8_params,
+        }
+
+    def env_vars(self, resolved_recipe: Fp8Recipe) -> dict[str, dict[str, str]]:
+        """NVTE_FP8_BLOCK_SCALING_FP32_SCALES (trainer) and VLLM_USE_DEEP_GEMM_E8M0 (engine).
+
+        - NVTE_FP8_BLOCK_SCALING_FP32_SCALES: TE's Float8BlockScaling rounds scales to powers of two
+          unless this is "1"; it must match `scale_format` or the trainer's forward quantizes on a
+          different grid than the weights pushed to the engine. Read at TE import time.
+        - VLLM_USE_DEEP_GEMM_E8M0: vLLM re-quantizes block scales to E8M0 for DeepGEMM when "1". On
+          Hopper that would round fp32 scales (mismatch) so it is "0"; on SM100+ (resolved recipe
+          mxfp8) DeepGEMM only takes E8M0, which pow2 scales convert to losslessly, so it is "1"
+          and fp32 scales are refused.
+        """
+        super().env_vars(resolved_recipe)
+        if resolved_recipe is Fp8Recipe.mxfp8 and not self.pow2_scale:
+            raise StrategyError(
+                "precision.name=fp8_blockwise with precision.scale_format=fp32 on workers that resolved "
+                "fp8_recipe=mxfp8 (SM100+): Blackwell DeepGEMM and TE's MX-emulated blockwise need "
+                "power-of-two scales; set precision.scale_format=ue8m0"
+            )
+        blackwell = resolved_recipe is Fp8Recipe.mxfp8
+        return {
+            "trainer": {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "0" if self.pow2_scale else "1"},
+            "engine": {"VLLM_USE_DEEP_GEMM_E8M0": "1" if blackwell else "0"},
+        }

@@ -1,0 +1,116 @@
+"""INT4 QAT: bf16 forward with fake INT4 on the QAT scope, W4A16 `pack-quantized` on the wire.
+
+Scope: `precision.qat_scope` (routed experts by default, as in Kimi-K2-Thinking / K2.6). The
+trainer's fake-quant and the checkpoint's ignore list come from the same plan, so they cover the
+same set. Symmetric only: asymmetric zero points are never written for QAT (FORMATS.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from skyq.config.enums import Precision
+from skyq.config.schema import PrecisionConfig
+from skyq.quant import fake_quant, int4
+from skyq.quant.errors import QuantizationError
+from skyq.quant.layouts import Role
+from skyq.quant.strategies.base import (
+    LINEAR_SCOPE,
+    QuantizationStrategy,
+    StrategyError,
+    WireSpec,
+    register_strategy,
+)
+
+if TYPE_CHECKING:
+    from skyq.quant.plan import QuantPlan
+
+
+@register_strategy
+class Int4QatStrategy(QuantizationStrategy):
+    precision = Precision.int4_qat
+    format_name = "int4"
+    wire_suffixes = ("weight_packed", "weight_scale", "weight_shape")
+
+    def __init__(self, precision_cfg: PrecisionConfig) -> None:
+        super().__init__(precision_cfg)
+        g = precision_cfg.int4_group_size
+        if not isinstance(g, int) or g <= 0:
+            raise StrategyError(f"precision.int4_group_size={g!r}: expected a positive int (32 or 128)")
+        self.group_size = g
+
+    @property
+    def quantized_roles(self) -> frozenset[Role]:
+        return LINEAR_SCOPE[self.precision_cfg.qat_scope]
+
+    def block(self) -> tuple[int, int]:
+        return (1, self.group_size)
+
+    def wire_settings(self) -> dict[str, object]:
+        return {"group_size": self.group_size, "grid": self.precision_cfg.int4_grid.value, "symmetric": True}
+
+    def _quantized_wire_specs(self, stem: str, shape: tuple[int, ...]) -> list[WireSpec]:
+        n, k = shape
+        g = self.group_size
+        if k % g:
+            raise QuantizationError(
+                f"{stem}weight: INT4 needs K % group_size == 0, but K = {k} = {k // g} * {g} + {k % g} "
+                f"(shape {shape}, precision.int4_group_size={g}); pick a group size dividing {k}"
+            )
+        return [
+            WireSpec(stem + "weight_packed", (n, math.ceil(k / int4.CODES_PER_WORD)), torch.int32),
+            WireSpec(stem + "weight_scale", (n, k // g), torch.bfloat16),
+            WireSpec(stem + "weight_shape", (2,), torch.int64),
+        ]
+
+    def _encode(self, stem: str, tensor: Tensor) -> dict[str, Tensor]:
+        name = stem + "weight"
+        q, scale = int4.quantize(
+            tensor, group_size=self.group_size, grid=self.precision_cfg.int4_grid, name=name
+        )
+        n, k = tensor.shape
+        return {
+            stem + "weight_packed": int4.pack(q, name=name),
+            stem + "weight_scale": scale,
+            stem + "weight_shape": int4.weight_shape_tensor(n, k),
+        }
+
+    def _decode(self, stem: str, wire: Mapping[str, Tensor], dtype: torch.dtype) -> Tensor:
+        return int4.dequantize_packed(
+            wire[stem + "weight_packed"], wire[stem + "weight_scale"], wire[stem + "weight_shape"],
+            group_size=self.group_size, dtype=dtype, name=stem + "weight",
+        )  # fmt: skip
+
+    def fake_quant(self, tensor: Tensor, *, name: str = "weight") -> Tensor:
+        return fake_quant.fake_quant_int4(tensor, self.group_size, self.precision_cfg.int4_grid, name=name)
+
+    def quantization_config(self, plan: QuantPlan) -> dict[str, object]:
+        """compressed-tensors `pack-quantized` W4A16, symmetric, groups of G (FORMATS.md)."""
+        self._check_plan(plan)
+        return {
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {
+                        "num_bits": 4,
+                        "type": "int",
+                        "symmetric": True,
+                        "strategy": "group",
+                        "group_size": self.group_size,
+                        "dynamic": False,
+                        "observer": "minmax",
+                    },
+                    "input_activations": None,
+                }
+            },
+            "ignore": plan.ignore_list(),
+            "kv_cache_scheme": None,
+        }
