@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 CHARACTERS = "0123456789+-*/%=(). "
 UNKNOWN_CHARACTER = "\ufffd"
 
@@ -24,9 +25,9 @@ class ArithTokenizer:
     def __init__(self) -> None:
         self.vocab: list[str] = [PAD, BOS, EOS, *CHARACTERS]
         self._char_to_id = {c: i for i, c in enumerate(self.vocab) if len(c) == 1}
-        self.pad_token_id = 0
-        self.bos_token_id = 1
-        self.eos_token_id = 2
+        self.pad_token_id = PAD_ID
+        self.bos_token_id = BOS_ID
+        self.eos_token_id = EOS_ID
 
     @property
     def vocab_size(self) -> int:

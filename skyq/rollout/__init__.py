@@ -1,0 +1,1 @@
+"""Rollout engines. `skyq.rollout.embedded.EmbeddedEngine`: in-process PyTorch, wire-format weights."""

@@ -1,0 +1,255 @@
+"""EmbeddedEngine: an in-process rollout engine that holds its weights in the wire format.
+
+It is the transformers Qwen3-MoE model with every quantized linear replaced by a `WireLinear`
+(buffers = the wire tensors) and every fused experts block by per-expert modules named like the HF
+tensors, so `model.state_dict()` has exactly the plan's wire names, shapes and dtypes. Weights change
+only through `load_weights`, which validates the complete set against the plan before touching
+anything and bumps the weight version only after it has copied everything in.
+
+The engine computes in bf16, like a serving engine; the trainer's fp32 compute on the same weights
+is what the mismatch metrics measure against. KV caches live inside one `generate` call only, so
+no cached state can survive a weight update.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from skyq.config.schema import ModelConfig, PrecisionConfig
+from skyq.quant.errors import QuantizationError
+from skyq.quant.layouts import get_layout
+from skyq.quant.plan import build_plan
+from skyq.quant.strategies import WireSpec, get_strategy
+from skyq.rl.batch import FinishReason, Sample
+from skyq.rl.tokenizer import EOS_ID
+from skyq.rollout.quantized_linear import ExpertMLP, WireExperts, WireLinear, activation_quant, plain_linear
+from skyq.rollout.sampling import check_sampling_args, sample_tokens
+from skyq.trainer.native.model import hf_config
+
+COMPUTE_DTYPE = torch.bfloat16
+NO_WEIGHTS = -1
+
+
+class WeightLoadError(ValueError):
+    """A weight update that does not match the plan; the engine keeps its previous weights."""
+
+
+class EmbeddedEngine:
+    """Batched sampling with log-probs from wire-format weights (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        model_cfg: ModelConfig,
+        precision_cfg: PrecisionConfig,
+        device: str = "cpu",
+        seed: int,
+        eos_token_id: int = EOS_ID,
+    ) -> None:
+        if model_cfg.text_prefix:
+            raise ValueError(
+                f"model.text_prefix={model_cfg.text_prefix!r}: the embedded engine serves text-only qwen3_moe models"
+            )
+        self.model_cfg, self.precision_cfg = model_cfg, precision_cfg
+        self.device = torch.device(device)
+        self.seed = seed
+        self.eos_token_id = eos_token_id
+        self.plan = build_plan(model_cfg, precision_cfg)
+        self.strategy = get_strategy(precision_cfg)
+        self.layout = get_layout(model_cfg.family)
+        self.expected: dict[str, WireSpec] = {w.name: w for p in self.plan for w in p.wire}
+        self.model = self._build_model().to(self.device).eval()
+        self._version = NO_WEIGHTS
+        held = {name: (tuple(t.shape), t.dtype) for name, t in self.model.state_dict().items()}
+        assert held == {n: (w.shape, w.dtype) for n, w in self.expected.items()}, "engine model != plan"
+
+    # construction -------------------------------------------------------------------------------
+
+    def _linear(self, hf_name: str) -> nn.Module:
+        entry = self.plan[hf_name]
+        if entry.quantized:
+            return WireLinear(hf_name, list(entry.wire), self.strategy, activation_quant(self.precision_cfg))
+        return plain_linear(entry.shape, COMPUTE_DTYPE)
+
+    def _build_model(self) -> nn.Module:
+        from transformers import Qwen3MoeForCausalLM
+
+        with torch.device("meta"):
+            model = Qwen3MoeForCausalLM(hf_config(self.model_cfg))
+        for name, module in list(model.named_modules()):
+            if isinstance(module, nn.Linear) and f"{name}.weight" in self.plan:
+                self._replace(model, name, self._linear(f"{name}.weight"))
+            elif isinstance(getattr(module, "gate_up_proj", None), Tensor):
+                experts = [
+                    ExpertMLP(*(self._linear(f"{name}.{e}.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")),
+                              act_fn=module.act_fn)
+                    for e in range(self.model_cfg.num_experts)
+                ]  # fmt: skip
+                self._replace(model, name, WireExperts(experts))
+        # Whatever is still on the meta device (embeddings, norms, router) gets real zero storage.
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            for tensor in model.state_dict().values():
+                tensor.zero_()
+            model.model.rotary_emb.__init__(model.config)  # inv_freq is computed, not loaded
+        model.to(COMPUTE_DTYPE)
+        for spec in self.expected.values():  # int/fp8 wire tensors must keep their own dtypes
+            holder, _, leaf = spec.name.rpartition(".")
+            owner = model.get_submodule(holder)
+            if leaf in owner._buffers and owner._buffers[leaf].dtype != spec.dtype:
+                owner._buffers[leaf] = torch.zeros(spec.shape, dtype=spec.dtype)
+        return model.requires_grad_(False)
+
+    @staticmethod
+    def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+        parent, _, child = name.rpartition(".")
+        model.get_submodule(parent).register_module(child, module)
+
+    # weights ------------------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights in use; -1 before the first `load_weights`."""
+        return self._version
+
+    def wire_state(self) -> dict[str, Tensor]:
+        """Copies of the tensors the engine holds, by wire name (the dtypes it computes from)."""
+        return {name: t.detach().clone() for name, t in self.model.state_dict().items()}
+
+    def _check_wire(self, wire: dict[str, Tensor]) -> list[str]:
+        problems = [f"{name}: missing (the plan sends it)" for name in self.expected if name not in wire]
+        problems += [
+            f"{name}: not in the {self.precision_cfg.name.value} plan of this model"
+            for name in wire
+            if name not in self.expected
+        ]
+        for name, spec in self.expected.items():
+            tensor = wire.get(name)
+            if tensor is None:
+                continue
+            if not isinstance(tensor, Tensor):
+                problems.append(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+            elif (tuple(tensor.shape), tensor.dtype) != (spec.shape, spec.dtype):
+                problems.append(
+                    f"{name}: expected shape {spec.shape} {spec.dtype}, got {tuple(tensor.shape)} {tensor.dtype}"
+                )
+        return problems
+
+    def _check_values(self, wire: dict[str, Tensor]) -> None:
+        """Dequantize every unit once (it refuses NaN codes and bad scales) and check bf16 tensors are finite."""
+        for entry in self.plan:
+            unit = {w.name: wire[w.name] for w in entry.wire}
+            try:
+                value = self.strategy.deserialize(entry.name, unit) if entry.quantized else unit[entry.name]
+            except QuantizationError as exc:
+                raise WeightLoadError(f"weight version rejected: {exc}") from exc
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                raise WeightLoadError(f"{entry.name}: non-finite values; weight version rejected")
+
+    def load_weights(self, wire: dict[str, Tensor], version: int) -> None:
+        """Replace all weights with `wire` (every wire tensor of the plan) and set the version.
+
+        Everything is validated first — names, shapes, dtypes, finite values, a version newer than
+        the current one — and on any problem a `WeightLoadError` names the tensor and nothing changes.
+        """
+        if not isinstance(version, int) or version <= self._version:
+            raise WeightLoadError(
+                f"weight version {version!r} refused: the engine holds version {self._version}, "
+                "updates must carry a strictly increasing version"
+            )
+        problems = self._check_wire(wire)
+        if problems:
+            shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+            raise WeightLoadError(
+                f"weight version {version} rejected, engine keeps version {self._version}: {shown}"
+            )
+        self._check_values(wire)
+        with torch.no_grad():
+            for name, held in self.model.state_dict().items():
+                held.copy_(wire[name])
+        self._version = version
+
+    # sampling -----------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        n: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int,
+    ) -> list[Sample]:
+        """`n` samples per prompt, grouped: result[i * n + j] is sample j of prompt i.
+
+        Prompts of equal length are decoded together (no padding, so positions and masks are
+        trivially those the trainer recomputes); a row that emitted eos keeps decoding in the batch
+        but its tokens are dropped.
+        """
+        if self._version == NO_WEIGHTS:
+            raise WeightLoadError("generate called before load_weights: the engine holds no weights yet")
+        check_sampling_args(temperature, top_p)
+        if n <= 0 or max_new_tokens <= 0:
+            raise ValueError(
+                f"generate needs n > 0 and max_new_tokens > 0, got n={n}, max_new_tokens={max_new_tokens}"
+            )
+        generator = torch.Generator().manual_seed(seed)
+        results: list[Sample | None] = [None] * (len(prompts) * n)
+        by_length: dict[int, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty")
+            by_length.setdefault(len(prompt), []).append(i)
+        for length in sorted(by_length):
+            group = by_length[length]
+            rows = [prompts[i] for i in group for _ in range(n)]
+            samples = self._sample_rows(rows, max_new_tokens, temperature, top_p, generator)
+            for k, sample in enumerate(samples):
+                results[group[k // n] * n + k % n] = sample
+        assert all(s is not None for s in results)
+        return results  # type: ignore[return-value]
+
+    def _sample_rows(
+        self,
+        rows: list[list[int]],
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        generator: torch.Generator,
+    ) -> list[Sample]:
+        """Decode equal-length prompts together with a KV cache; one Sample per row."""
+        from transformers import DynamicCache
+
+        input_ids = torch.tensor(rows, dtype=torch.long, device=self.device)
+        cache = DynamicCache(config=self.model.config)
+        tokens_out = torch.zeros((len(rows), max_new_tokens), dtype=torch.long)
+        logprobs_out = torch.zeros((len(rows), max_new_tokens), dtype=torch.float32)
+        lengths = torch.full((len(rows),), max_new_tokens, dtype=torch.long)
+        finished = torch.zeros(len(rows), dtype=torch.bool)
+        step_input = input_ids
+        for step in range(max_new_tokens):
+            logits = self.model(input_ids=step_input, cache=cache, use_cache=True, logits_to_keep=1).logits[
+                :, -1
+            ]
+            tokens, logprobs = sample_tokens(
+                logits.cpu(), temperature=temperature, top_p=top_p, generator=generator
+            )
+            tokens_out[:, step], logprobs_out[:, step] = tokens, logprobs
+            stopped_now = ~finished & (tokens == self.eos_token_id)
+            lengths[stopped_now] = step + 1
+            finished |= stopped_now
+            if bool(finished.all()):
+                break
+            step_input = tokens[:, None].to(self.device)
+        return [
+            Sample(
+                prompt_ids=list(rows[r]),
+                response_ids=tokens_out[r, : lengths[r]].tolist(),
+                logprobs=logprobs_out[r, : lengths[r]].tolist(),
+                finish_reason=FinishReason.stop if finished[r] else FinishReason.length,
+            )
+            for r in range(len(rows))
+        ]

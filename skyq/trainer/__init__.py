@@ -1,0 +1,1 @@
+"""Trainer backends. `skyq.trainer.native`: plain PyTorch over a transformers model (embedded runs)."""

@@ -1,0 +1,150 @@
+"""The native trainer's precision: effective weights from the strategy + an activation-quant rewrite.
+
+Weights. The forward never reads the fp32 master parameters directly: it runs on
+`effective_parameters()`, where every parameter is rounded to bf16 (what `hf_weights()` sends) and,
+if the precision's strategy quantizes it, fake-quantized by `strategy.fake_quant_param` (per expert
+and per projection for fused experts, straight-through gradient). So the trainer computes with
+exactly the values the rollout engine dequantizes from the wire — bit for bit.
+
+Activations. FP8 recipes also quantize the inputs of the linears they quantize (1 x tile FP8
+blockwise, 1 x 32 MXFP8): the exact CPU emulation of an FP8 GEMM. That part is a module rewrite:
+those `nn.Linear`s become `ActivationQuantLinear` and those fused expert modules
+`ActivationQuantExperts`, keeping their parameters under the same names. INT4 QAT is W4A16: no
+activation quantization. bf16 quantizes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from skyq.config.enums import Precision, ScaleFormat
+from skyq.config.schema import ModelConfig, PrecisionConfig
+from skyq.quant import fake_quant
+from skyq.quant.layouts import ModelQuantizationLayout
+from skyq.quant.strategies import QuantizationStrategy
+
+TensorFn = Callable[[Tensor], Tensor]
+
+
+def activation_fake_quant(precision_cfg: PrecisionConfig) -> TensorFn | None:
+    """How a quantized linear's input is quantized: FP8 1 x tile, MXFP8 1 x 32, or not at all."""
+    precision = Precision(precision_cfg.name)
+    if precision is Precision.fp8_blockwise:
+        pow2 = ScaleFormat(precision_cfg.scale_format) is ScaleFormat.ue8m0
+        tile = precision_cfg.activation_tile
+        return lambda x: fake_quant.fake_quant_fp8_activation(x, tile, pow2)
+    if precision is Precision.mxfp8:
+        return fake_quant.fake_quant_mxfp8
+    return None
+
+
+def effective_parameters(
+    params: dict[str, Tensor],
+    *,
+    strategy: QuantizationStrategy,
+    layout: ModelQuantizationLayout,
+    model_cfg: ModelConfig,
+) -> dict[str, Tensor]:
+    """{trainer name: the value the forward uses}: bf16-rounded, fake-quantized where quantized,
+    returned in each master parameter's dtype (exact: bf16 values are fp32 values)."""
+    out = {}
+    for name, master in params.items():
+        sent = master.to(torch.bfloat16)
+        out[name] = strategy.fake_quant_param(name, sent, layout=layout, model_cfg=model_cfg).to(master.dtype)
+    return out
+
+
+class ActivationQuantLinear(nn.Module):
+    """A bias-free linear whose input is fake-quantized before the matmul."""
+
+    def __init__(self, linear: nn.Linear, activation: TensorFn) -> None:
+        super().__init__()
+        if linear.bias is not None:
+            raise ValueError("ActivationQuantLinear supports bias-free linears only (Qwen3-MoE has none)")
+        self.weight = linear.weight
+        self.activation = activation
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(self.activation(x), self.weight.to(x.dtype))
+
+
+def routed_experts_forward(
+    hidden_states: Tensor,
+    top_k_index: Tensor,
+    top_k_weights: Tensor,
+    *,
+    gate_up: Callable[[int, Tensor], Tensor],
+    down: Callable[[int, Tensor], Tensor],
+    act_fn: TensorFn,
+    num_experts: int,
+) -> Tensor:
+    """Qwen3-MoE expert mixing: each token through its top-k experts, weighted by the router, summed.
+
+    `gate_up(e, x)` returns expert e's [gate | up] projections of rows x, `down(e, h)` its output.
+    """
+    if top_k_index.numel() and int(top_k_index.max()) >= num_experts:
+        raise ValueError(
+            f"router chose expert {int(top_k_index.max())} of a layer with {num_experts} experts"
+        )
+    out = torch.zeros_like(hidden_states)
+    for expert in torch.unique(top_k_index).tolist():
+        token_idx, k_pos = torch.where(top_k_index == expert)
+        gate, up = gate_up(expert, hidden_states[token_idx]).chunk(2, dim=-1)
+        expert_out = down(expert, act_fn(gate) * up) * top_k_weights[token_idx, k_pos, None]
+        out.index_add_(0, token_idx, expert_out.to(out.dtype))
+    return out
+
+
+class ActivationQuantExperts(nn.Module):
+    """Fused routed experts whose gate_up and down inputs are fake-quantized per token row."""
+
+    def __init__(self, experts: nn.Module, activation: TensorFn) -> None:
+        super().__init__()
+        self.gate_up_proj = experts.gate_up_proj
+        self.down_proj = experts.down_proj
+        self.act_fn = experts.act_fn
+        self.num_experts = experts.num_experts
+        self.activation = activation
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        gate_up, down = self.gate_up_proj.to(hidden_states.dtype), self.down_proj.to(hidden_states.dtype)
+        return routed_experts_forward(
+            hidden_states, top_k_index, top_k_weights,
+            gate_up=lambda e, x: F.linear(self.activation(x), gate_up[e]),
+            down=lambda e, h: F.linear(self.activation(h), down[e]),
+            act_fn=self.act_fn, num_experts=self.num_experts,
+        )  # fmt: skip
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "gate_up_proj", None), Tensor) and isinstance(
+        getattr(module, "down_proj", None), Tensor
+    )
+
+
+def quantize_activations(
+    model: nn.Module,
+    *,
+    precision_cfg: PrecisionConfig,
+    quantizes: Callable[[str, tuple[int, ...]], bool],
+) -> list[str]:
+    """Rewrite, in place, the linears / expert modules whose weights are quantized so their inputs
+    are too (FP8 recipes only). `quantizes(trainer_param_name, shape)` is the strategy's decision.
+    Returns the rewritten module names."""
+    activation = activation_fake_quant(precision_cfg)
+    if activation is None:
+        return []
+    replacements: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and quantizes(f"{name}.weight", tuple(module.weight.shape)):
+            replacements.append((name, ActivationQuantLinear(module, activation)))
+        elif is_fused_experts(module) and quantizes(f"{name}.gate_up_proj", tuple(module.gate_up_proj.shape)):
+            replacements.append((name, ActivationQuantExperts(module, activation)))
+    for name, replacement in replacements:
+        parent_name, _, child = name.rpartition(".")
+        model.get_submodule(parent_name).register_module(child, replacement)
+    return [name for name, _ in replacements]

@@ -1,0 +1,239 @@
+"""NativeTrainer: GRPO updates of a transformers Qwen3-MoE model in plain PyTorch.
+
+fp32 master weights and AdamW state; the forward computes on the weights the rollout engine holds
+(bf16, fake-quantized where the precision's strategy quantizes — see precision.py). One optimizer
+step per `train_step`, gradients accumulated over micro-batches of the rollout batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from skyq.config.enums import ISCorrection
+from skyq.config.schema import AlgorithmConfig, ModelConfig, OptimizerConfig, PrecisionConfig
+from skyq.quant.layouts import get_layout
+from skyq.quant.strategies import get_strategy
+from skyq.rl.batch import RolloutBatch
+from skyq.rl.grpo import mismatch_metrics, policy_loss
+from skyq.trainer.native.model import load_model, write_hf_checkpoint
+from skyq.trainer.native.precision import effective_parameters, quantize_activations
+
+
+class TrainerStateError(ValueError):
+    """A trainer state dict that does not fit this trainer (other model, missing entries)."""
+
+
+def position_ids_of(attention_mask: Tensor) -> Tensor:
+    """Positions counting real tokens only, so left or right padding gives the same positions."""
+    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+
+def token_logprobs(forward: Callable[..., Any], input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """[B, T] log-prob of token t given tokens < t (0 at t = 0), in fp32; `forward` is the model call."""
+    logits = forward(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask)
+    ).logits
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return F.pad(logp, (1, 0))
+
+
+class NativeTrainer:
+    """GRPO trainer over a transformers model; precision applied as a module rewrite."""
+
+    def __init__(
+        self,
+        *,
+        model_cfg: ModelConfig,
+        precision_cfg: PrecisionConfig,
+        optimizer_cfg: OptimizerConfig,
+        algorithm_cfg: AlgorithmConfig,
+        micro_batch_size: int,
+        checkpoint_path: str,
+        device: str = "cpu",
+        seed: int,
+    ) -> None:
+        if micro_batch_size <= 0:
+            raise ValueError(f"trainer.micro_batch_size={micro_batch_size} must be positive")
+        self.model_cfg, self.precision_cfg = model_cfg, precision_cfg
+        self.optimizer_cfg, self.algorithm_cfg = optimizer_cfg, algorithm_cfg
+        self.micro_batch_size = micro_batch_size
+        self.device = torch.device(device)
+        self.seed = seed
+        self.layout = get_layout(model_cfg.family)
+        self.strategy = get_strategy(precision_cfg)
+        self.model = load_model(checkpoint_path, model_cfg, dtype=torch.float32).to(self.device)
+        self.activation_quantized = quantize_activations(
+            self.model, precision_cfg=precision_cfg, quantizes=self._quantizes
+        )
+        self._check_names_match_layout()
+        # The KL reference is the policy the run started from: its effective weights, frozen.
+        self.ref_params = (
+            {k: v.detach().clone() for k, v in self.effective_parameters().items()}
+            if algorithm_cfg.kl_coef > 0
+            else None
+        )
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=algorithm_cfg.lr,
+            betas=(optimizer_cfg.adam_beta1, optimizer_cfg.adam_beta2),
+            eps=optimizer_cfg.adam_eps,
+            weight_decay=optimizer_cfg.weight_decay,
+        )
+        self.step = 0
+
+    def _quantizes(self, trainer_name: str, shape: tuple[int, ...]) -> bool:
+        role = self.layout.role(trainer_name, self.model_cfg)
+        if len(shape) == 3:  # a fused expert stack: quantized iff its role is
+            return self.strategy.quantizes(role)
+        return self.strategy.quantizes_param(trainer_name, shape, role)
+
+    def _check_names_match_layout(self) -> None:
+        expected = {spec.name for spec in self.layout.hf_parameters(self.model_cfg)}
+        produced = set(self._hf_tensors())
+        if expected != produced:
+            raise TrainerStateError(
+                f"the model's parameters do not map onto the {self.model_cfg.family.value} layout: "
+                f"missing {sorted(expected - produced)[:5]}, unexpected {sorted(produced - expected)[:5]}"
+            )
+
+    # weights ------------------------------------------------------------------------------------
+
+    def _hf_tensors(self) -> dict[str, Tensor]:
+        state = {name: p.detach().to(torch.bfloat16) for name, p in self.model.named_parameters()}
+        return self.layout.split_experts(state, self.model_cfg)
+
+    def hf_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """(HF name, bf16 tensor) of every checkpoint tensor, per expert, in the layout's order.
+
+        These are the master weights rounded to bf16: what the sender serializes for the engines.
+        """
+        tensors = self._hf_tensors()
+        for spec in self.layout.hf_parameters(self.model_cfg):
+            yield spec.name, tensors[spec.name].contiguous()
+
+    def save_hf(self, directory: str | Path) -> Path:
+        """Write the current weights as a bf16 HF safetensors checkpoint."""
+        return write_hf_checkpoint(directory, dict(self.hf_weights()), self.model_cfg)
+
+    def effective_parameters(self) -> dict[str, Tensor]:
+        """{trainer name: the value the forward computes with} (differentiable w.r.t. the master)."""
+        return effective_parameters(
+            dict(self.model.named_parameters()),
+            strategy=self.strategy,
+            layout=self.layout,
+            model_cfg=self.model_cfg,
+        )
+
+    # compute ------------------------------------------------------------------------------------
+
+    def _forward(self, params: dict[str, Tensor]) -> Callable[..., Any]:
+        return lambda **kwargs: torch.func.functional_call(self.model, params, args=(), kwargs=kwargs)
+
+    @torch.no_grad()
+    def logprobs(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """[B, T] fp32 log-prob of each token given the ones before it (0 at position 0)."""
+        self.model.eval()
+        forward = self._forward(self.effective_parameters())
+        rows = []
+        for start in range(0, input_ids.shape[0], self.micro_batch_size):
+            stop = start + self.micro_batch_size
+            ids, attn = input_ids[start:stop].to(self.device), attention_mask[start:stop].to(self.device)
+            rows.append(token_logprobs(forward, ids, attn))
+        return torch.cat(rows).cpu()
+
+    def learning_rate(self, step: int) -> float:
+        """Linear warm-up over optimizer.lr_warmup_steps, then constant algorithm.lr."""
+        warmup = self.optimizer_cfg.lr_warmup_steps
+        scale = min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+        return self.algorithm_cfg.lr * scale
+
+    def _loss_kwargs(self) -> dict[str, Any]:
+        a = self.algorithm_cfg
+        return {
+            "clip_eps_low": a.clip_eps_low, "clip_eps_high": a.clip_eps_high,
+            "is_correction": ISCorrection(a.is_correction), "is_cap": a.is_cap, "is_low": a.is_low,
+            "is_high": a.is_high, "kl_coef": a.kl_coef,
+        }  # fmt: skip
+
+    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
+        """One GRPO update on `batch`: accumulate over micro-batches, clip, AdamW step.
+
+        On-policy (one update per rollout batch), so the "old" policy is the current one and the
+        PPO ratio is 1; what the IS correction acts on is trainer vs rollout-engine probabilities.
+        """
+        self.model.train()
+        num_tokens = float(batch.response_mask.sum())
+        if num_tokens == 0:
+            raise ValueError("train_step got a batch with no response tokens (response_mask is all zero)")
+        self.optimizer.zero_grad(set_to_none=True)
+        old_rows, ref_rows = [], []
+        for start in range(0, len(batch), self.micro_batch_size):
+            micro = batch.slice(start, start + self.micro_batch_size)
+            ids, attn = micro.input_ids.to(self.device), micro.attention_mask.to(self.device)
+            # Fake-quant is recomputed per micro-batch: each backward frees the graph it belongs to.
+            logp = token_logprobs(self._forward(self.effective_parameters()), ids, attn)
+            ref_logp = None
+            if self.ref_params is not None:
+                with torch.no_grad():
+                    ref_logp = token_logprobs(self._forward(self.ref_params), ids, attn)
+                ref_rows.append(ref_logp.cpu())
+            loss, _ = policy_loss(
+                logp, logp.detach(), micro.rollout_logprobs.to(self.device), micro.advantages.to(self.device),
+                micro.response_mask.to(self.device), ref_logp=ref_logp, loss_normalizer=num_tokens,
+                **self._loss_kwargs(),
+            )  # fmt: skip
+            loss.backward()
+            old_rows.append(logp.detach().cpu())
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optimizer_cfg.grad_clip)
+        lr = self.learning_rate(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.step += 1
+        old_logp = torch.cat(old_rows)
+        _, metrics = policy_loss(
+            old_logp, old_logp, batch.rollout_logprobs, batch.advantages, batch.response_mask,
+            ref_logp=torch.cat(ref_rows) if ref_rows else None, **self._loss_kwargs(),
+        )  # fmt: skip
+        metrics.update(mismatch_metrics(old_logp, batch.rollout_logprobs, batch.response_mask))
+        metrics.update(
+            grad_norm=float(grad_norm), lr=lr, step=float(self.step), reward_mean=float(batch.rewards.mean()),
+            response_tokens_mean=num_tokens / len(batch),
+        )  # fmt: skip
+        return metrics
+
+    # checkpointing ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """fp32 master weights (trainer names), AdamW state and the step count."""
+        return {
+            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` returned; refuses a state of another model."""
+        for key in ("model", "optimizer", "step"):
+            if key not in state:
+                raise TrainerStateError(f"trainer state has no {key!r} entry (keys: {sorted(state)})")
+        own = self.model.state_dict()
+        missing, unexpected = sorted(set(own) - set(state["model"])), sorted(set(state["model"]) - set(own))
+        if missing or unexpected:
+            raise TrainerStateError(
+                f"trainer state does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+        for name, tensor in state["model"].items():
+            if tuple(tensor.shape) != tuple(own[name].shape):
+                raise TrainerStateError(
+                    f"trainer state {name}: shape {tuple(tensor.shape)} != model {tuple(own[name].shape)}"
+                )
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
