@@ -14,6 +14,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from skyq import preflight
 from skyq.config.enums import Device, RolloutBackend, TrainerBackend
 from skyq.config.schema import TrainConfig
 from skyq.config.store import register, strict
@@ -54,6 +55,7 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
     cfg = strict(cfg)
     obj: TrainConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     report = validate(obj)
+    preflight.check(model=obj.model, precision=obj.precision, checkpoint=obj.checkpoint)
     if obj.dry_run:
         from skyq.dryrun import render_plan
 

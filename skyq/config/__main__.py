@@ -33,6 +33,9 @@ def cmd_ls(_: argparse.Namespace) -> int:
 def _report(overrides: list[str]) -> int:
     obj = to_object(compose(overrides))
     report = validate(obj)
+    from skyq import preflight  # the plan-level checks (skyq.config itself imports nothing of skyq)
+
+    preflight.check(model=obj.model, precision=obj.precision, checkpoint=obj.checkpoint)
     for note in report.skipped:
         print(f"not checked: {note}")
     return 0

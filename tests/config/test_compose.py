@@ -158,3 +158,46 @@ def test_config_key_set_snapshot():
     container = OmegaConf.to_container(compose([]), enum_to_str=True)
     snapshot = json.loads((Path(__file__).parent / "key_snapshot.json").read_text())
     assert sorted(keys(container)) == snapshot
+
+
+def test_run_directories_are_unique_even_in_the_same_second():
+    """The run dir interpolates a random suffix; composing twice gives two different directories."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from skyq.config.store import register
+
+    register()
+    dirs = set()
+    for _ in range(2):
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            cfg = hydra_compose(config_name="train", return_hydra_config=True)
+            HydraConfig.instance().set_config(cfg)
+            dirs.add(OmegaConf.to_container(cfg.hydra.run, resolve=True)["dir"])
+    assert len(dirs) == 2
+
+
+def test_multirun_composes_independent_jobs(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "skyq.train",
+            "-m",
+            "precision=bf16,int4_qat",
+            "dry_run=true",
+            f"output_root={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=CONF_DIR.parent,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "precision bf16" in out.stdout and "precision int4_qat" in out.stdout
+    assert out.stdout.count("config valid; dry run only") == 2

@@ -20,10 +20,18 @@ def test_one_launch_script_per_recipe():
 
 
 def test_a_gpu_launch_script_dry_runs_with_its_env(tmp_path):
-    env = {**os.environ, "DRY_RUN": "1", "ROLLOUT_CKPT": str(tmp_path / "absent"), "PY": str(Path(os.sys.executable))}
+    env = {
+        **os.environ,
+        "DRY_RUN": "1",
+        "ROLLOUT_CKPT": str(tmp_path / "absent"),
+        "PY": str(Path(os.sys.executable)),
+    }
     out = subprocess.run(
         [str(EXAMPLES / "run_qwen3_30b_int4_qat_8gpu.sh"), f"output_root={tmp_path}"],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr
     assert f"checkpoint.rollout_checkpoint={tmp_path / 'absent'} does not exist here" in out.stdout

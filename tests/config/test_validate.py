@@ -265,3 +265,27 @@ def test_all_errors_are_reported_at_once():
             _cfg("precision=mxfp8", "precision.persistent_fp8_params=true", "rollout.weight_sync.mode=delta")
         )
     assert len(info.value.errors) == 2
+
+
+def test_qat_scope_must_equal_what_the_rollout_checkpoint_quantizes(tmp_path):
+    """A checkpoint whose ignore list leaves attention quantized disagrees with routed-expert-only QAT."""
+    from skyq import preflight
+    from skyq.quant.plan import build_plan
+
+    cfg = _cfg("precision=int4_qat")
+    plan = build_plan(cfg.model, cfg.precision)
+    good = _int4_block(group_size=32)
+    good["ignore"] = plan.ignore_list()
+    ok = _ckpt(tmp_path / "ok", good)
+    cfg_ok = _cfg("precision=int4_qat", f"checkpoint.rollout_checkpoint={ok}")
+    validate(cfg_ok)
+    assert (
+        preflight.plan_errors(model=cfg_ok.model, precision=cfg_ok.precision, checkpoint=cfg_ok.checkpoint)
+        == []
+    )
+    bad = _int4_block(group_size=32)
+    bad["ignore"] = ["lm_head"]  # attention and router left quantized
+    path = _ckpt(tmp_path / "bad", bad)
+    cfg_bad = _cfg("precision=int4_qat", f"checkpoint.rollout_checkpoint={path}")
+    with pytest.raises(ConfigValidationError, match="precision.qat_scope=routed_experts"):
+        preflight.check(model=cfg_bad.model, precision=cfg_bad.precision, checkpoint=cfg_bad.checkpoint)
