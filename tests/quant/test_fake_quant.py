@@ -106,3 +106,17 @@ def test_fake_quant_names_the_tensor_and_refuses_impossible_shapes():
         fake_quant_mxfp8(w, name="layers.0.experts.1.up_proj")
     with pytest.raises(QuantizationError, match=r"K % group_size == 0, but K = 100"):
         fake_quant_int4(w, 128)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", CASES)
+def test_cuda_forward_and_gradient_match_cpu(make_weight, gen, case):
+    fake, _ = CASES[case]
+    w = make_weight((3, 512, 1024), torch.bfloat16)
+    upstream = torch.randn(w.shape, generator=gen).to(torch.bfloat16)
+    wc = w.cuda().requires_grad_(True)
+    out = fake(wc)
+    out.backward(upstream.cuda())
+    assert_bitwise_equal(out.detach().cpu(), fake(w))
+    assert_bitwise_equal(wc.grad.cpu(), upstream)

@@ -328,3 +328,41 @@ def test_pow2_requantization_reaches_a_fixed_point_after_one_round(weight_from_s
     changed = changed.repeat_interleave(block_size[1], -1)[..., : w.shape[-1]]
     assert torch.equal(q1.view(torch.uint8)[~changed], q2.view(torch.uint8)[~changed])
     assert torch.equal(inv2[inv1 != inv2], inv1[inv1 != inv2] / 2)
+
+
+# ---------------------------------------------------------------- same bits on GPU
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", [(2048, 7168), (4, 768, 2048), (300, 1000), (1, 4096), (4096, 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_cuda_matches_cpu_bit_for_bit(make_weight, gen, shape, dtype, pow2):
+    w = make_weight(shape, dtype, "transposed")
+    w[..., ::97, ::13] *= 10.0 ** torch.randint(-44, 4, (1,), generator=gen).item()  # tiny or huge blocks
+    for block_size in [(128, 128), (1, 128)]:
+        q, inv = fp8_blockwise.quantize(w, block_size=block_size, pow2_scale=pow2)
+        qc, invc = fp8_blockwise.quantize(w.cuda(), block_size=block_size, pow2_scale=pow2)
+        assert torch.equal(qc.cpu().view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(invc.cpu().view(torch.int32), inv.view(torch.int32))
+        d = fp8_blockwise.dequantize(q, inv, block_size=block_size)
+        dc = fp8_blockwise.dequantize(qc, invc, block_size=block_size)
+        assert torch.equal(dc.cpu().view(torch.int16), d.view(torch.int16))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_scale_is_a_correctly_rounded_division(gen):
+    amax = (
+        (torch.rand(1_000_000, generator=gen, dtype=torch.float64) + 1)
+        * 2.0 ** (torch.rand(1_000_000, generator=gen, dtype=torch.float64) * 260 - 140)
+    ).float()
+    got = fp8_blockwise.scale_from_amax(amax.cuda()).cpu().numpy()
+    with np.errstate(over="ignore"):
+        want = F32(448.0) / amax.numpy()
+    want[np.isinf(want)] = FLT_MAX
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    inv = torch.ones_like(amax.cuda()) / torch.from_numpy(want).cuda()
+    np.testing.assert_array_equal(inv.cpu().numpy(), F32(1.0) / want)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
-from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
-from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -45,11 +44,22 @@ def ref_pack(q: np.ndarray) -> np.ndarray:
     return words.astype(np.uint32).view(np.int32)
 
 
-def ct_scheme(group_size: int, symmetric: bool = True) -> QuantizationScheme:
-    args = QuantizationArgs(
-        num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=group_size
+@pytest.fixture(scope="module")
+def ct() -> SimpleNamespace:
+    """compressed-tensors, the outside oracle; imported here so a GPU-only run can go without it."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    def scheme(group_size: int, symmetric: bool = True) -> QuantizationScheme:
+        args = QuantizationArgs(
+            num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=group_size
+        )
+        return QuantizationScheme(targets=["Linear"], weights=args)
+
+    return SimpleNamespace(
+        compressor=PackedQuantizationCompressor, pack=pack_to_int32, unpack=unpack_from_int32, scheme=scheme
     )
-    return QuantizationScheme(targets=["Linear"], weights=args)
 
 
 def assert_matches_reference(w: torch.Tensor, g: int, grid: str) -> None:
@@ -98,13 +108,13 @@ def test_kimi_grid_puts_plus_or_minus_7_in_every_group(make_weight):
 
 # ---------------------------------------------------------------- packing
 @pytest.mark.parametrize("shape", [(5, 8), (16, 256), (2, 3, 64)])
-def test_pack_matches_reference_and_compressed_tensors(gen, shape):
+def test_pack_matches_reference_and_compressed_tensors(ct, gen, shape):
     q = torch.randint(-8, 8, shape, generator=gen, dtype=torch.int8)
     packed = int4.pack(q)
     assert packed.dtype == torch.int32 and packed.shape == (*shape[:-1], shape[-1] // 8)
     np.testing.assert_array_equal(packed.numpy(), ref_pack(q.numpy()))
-    assert torch.equal(packed, pack_to_int32(q, 4))
-    assert torch.equal(unpack_from_int32(packed, 4, torch.Size(shape)), q)
+    assert torch.equal(packed, ct.pack(q, 4))
+    assert torch.equal(ct.unpack(packed, 4, torch.Size(shape)), q)
     assert torch.equal(int4.unpack(packed, shape[-1]), q)
 
 
@@ -115,23 +125,23 @@ def test_element_zero_is_the_lowest_nibble_and_words_are_twos_complement():
 
 
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 20])
-def test_zero_point_packing_along_n_matches_compressed_tensors(gen, n):
+def test_zero_point_packing_along_n_matches_compressed_tensors(ct, gen, n):
     zp = torch.randint(-8, 8, (n, 3), generator=gen, dtype=torch.int8)
     packed = int4.pack_zero_point(zp)
     assert packed.shape == (-(-n // 8), 3)
-    assert torch.equal(packed, pack_to_int32(zp, 4, packed_dim=0))
+    assert torch.equal(packed, ct.pack(zp, 4, packed_dim=0))
 
 
 # ---------------------------------------------------------------- compressed-tensors as an oracle
 @pytest.mark.parametrize("shape,g", [((24, 256), 128), ((40, 96), 32), ((8, 64), 64)])
 @pytest.mark.parametrize("grid", ["kimi", "rtn"])
-def test_compressed_tensors_decompresses_our_w4a16_to_our_dequant(make_weight, shape, g, grid):
+def test_compressed_tensors_decompresses_our_w4a16_to_our_dequant(ct, make_weight, shape, g, grid):
     w = make_weight(shape, torch.bfloat16)
     q, scale = int4.quantize(w, group_size=g, grid=grid)
     packed, weight_shape = int4.pack(q), int4.weight_shape_tensor(*shape)
     assert weight_shape.dtype == torch.int64 and weight_shape.tolist() == list(shape)
-    ct = PackedQuantizationCompressor.decompress(
-        {"weight_packed": packed, "weight_scale": scale, "weight_shape": weight_shape}, ct_scheme(g)
+    ct = ct.compressor.decompress(
+        {"weight_packed": packed, "weight_scale": scale, "weight_shape": weight_shape}, ct.scheme(g)
     )
     ours = int4.dequantize_packed(packed, scale, weight_shape)
     assert ct["weight"].dtype == ours.dtype == torch.bfloat16
@@ -140,11 +150,11 @@ def test_compressed_tensors_decompresses_our_w4a16_to_our_dequant(make_weight, s
     assert torch.equal(int4.dequantize_packed(packed, scale, list(shape), group_size=g), ours)
 
 
-def test_dequantize_packed_handles_expert_stacks(make_weight):
+def test_dequantize_packed_handles_expert_stacks(ct, make_weight):
     w = make_weight((3, 16, 64), torch.bfloat16)
     q, scale = int4.quantize(w, group_size=32)
     packed = int4.pack(q)
-    assert torch.equal(unpack_from_int32(packed, 4, torch.Size(w.shape)), q)
+    assert torch.equal(ct.unpack(packed, 4, torch.Size(w.shape)), q)
     assert torch.equal(
         int4.dequantize_packed(packed, scale, [16, 64]), int4.dequantize(q, scale, group_size=32)
     )
@@ -152,16 +162,14 @@ def test_dequantize_packed_handles_expert_stacks(make_weight):
 
 @pytest.mark.parametrize("shape,g", [((20, 64), 32), ((16, 256), 128), ((9, 32), 32)])
 def test_asymmetric_checkpoint_from_compressed_tensors_dequantizes_like_compressed_tensors(
-    make_weight, shape, g
+    ct, make_weight, shape, g
 ):
     w = make_weight(shape, torch.bfloat16)
     _, scale, zp = int4.quantize_asymmetric(w, group_size=g)
-    scheme = ct_scheme(g, symmetric=False)
-    compressed = PackedQuantizationCompressor.compress(
-        {"weight": w, "weight_scale": scale, "weight_zero_point": zp}, scheme
-    )
+    scheme = ct.scheme(g, symmetric=False)
+    compressed = ct.compressor.compress({"weight": w, "weight_scale": scale, "weight_zero_point": zp}, scheme)
     assert compressed["weight_zero_point"].shape == (-(-shape[0] // 8), shape[1] // g)
-    ct = PackedQuantizationCompressor.decompress(dict(compressed), scheme)
+    ct = ct.compressor.decompress(dict(compressed), scheme)
     ours = int4.dequantize_asymmetric(
         compressed["weight_packed"],
         compressed["weight_scale"],
@@ -171,18 +179,18 @@ def test_asymmetric_checkpoint_from_compressed_tensors_dequantizes_like_compress
     assert torch.equal(ct["weight"].view(torch.int16), ours.view(torch.int16))
 
 
-def test_our_asymmetric_inputs_round_trip_through_compressed_tensors(make_weight):
+def test_our_asymmetric_inputs_round_trip_through_compressed_tensors(ct, make_weight):
     w = make_weight((12, 64), torch.bfloat16)
     q, scale, zp = int4.quantize_asymmetric(w, group_size=32)
     zp_packed = int4.pack_zero_point(zp)
-    assert torch.equal(zp_packed, pack_to_int32(zp, 4, packed_dim=0))
+    assert torch.equal(zp_packed, ct.pack(zp, 4, packed_dim=0))
     state = {
         "weight_packed": int4.pack(q),
         "weight_scale": scale,
         "weight_zero_point": zp_packed,
         "weight_shape": int4.weight_shape_tensor(12, 64),
     }
-    ct = PackedQuantizationCompressor.decompress(state, ct_scheme(32, symmetric=False))
+    ct = ct.compressor.decompress(state, ct.scheme(32, symmetric=False))
     ours = int4.dequantize_asymmetric(state["weight_packed"], scale, zp_packed, [12, 64])
     assert torch.equal(ct["weight"], ours)
     assert (ours.float() - w.float()).abs().max() <= scale.float().max() * 0.6
@@ -288,3 +296,23 @@ def test_rtn_grid_is_not_its_own_fixed_point():
     q, scale = int4.quantize(w, group_size=32, grid="rtn")
     q2, _ = int4.quantize(int4.dequantize(q, scale, group_size=32), group_size=32, grid="rtn")
     assert q[0, 0] == -8 and not torch.equal(q, q2)
+
+
+# ---------------------------------------------------------------- same bits on GPU
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("shape,g", [((2048, 7168), 32), ((4, 768, 2048), 128), ((8, 32), 32)])
+@pytest.mark.parametrize("grid", ["kimi", "rtn"])
+def test_cuda_matches_cpu_bit_for_bit(make_weight, shape, g, grid):
+    w = make_weight(shape, torch.bfloat16, "transposed")
+    q, scale = int4.quantize(w, group_size=g, grid=grid)
+    qc, scalec = int4.quantize(w.cuda(), group_size=g, grid=grid)
+    assert torch.equal(qc.cpu(), q) and torch.equal(scalec.cpu().view(torch.int16), scale.view(torch.int16))
+    packed, packedc = int4.pack(q), int4.pack(qc)
+    assert torch.equal(packedc.cpu(), packed) and torch.equal(int4.unpack(packedc, shape[-1]).cpu(), q)
+    d = int4.dequantize_packed(packed, scale, shape[-2:])
+    dc = int4.dequantize_packed(packedc, scalec, shape[-2:])
+    assert torch.equal(dc.cpu().view(torch.int16), d.view(torch.int16))

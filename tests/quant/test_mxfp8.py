@@ -220,3 +220,35 @@ def test_round_trip_error_is_within_half_an_e4m3_step(weight_from_seed, spec):
     # t = amax * fp32(1/448) can round down by an ulp, so the block max may saturate at 448.
     bound = torch.maximum(x.abs() / step * 2.0**-4, torch.full_like(x, 2.0**-10)) * step * (1 + 1e-6)
     assert ((deq - x).abs() <= bound).all()
+
+
+# ---------------------------------------------------------------- same bits on GPU
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("shape", [(2048, 7168), (4, 768, 2048), (1, 32), (300, 96)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_matches_cpu_bit_for_bit(make_weight, gen, shape, dtype):
+    w = make_weight(shape, dtype, "strided")
+    w[..., ::97, ::13] *= 10.0 ** torch.randint(-44, 4, (1,), generator=gen).item()  # tiny or huge blocks
+    q, scale = mxfp8.quantize(w)
+    qc, scalec = mxfp8.quantize(w.cuda())
+    assert torch.equal(qc.cpu().view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(scalec.cpu(), scale)
+    assert torch.equal(
+        mxfp8.dequantize(qc, scalec).cpu().view(torch.int16), mxfp8.dequantize(q, scale).view(torch.int16)
+    )
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_exponent_matches_cpu_over_the_whole_fp32_range(gen):
+    amax = (
+        (torch.rand(1_000_000, generator=gen, dtype=torch.float64) + 1)
+        * 2.0 ** (torch.rand(1_000_000, generator=gen, dtype=torch.float64) * 270 - 150)
+    ).float()
+    assert torch.equal(mxfp8.e8m0_exponent(amax.cuda()).cpu(), mxfp8.e8m0_exponent(amax))
+    e = torch.arange(-127, 128, dtype=torch.int32)
+    assert torch.equal(mxfp8.exp2(e.cuda()).cpu(), mxfp8.exp2(e))
