@@ -87,6 +87,14 @@ def test_quantize_matches_reference_across_shapes_and_dtypes(make_weight, shape,
     assert_matches_reference(make_weight(shape, dtype), pow2=pow2)
 
 
+@pytest.mark.parametrize("shape", [(303, 300), (305, 256), (11, 11), (587, 7168), (4, 192, 576)])
+def test_quantize_matches_reference_on_odd_and_checkpoint_shapes(make_weight, shape):
+    w = make_weight(shape, torch.bfloat16)
+    before = w.clone()
+    assert_matches_reference(w)
+    assert torch.equal(w, before)  # the input (maybe a tied or shared tensor) is never modified
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("shape", [(200, 300), (2, 129, 260)])
 def test_quantize_matches_reference_for_non_contiguous_views(make_weight, layout, shape):
@@ -202,7 +210,12 @@ def test_large_values_saturate_and_never_give_nan(dtype, gen):
     w = torch.linspace(447, 480, 128 * 128).reshape(128, 128)
     w[::3] *= -1
     w[5, 5] = 1e4
-    for x in (w, w.clone().fill_(1e4), torch.full((4, 4), 3e38)):
+    for x in (
+        w,
+        w.clone().fill_(1e4),
+        torch.full((4, 4), 3e38),
+        torch.full((4, 4), torch.finfo(dtype).max),
+    ):
         x = x.to(dtype)
         q, inv = fp8_blockwise.quantize(x)
         assert not torch.isnan(q.float()).any()

@@ -124,6 +124,14 @@ def test_element_zero_is_the_lowest_nibble_and_words_are_twos_complement():
     assert int4.pack(torch.full((1, 8), 7, dtype=torch.int8)).item() == -1
 
 
+def test_golden_pack_vectors_of_compressed_tensors():
+    # compressed-tensors tests/test_compressors: [-8..-1] -> 1985229328, [1, 2, 3, 4] -> 52137, [1] -> 9
+    # (short words padded with nibble 0); zero points are packed along N, so a column exercises the padding.
+    assert int4.pack(torch.arange(-8, 0, dtype=torch.int8)[None]).item() == 1985229328
+    assert int4.pack_zero_point(torch.tensor([[1], [2], [3], [4]], dtype=torch.int8)).item() == 52137
+    assert int4.pack_zero_point(torch.tensor([[1]], dtype=torch.int8)).item() == 9
+
+
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 20])
 def test_zero_point_packing_along_n_matches_compressed_tensors(ct, gen, n):
     zp = torch.randint(-8, 8, (n, 3), generator=gen, dtype=torch.int8)
