@@ -72,7 +72,7 @@ def quantize_weight(w: Tensor) -> WeightOperands:
     return WeightOperands(q, s_fwd, q.transpose(-1, -2).contiguous(), s_bwd)
 
 
-def _quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     """x [M, K] -> (q, scale [M, K/128] with strides (1, M))."""
     if uses_kernel(x):
         from skyq.quant.kernels import triton_fp8_act
@@ -82,14 +82,14 @@ def _quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
     return q, s.t().contiguous().t()
 
 
-def _quantize_rows_cols(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """x [M, K] -> rows as `_quantize_rows`, plus (x^T codes [K, Mp], scale [K, Mp/128] with
+def quantize_rows_cols(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """x [M, K] -> rows as `quantize_rows`, plus (x^T codes [K, Mp], scale [K, Mp/128] with
     strides (1, K)), Mp = M rounded up to 128 with zero rows (cuBLAS's contraction tiles)."""
     if uses_kernel(x):
         from skyq.quant.kernels import triton_fp8_act
 
         return triton_fp8_act.quantize_rows_cols(x)
-    q, s = _quantize_rows(x)
+    q, s = quantize_rows(x)
     xt = F.pad(x, (0, 0, 0, _round_up(x.shape[0], TILE) - x.shape[0])).t()
     qt, st = fp8_blockwise.quantize_activation(xt)
     return q, s, qt, st.t().contiguous().t()
@@ -99,7 +99,7 @@ def _expand(scale: Tensor, rows: int, cols: int, block_rows: int, block_cols: in
     return scale.repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_cols, 1)[:, :cols]
 
 
-def _gemm(
+def blockwise_gemm(
     a: Tensor,
     scale_a: Tensor,
     b: Tensor,
@@ -133,11 +133,13 @@ class _LinearFn(torch.autograd.Function):
         n, k = weight.shape
         x2 = x.reshape(-1, k)
         if ctx.needs_input_grad[1]:
-            xq, xs, xtq, xts = _quantize_rows_cols(x2)
+            xq, xs, xtq, xts = quantize_rows_cols(x2)
             ctx.save_for_backward(xtq, xts)
         else:
-            xq, xs = _quantize_rows(x2)
-        out = _gemm(xq, xs, ops.q.t(), ops.scale_fwd, b_blocks=True, out_dtype=x.dtype, emulate=emulate)
+            xq, xs = quantize_rows(x2)
+        out = blockwise_gemm(
+            xq, xs, ops.q.t(), ops.scale_fwd, b_blocks=True, out_dtype=x.dtype, emulate=emulate
+        )
         if bias is not None:
             out = out + bias
         ctx.ops, ctx.emulate, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = (
@@ -156,13 +158,15 @@ class _LinearFn(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
         if need_dw:
-            dyq, dys, dytq, dyts = _quantize_rows_cols(dy2)
+            dyq, dys, dytq, dyts = quantize_rows_cols(dy2)
             xtq, xts = ctx.saved_tensors
-            dw = _gemm(dytq, dyts, xtq.t(), xts, b_blocks=False, out_dtype=ctx.w_dtype, emulate=ctx.emulate)
+            dw = blockwise_gemm(
+                dytq, dyts, xtq.t(), xts, b_blocks=False, out_dtype=ctx.w_dtype, emulate=ctx.emulate
+            )
         elif need_dx:
-            dyq, dys = _quantize_rows(dy2)
+            dyq, dys = quantize_rows(dy2)
         if need_dx:
-            dx = _gemm(
+            dx = blockwise_gemm(
                 dyq, dys, ops.qt.t(), ops.scale_bwd, b_blocks=True, out_dtype=ctx.x_dtype, emulate=ctx.emulate
             )
             dx = dx.reshape(ctx.x_shape)
@@ -258,12 +262,12 @@ class _ExpertsFn(torch.autograd.Function):
                 saved.append(None)
                 continue
             if ctx.needs_input_grad[1]:
-                xq, xs, xtq, xts = _quantize_rows_cols(xe)
+                xq, xs, xtq, xts = quantize_rows_cols(xe)
                 saved.append((xtq, xts))
             else:
-                xq, xs = _quantize_rows(xe)
+                xq, xs = quantize_rows(xe)
             outs.append(
-                _gemm(
+                blockwise_gemm(
                     xq, xs, ops.q[e].t(), ops.scale_fwd[e], b_blocks=True, out_dtype=x.dtype, emulate=emulate
                 )
             )
@@ -287,16 +291,16 @@ class _ExpertsFn(torch.autograd.Function):
                     dw[e].zero_()
                 continue
             if need_dw:
-                dyq, dys, dytq, dyts = _quantize_rows_cols(dye)
+                dyq, dys, dytq, dyts = quantize_rows_cols(dye)
                 xtq, xts = ctx.saved[e]
-                dw[e] = _gemm(
+                dw[e] = blockwise_gemm(
                     dytq, dyts, xtq.t(), xts, b_blocks=False, out_dtype=ctx.w_dtype, emulate=ctx.emulate
                 )
             else:
-                dyq, dys = _quantize_rows(dye)
+                dyq, dys = quantize_rows(dye)
             if need_dx:
                 dxs.append(
-                    _gemm(
+                    blockwise_gemm(
                         dyq,
                         dys,
                         ops.qt[e].t(),

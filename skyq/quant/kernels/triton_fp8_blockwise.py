@@ -145,19 +145,17 @@ def num_warps_for(elements: int) -> int:
     return 8 if elements >= 8192 else 4
 
 
-def quantize(
-    w: Tensor, *, block_size: tuple[int, int] = (128, 128), pow2_scale: bool = False, name: str = "tensor"
-) -> tuple[Tensor, Tensor]:
-    """Same contract and bits as `fp8_blockwise.quantize` for a floating-point `w` [..., N, K]
-    whose block shape passes `supports`. One kernel launch and one host sync (the finiteness
-    flag)."""
+def launch_quantize(
+    w: Tensor, *, block_size: tuple[int, int], pow2_scale: bool, num_warps: int | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One launch, no host sync: `(q [B, N, K], scale_inv [B, nN, nK], flag)`; flag > 0 means a
+    non-finite input (the outputs are then meaningless). `num_warps` is for benchmark sweeps."""
     bn, bk = block_size
     x = as_3d(w)
     nb, n, k = x.shape
     tn, tk, rowwise = quant_tile(bn, bk)
-    n_blocks_n, n_blocks_k = cdiv(n, bn), cdiv(k, bk)
     q = torch.empty((nb, n, k), dtype=torch.float8_e4m3fn, device=w.device)
-    s = torch.empty((nb, n_blocks_n, n_blocks_k), dtype=torch.float32, device=w.device)
+    s = torch.empty((nb, cdiv(n, bn), cdiv(k, bk)), dtype=torch.float32, device=w.device)
     flag = new_flag(w.device)
     n_tiles_k = cdiv(k, tk)
     grid = (cdiv(n, tn) * n_tiles_k, nb)
@@ -168,10 +166,20 @@ def quantize(
         *s.stride(),
         0, 0, 0,
         TN=tn, TK=tk, ROWWISE=rowwise, POW2=pow2_scale, WRITE_T=False, WRITE_S2=False, CHECK=True,
-        num_warps=num_warps_for(tn * tk),
+        num_warps=num_warps or num_warps_for(tn * tk),
     )  # fmt: skip
+    return q, s, flag
+
+
+def quantize(
+    w: Tensor, *, block_size: tuple[int, int] = (128, 128), pow2_scale: bool = False, name: str = "tensor"
+) -> tuple[Tensor, Tensor]:
+    """Same contract and bits as `fp8_blockwise.quantize` for a floating-point `w` [..., N, K]
+    whose block shape passes `supports`. One kernel launch and one host sync (the finiteness
+    flag)."""
+    q, s, flag = launch_quantize(w, block_size=block_size, pow2_scale=pow2_scale)
     raise_if_flagged(flag, lambda: fp8_blockwise.quantize(w, block_size=block_size, name=name))
-    return q.reshape(w.shape), s.reshape(*w.shape[:-2], n_blocks_n, n_blocks_k)
+    return q.reshape(w.shape), s.reshape(*w.shape[:-2], *s.shape[-2:])
 
 
 def _dequantize_args_ok(q: Tensor, scale_inv: Tensor, bn: int, bk: int) -> bool:

@@ -98,6 +98,32 @@ def supports(group_size: int) -> bool:
     return isinstance(group_size, int) and 8 <= group_size <= 1024 and group_size & (group_size - 1) == 0
 
 
+def launch_quantize(
+    w: Tensor, *, group_size: int, grid: Int4Grid | str, codes: bool, packed: bool, num_warps: int = 8
+) -> tuple[Tensor | None, Tensor | None, Tensor, Tensor]:
+    """One launch, no host sync: `(codes [B, N, K] | None, packed [B, N, K/8] | None,
+    scale [B, N, K/G], flag)`."""
+    divisor, qmin, qmax = int4.GRIDS[Int4Grid(grid)]
+    x = as_3d(w)
+    nb, n, k = x.shape
+    codes_out = torch.empty((nb, n, k), dtype=torch.int8, device=w.device) if codes else None
+    packed_out = torch.empty((nb, n, k // 8), dtype=torch.int32, device=w.device) if packed else None
+    scale = torch.empty((nb, n, k // group_size), dtype=torch.bfloat16, device=w.device)
+    flag = new_flag(w.device)
+    tk = _tile_k(group_size)
+    tn = max(1, 8192 // tk)
+    n_tiles_k = cdiv(k, tk)
+    _quant_pack_kernel[(cdiv(n, tn) * n_tiles_k, nb)](
+        x, scale if packed_out is None else packed_out, scale if codes_out is None else codes_out, scale, flag,
+        n, k, n_tiles_k,
+        *x.stride(),
+        DIVISOR=divisor, QMIN=qmin, QMAX=qmax, G=group_size, TN=tn, TK=tk,
+        WRITE_PACKED=packed, WRITE_CODES=codes,
+        num_warps=num_warps,
+    )  # fmt: skip
+    return codes_out, packed_out, scale, flag
+
+
 def quantize(
     w: Tensor,
     *,
@@ -109,27 +135,12 @@ def quantize(
 ) -> tuple[Tensor | None, Tensor | None, Tensor]:
     """`(codes int8 | None, packed int32 | None, scale bf16)` with the bits of `int4.quantize`
     and `int4.pack`; `codes`/`packed` select which outputs are written."""
-    divisor, qmin, qmax = int4.GRIDS[Int4Grid(grid)]
-    x = as_3d(w)
-    nb, n, k = x.shape
-    codes_out = torch.empty((nb, n, k), dtype=torch.int8, device=w.device) if codes else None
-    packed_out = torch.empty((nb, n, k // 8), dtype=torch.int32, device=w.device) if packed else None
-    scale = torch.empty((nb, n, k // group_size), dtype=torch.bfloat16, device=w.device)
-    flag = new_flag(w.device)
-    tk = _tile_k(group_size)
-    tn = max(1, 8192 // tk)
-    n_tiles_k = cdiv(k, tk)
-    dummy = scale
-    _quant_pack_kernel[(cdiv(n, tn) * n_tiles_k, nb)](
-        x, dummy if packed_out is None else packed_out, dummy if codes_out is None else codes_out, scale, flag,
-        n, k, n_tiles_k,
-        *x.stride(),
-        DIVISOR=divisor, QMIN=qmin, QMAX=qmax, G=group_size, TN=tn, TK=tk,
-        WRITE_PACKED=packed, WRITE_CODES=codes,
-        num_warps=8,
-    )  # fmt: skip
+    codes_out, packed_out, scale, flag = launch_quantize(
+        w, group_size=group_size, grid=grid, codes=codes, packed=packed
+    )
     raise_if_flagged(flag, lambda: int4.quantize(w, group_size=group_size, grid=grid, name=name))
     lead = w.shape[:-1]
+    k = w.shape[-1]
     return (
         None if codes_out is None else codes_out.reshape(w.shape),
         None if packed_out is None else packed_out.reshape(*lead, k // 8),

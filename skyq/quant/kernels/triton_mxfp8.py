@@ -93,22 +93,28 @@ def _dequant_kernel(
 _TN, _TG = 16, 16  # 16 rows x 512 columns per program: 16 KB of bf16 read
 
 
-def quantize(w: Tensor, *, name: str = "tensor", allow_pad: bool = False) -> tuple[Tensor, Tensor]:
-    """Same contract and bits as `mxfp8.quantize` for a floating-point `w` [..., N, K]."""
-    k = w.shape[-1]
-    if k % BLOCK and not allow_pad:
-        return mxfp8.quantize(w, name=name, allow_pad=allow_pad)  # raises, with the arithmetic
+def launch_quantize(w: Tensor, *, num_warps: int = 8) -> tuple[Tensor, Tensor, Tensor]:
+    """One launch, no host sync: `(q [B, N, K], scale [B, N, ceil(K/32)], flag)`."""
     x = as_3d(w)
-    nb, n, _ = x.shape
+    nb, n, k = x.shape
     kb = cdiv(k, BLOCK)
     q = torch.empty((nb, n, k), dtype=torch.float8_e4m3fn, device=w.device)
     s = torch.empty((nb, n, kb), dtype=torch.uint8, device=w.device)
     flag = new_flag(w.device)
     n_tiles_k = cdiv(kb, _TG)
     grid = (cdiv(n, _TN) * n_tiles_k, nb)
-    _quant_kernel[grid](x, q, s, flag, n, k, kb, n_tiles_k, *x.stride(), TN=_TN, TG=_TG, num_warps=8)
+    _quant_kernel[grid](x, q, s, flag, n, k, kb, n_tiles_k, *x.stride(), TN=_TN, TG=_TG, num_warps=num_warps)
+    return q, s, flag
+
+
+def quantize(w: Tensor, *, name: str = "tensor", allow_pad: bool = False) -> tuple[Tensor, Tensor]:
+    """Same contract and bits as `mxfp8.quantize` for a floating-point `w` [..., N, K]."""
+    k = w.shape[-1]
+    if k % BLOCK and not allow_pad:
+        return mxfp8.quantize(w, name=name, allow_pad=allow_pad)  # raises, with the arithmetic
+    q, s, flag = launch_quantize(w)
     raise_if_flagged(flag, lambda: mxfp8.quantize(w, name=name, allow_pad=allow_pad))
-    return q.reshape(w.shape), s.reshape(*w.shape[:-1], kb)
+    return q.reshape(w.shape), s.reshape(*w.shape[:-1], s.shape[-1])
 
 
 def dequantize(

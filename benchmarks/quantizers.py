@@ -1,0 +1,196 @@
+"""M1: quantizer throughput as a fraction of the device-copy bandwidth measured in the same run.
+
+    python benchmarks/quantizers.py [--size 16384] [--rounds 5] [--json out.json]
+
+For each format, on one [size, size] bf16 tensor: our Triton kernel (the public dispatch call,
+which includes the in-kernel finiteness check and its one host sync, and the bare launch), the
+torch.compile'd reference and the eager reference. eta = (bytes read + bytes written) / time /
+copy bandwidth, where the copy is `dst.copy_(src)` of the same tensor (2 x its bytes moved).
+Each round times every variant once (median of do_bench); the table gives the median over rounds
+and the [min, max] spread. Outputs are checked bit for bit against the reference first.
+Needs a CUDA GPU, torch and triton only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+from collections.abc import Callable
+
+import torch
+import triton.testing
+
+from skyq.quant import fp8_blockwise, int4, mxfp8
+from skyq.quant.kernels import dispatch, triton_fp8_blockwise, triton_int4, triton_mxfp8
+
+BARS = {"fp8_blockwise": 0.85, "fp8_blockwise_ue8m0": 0.85, "mxfp8": 0.85, "int4_pack_g128": 0.70}
+
+
+def time_ms(fn: Callable[[], object]) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    return a.shape == b.shape and a.dtype == b.dtype and bool((a.view(as_int) == b.view(as_int)).all())
+
+
+def int4_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    q, s = int4.quantize(w, group_size=128, grid="rtn")
+    return int4.pack(q), s
+
+
+def build_cases(x: torch.Tensor) -> dict[str, dict]:
+    """name -> bytes moved, the variants to time, and the (ours, reference) outputs to compare."""
+    n = x.numel()
+    fp8_bytes = n * 2 + n + (n // 16384) * 4
+    cases = {
+        "fp8_blockwise": {
+            "bytes": fp8_bytes,
+            "ours": lambda: dispatch.quantize_fp8_blockwise(x),
+            "kernel": lambda nw: triton_fp8_blockwise.launch_quantize(
+                x, block_size=(128, 128), pow2_scale=False, num_warps=nw
+            ),
+            "reference": fp8_blockwise.quantize,
+        },
+        "fp8_blockwise_ue8m0": {
+            "bytes": fp8_bytes,
+            "ours": lambda: dispatch.quantize_fp8_blockwise(x, pow2_scale=True),
+            "kernel": lambda nw: triton_fp8_blockwise.launch_quantize(
+                x, block_size=(128, 128), pow2_scale=True, num_warps=nw
+            ),
+            "reference": lambda w: fp8_blockwise.quantize(w, pow2_scale=True),
+        },
+        "mxfp8": {
+            "bytes": n * 2 + n + n // 32,
+            "ours": lambda: dispatch.quantize_mxfp8(x),
+            "kernel": lambda nw: triton_mxfp8.launch_quantize(x, num_warps=nw),
+            "reference": mxfp8.quantize,
+        },
+        "int4_pack_g128": {
+            "bytes": n * 2 + n // 2 + (n // 128) * 2,
+            "ours": lambda: dispatch.quantize_int4_packed(x, group_size=128, grid="rtn"),
+            "kernel": lambda nw: triton_int4.launch_quantize(
+                x, group_size=128, grid="rtn", codes=False, packed=True, num_warps=nw
+            ),
+            "reference": int4_reference,
+        },
+    }
+    return cases
+
+
+def build_dequant_cases(x: torch.Tensor) -> dict[str, dict]:
+    n = x.numel()
+    q8, s8 = fp8_blockwise.quantize(x)
+    qm, sm = mxfp8.quantize(x)
+    p4, s4 = int4_reference(x)
+    shape = list(x.shape)
+    return {
+        "fp8_blockwise_dequant": {
+            "bytes": n + n * 2,
+            "ours": lambda: dispatch.dequantize_fp8_blockwise(q8, s8),
+            "reference": lambda: fp8_blockwise.dequantize(q8, s8),
+        },
+        "mxfp8_dequant": {
+            "bytes": n + n // 32 + n * 2,
+            "ours": lambda: dispatch.dequantize_mxfp8(qm, sm),
+            "reference": lambda: mxfp8.dequantize(qm, sm),
+        },
+        "int4_dequant_g128": {
+            "bytes": n // 2 + (n // 128) * 2 + n * 2,
+            "ours": lambda: dispatch.dequantize_int4_packed(p4, s4, shape),
+            "reference": lambda: int4.dequantize_packed(p4, s4, shape),
+        },
+    }
+
+
+def summarize(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, default=16384)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    device = torch.cuda.get_device_name()
+    torch.manual_seed(0)
+    x = torch.randn(args.size, args.size, device="cuda").to(torch.bfloat16)
+    dst = torch.empty_like(x)
+    copy_bytes = 2 * x.numel() * x.element_size()
+    cases, dequant = build_cases(x), build_dequant_cases(x)
+
+    identical = {}
+    for name, case in cases.items():
+        identical[name] = all(same_bits(a, b) for a, b in zip(case["ours"](), case["reference"](x)))
+    for name, case in dequant.items():
+        identical[name] = same_bits(case["ours"](), case["reference"]())
+    compiled = {name: torch.compile(case["reference"]) for name, case in cases.items()}
+    for fn in compiled.values():
+        fn(x)  # compile outside the timed region
+
+    eta: dict[str, dict[str, list[float]]] = {}
+    copy_tbps = []
+    for _ in range(args.rounds):
+        copy_bw = copy_bytes / time_ms(lambda: dst.copy_(x)) / 1e9
+        copy_tbps.append(copy_bw)
+        variants: dict[str, tuple[int, Callable[[], object]]] = {}
+        for name, case in cases.items():
+            variants[f"{name}/ours"] = (case["bytes"], case["ours"])
+            for nw in (4, 8, 16):
+                variants[f"{name}/kernel_w{nw}"] = (case["bytes"], lambda c=case, nw=nw: c["kernel"](nw))
+            variants[f"{name}/compile"] = (case["bytes"], lambda f=compiled[name]: f(x))
+            variants[f"{name}/eager"] = (case["bytes"], lambda c=case: c["reference"](x))
+        for name, case in dequant.items():
+            variants[f"{name}/ours"] = (case["bytes"], case["ours"])
+            variants[f"{name}/eager"] = (case["bytes"], case["reference"])
+        for key, (nbytes, fn) in variants.items():
+            eta.setdefault(key, {"eta": []})["eta"].append(nbytes / time_ms(fn) / 1e9 / copy_bw)
+
+    results = {key: summarize(v["eta"]) for key, v in eta.items()}
+    record = {
+        "date": datetime.date.today().isoformat(),
+        "device": device,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "size": args.size,
+        "rounds": args.rounds,
+        "copy_TBps": summarize(copy_tbps),
+        "bit_identical": identical,
+        "eta": results,
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=2)
+
+    print(
+        f"\ncopy ceiling: {record['copy_TBps']['median']:.2f} TB/s (read+write), {args.rounds} rounds, {device}"
+    )
+    print("all variants (eta = bytes/s over copy bytes/s; median [min, max]):")
+    for key, r in results.items():
+        print(f"  {key:36s} {r['median']:.3f} [{r['min']:.3f}, {r['max']:.3f}]")
+    print("\n| metric | ours | baseline | ratio | device |")
+    print("|---|---|---|---|---|")
+    for name in list(cases) + list(dequant):
+        ours, eager = results[f"{name}/ours"], results[f"{name}/eager"]
+        if name in cases:
+            comp = results[f"{name}/compile"]
+            bar = BARS[name]
+            verdict = "PASS" if ours["median"] >= bar else "MISS"
+            print(
+                f"| M1 {name} eta (bar {bar}, {verdict}; bits {'==' if identical[name] else '!='} ref) | "
+                f"{ours['median']:.3f} [{ours['min']:.3f}-{ours['max']:.3f}] | compile {comp['median']:.3f}, "
+                f"eager {eager['median']:.3f} | {ours['median'] / comp['median']:.2f}x compile | {device} |"
+            )
+        else:
+            print(
+                f"| {name} eta (bits {'==' if identical[name] else '!='} ref) | {ours['median']:.3f} | "
+                f"eager {eager['median']:.3f} | {ours['median'] / eager['median']:.2f}x eager | {device} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
