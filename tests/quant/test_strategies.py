@@ -67,7 +67,7 @@ def test_fp8_serialize_deserialize_equals_the_format_functions(gen, shape, scale
     assert torch.equal(wire["x.weight"].view(torch.uint8), q.view(torch.uint8))
     assert torch.equal(wire["x.weight_scale_inv"], scale_inv)
     expected = fp8_blockwise.dequantize(q, scale_inv, block_size=(128, 64), dtype=torch.bfloat16)
-    assert torch.equal(s.deserialize("x.weight", wire), expected)
+    assert torch.equal(s.deserialize("x.weight", wire, role=Role.attention), expected)
     if scale_format is ScaleFormat.ue8m0:  # `scale_fmt: ue8m0` is only written over real powers of two
         mantissa = wire["x.weight_scale_inv"].view(torch.int32) & 0x7FFFFF
         assert int(mantissa.count_nonzero()) == 0
@@ -81,7 +81,7 @@ def test_mxfp8_serialize_deserialize_equals_the_format_functions(gen, shape):
     q, scale = mxfp8.quantize(w)
     assert torch.equal(wire["e.weight"].view(torch.uint8), q.view(torch.uint8))
     assert torch.equal(wire["e.weight_scale"], scale) and wire["e.weight_scale"].dtype == torch.uint8
-    assert torch.equal(s.deserialize("e.weight", wire), mxfp8.dequantize(q, scale))
+    assert torch.equal(s.deserialize("e.weight", wire, role=Role.routed_expert), mxfp8.dequantize(q, scale))
 
 
 @pytest.mark.parametrize("grid", [Int4Grid.kimi, Int4Grid.rtn])
@@ -98,7 +98,7 @@ def test_int4_serialize_deserialize_equals_the_format_functions(gen, grid, shape
     assert torch.equal(wire["e.weight_scale"], scale) and scale.dtype == torch.bfloat16
     assert wire["e.weight_shape"].tolist() == list(shape) and wire["e.weight_shape"].dtype == torch.int64
     expected = int4.dequantize(q, scale, group_size=group)
-    assert torch.equal(s.deserialize("e.weight", wire), expected)
+    assert torch.equal(s.deserialize("e.weight", wire, role=Role.routed_expert), expected)
 
 
 def test_shapes_a_format_cannot_take_are_refused_with_the_arithmetic(gen):
@@ -125,18 +125,28 @@ def test_unquantized_tensors_pass_through_in_their_checkpoint_dtype(gen):
     bias = fresh(gen, 4, dtype=torch.float32)
     wire = s.serialize("m.layers.1.mlp.gate.e_score_correction_bias", bias, role=Role.router_bias)
     assert torch.equal(wire["m.layers.1.mlp.gate.e_score_correction_bias"], bias)  # fp32 kept bit for bit
-    assert s.deserialize("m.layers.1.mlp.gate.e_score_correction_bias", wire) is bias
+    assert s.deserialize("m.layers.1.mlp.gate.e_score_correction_bias", wire, role=Role.router_bias) is bias
 
 
 def test_a_weight_without_its_scale_is_refused(gen):
     s = strategy(Precision.fp8_blockwise)
     wire = s.serialize("x.weight", fresh(gen, 16, 16), role=Role.attention)
-    del wire["x.weight_scale_inv"]
-    with pytest.raises(QuantizationError, match="x.weight_scale_inv"):
-        s.deserialize("x.weight", {**wire, "x.weight_extra": torch.zeros(1)})
+    scale = wire.pop("x.weight_scale_inv")
+    with pytest.raises(QuantizationError, match=r"x.weight \(attention\).*x.weight_scale_inv"):
+        s.deserialize("x.weight", wire, role=Role.attention)  # e4m3 codes alone are never read as bf16
+    with pytest.raises(QuantizationError, match="got.*x.weight_extra"):
+        s.deserialize(
+            "x.weight", {**wire, "x.weight_scale_inv": scale, "x.weight_extra": scale}, role=Role.attention
+        )
     with pytest.raises(QuantizationError, match="weight_scale"):
         strategy(Precision.int4_qat).deserialize(
-            "e.weight", {"e.weight_packed": torch.zeros(1, dtype=torch.int32)}
+            "e.weight", {"e.weight_packed": torch.zeros(1, dtype=torch.int32)}, role=Role.routed_expert
+        )
+    with pytest.raises(
+        QuantizationError, match=r"router\): int4_qat wire tensors must be exactly \['m.gate.weight'\]"
+    ):
+        strategy(Precision.int4_qat).deserialize(
+            "m.gate.weight", {"m.gate.weight_packed": scale}, role=Role.router
         )
 
 
@@ -171,7 +181,9 @@ def test_fake_quant_of_a_fused_expert_tensor_equals_the_engines_dequant_of_the_s
     trained = s.fake_quant_param(name, fused, layout=layout, model_cfg=QWEN)
     assert trained.dtype == fused.dtype and trained.shape == fused.shape
     served = {
-        hf_name: s.deserialize(hf_name, s.serialize(hf_name, hf_tensor, role=Role.routed_expert))
+        hf_name: s.deserialize(
+            hf_name, s.serialize(hf_name, hf_tensor, role=Role.routed_expert), role=Role.routed_expert
+        )
         for hf_name, hf_tensor in layout.split_experts({name: fused}, QWEN).items()
     }
     assert layout.split_experts({name: trained}, QWEN).keys() == served.keys()

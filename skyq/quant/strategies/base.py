@@ -116,21 +116,24 @@ class QuantizationStrategy(ABC):
         )
 
     def deserialize(
-        self, name: str, wire: Mapping[str, Tensor], *, dtype: torch.dtype = torch.bfloat16
+        self, name: str, wire: Mapping[str, Tensor], *, role: Role, dtype: torch.dtype = torch.bfloat16
     ) -> Tensor:
         """The tensor an engine computes with: dequantized (in `dtype`) or the unquantized tensor as sent.
 
-        A quantized weight must arrive with every member of its unit (weight and scales); a partial
-        unit is an error naming what is missing, never a weight read without its scale.
+        `role` says whether `name` is quantized under this precision; a quantized weight must arrive
+        as its whole unit (weight and scales, nothing else), so an e4m3 weight without its scale is an
+        error naming what is missing, never a tensor read as if it were bf16.
         """
-        if set(wire) == {name}:
-            return wire[name]
+        lone = wire.get(name) if set(wire) == {name} else None
+        if lone is not None and not self.quantizes_param(name, tuple(lone.shape), role):
+            return lone
         stem = name.removesuffix("weight")
         expected = {stem + suffix for suffix in self.wire_suffixes}
-        if not name.endswith(".weight") or not expected or set(wire) != expected:
+        if not self.quantizes(role) or not name.endswith(".weight") or set(wire) != expected:
+            want = sorted(expected) if self.quantizes(role) and name.endswith(".weight") else [name]
             raise QuantizationError(
-                f"{name}: {self.precision.value} wire tensors must be exactly {sorted(expected or {name})} "
-                f"or [{name!r}] for an unquantized tensor; got {sorted(wire)}"
+                f"{name} ({role.value}): {self.precision.value} wire tensors must be exactly {want}, "
+                f"got {sorted(wire)}"
             )
         return self._decode(stem, wire, dtype)
 
