@@ -22,6 +22,7 @@ the relative Frobenius error of each output vs float64 on the quantized operands
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -40,8 +41,13 @@ def blockwise_gemm_supported(device: torch.device) -> bool:
     """cuBLAS blockwise FP8 (1x128 / 128x128 scales) exists on SM90 only, with CUDA >= 12.9."""
     if device.type != "cuda" or not hasattr(F, "scaled_mm"):
         return False
+    return _sm90_with_blockwise_cublas(torch.device(device).index or torch.cuda.current_device())
+
+
+@functools.cache
+def _sm90_with_blockwise_cublas(index: int) -> bool:
     cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
-    return torch.cuda.get_device_capability(device) == (9, 0) and cuda >= (12, 9)
+    return torch.cuda.get_device_capability(index) == (9, 0) and cuda >= (12, 9)
 
 
 def _round_up(v: int, m: int) -> int:

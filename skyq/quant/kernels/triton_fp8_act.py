@@ -44,7 +44,7 @@ def _rows_cols_kernel(
     pid_m = pid // n_tiles_k
     pid_k = pid % n_tiles_k
     rm = pid_m.to(tl.int64) * T + tl.arange(0, T)
-    rk = pid_k * T + tl.arange(0, T)
+    rk = (pid_k * T + tl.arange(0, T)).to(tl.int64)
     row_ok = rm[:, None] < M
     col_ok = rk[None, :] < K
     x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=row_ok & col_ok, other=0.0).to(tl.float32)
