@@ -81,7 +81,7 @@ class ModelConfig:
     head_dim: int = 16
     """Per-head dimension (Qwen3 attention)."""
     intermediate_size: int = 128
-    """Dense MLP width (dense layers and shared-expert width for deepseek_v3)."""
+    """Dense MLP width (the leading dense layers of deepseek_v3; shared experts use moe_intermediate_size)."""
     moe_intermediate_size: int = 64
     """Routed-expert MLP width."""
     num_experts: int = 4
