@@ -23,8 +23,10 @@ import torch
 import triton.testing
 
 from skyq.quant import fp8_blockwise, int4, mxfp8
-from skyq.quant.kernels import dispatch, triton_fp8_blockwise, triton_int4, triton_mxfp8
+from skyq.quant.kernels import dispatch, triton_fp8_act, triton_fp8_blockwise, triton_int4, triton_mxfp8
 
+FP8_SWEEP = [(8, 32), (4, 32), (8, 16), (16, 32), (16, 64), (8, 128)]  # (num_warps, rows per slice)
+WARPS_SWEEP = [(4, None), (8, None), (16, None)]
 BARS = {"fp8_blockwise": 0.85, "fp8_blockwise_ue8m0": 0.85, "mxfp8": 0.85, "int4_pack_g128": 0.70}
 
 
@@ -66,7 +68,8 @@ def build_cases(x: torch.Tensor) -> dict[str, dict]:
         "mxfp8": {
             "bytes": n * 2 + n + n // 32,
             "ours": lambda: dispatch.quantize_mxfp8(x),
-            "kernel": lambda nw: triton_mxfp8.launch_quantize(x, num_warps=nw),
+            "kernel": lambda nw, sub: triton_mxfp8.launch_quantize(x, num_warps=nw),
+            "sweep": WARPS_SWEEP,
             "reference": mxfp8.quantize,
         },
         "int4_pack_g128": {
@@ -140,13 +143,26 @@ def main() -> None:
         variants: dict[str, tuple[int, Callable[[], object]]] = {}
         for name, case in cases.items():
             variants[f"{name}/ours"] = (case["bytes"], case["ours"])
-            for nw in (4, 8, 16):
-                variants[f"{name}/kernel_w{nw}"] = (case["bytes"], lambda c=case, nw=nw: c["kernel"](nw))
+            for nw, sub in case["sweep"]:
+                variants[f"{name}/kernel_w{nw}_s{sub}"] = (
+                    case["bytes"],
+                    lambda c=case, nw=nw, sub=sub: c["kernel"](nw, sub),
+                )
             variants[f"{name}/compile"] = (case["bytes"], lambda f=compiled[name]: f(x))
             variants[f"{name}/eager"] = (case["bytes"], lambda c=case: c["reference"](x))
         for name, case in dequant.items():
             variants[f"{name}/ours"] = (case["bytes"], case["ours"])
             variants[f"{name}/eager"] = (case["bytes"], case["reference"])
+        act_bytes = 4 * x.numel() + 8 * (x.numel() // 128)
+        for nw, sub in ((8, 16), (4, 16), (8, 32), (16, 32), (16, 64)):
+            variants[f"activation_rows_cols/kernel_w{nw}_s{sub}"] = (
+                act_bytes,
+                lambda nw=nw, sub=sub: triton_fp8_act.quantize_rows_cols(x, sub=sub, num_warps=nw),
+            )
+        variants["activation_rows/kernel"] = (
+            3 * x.numel() + 4 * (x.numel() // 128),
+            lambda: triton_fp8_act.quantize_rows(x),
+        )
         for key, (nbytes, fn) in variants.items():
             eta.setdefault(key, {"eta": []})["eta"].append(nbytes / time_ms(fn) / 1e9 / copy_bw)
 

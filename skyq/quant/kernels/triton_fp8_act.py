@@ -24,10 +24,20 @@ import triton.language as tl
 from torch import Tensor
 
 from skyq.quant.kernels._common import as_3d, cdiv
-from skyq.quant.kernels.triton_fp8_blockwise import _quant_kernel, fp8_scale, num_warps_for, to_e4m3
+from skyq.quant.kernels.triton_fp8_blockwise import (
+    BLOCK_NUM_WARPS,
+    BLOCK_SUB_ROWS,
+    _quant_kernel,
+    fp8_scale,
+    num_warps_for,
+    to_e4m3,
+)
 
 TILE = 128
 ROW_BAND = 64  # rows per program in the rows-only kernel: 64 x 128 bf16 = 16 KB in flight
+# Rows per slice and warps of the two-orientation kernel, tuned on the H200 (the benchmarks sweep them).
+ROWS_COLS_SUB = 16
+ROWS_COLS_NUM_WARPS = 8
 
 
 @triton.jit
@@ -35,37 +45,47 @@ def _rows_cols_kernel(
     x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
     M, K, MP, n_tiles_k,
     sxm, sxk,
-    POW2: tl.constexpr, T: tl.constexpr,
+    POW2: tl.constexpr, T: tl.constexpr, SUB: tl.constexpr,
 ):  # fmt: skip
     """One T x T tile of x [M, K]: row scales (1 x T along K) -> q [M, K] and s_buf [nK, M];
     column scales (1 x T along M) -> qt [K, MP] (transposed, rows >= M written as 0) and
-    st_buf [MP / T, K]."""
+    st_buf [MP / T, K]. The tile is read in SUB-row slices twice: rows are quantized in the first
+    sweep while the column amax accumulates, columns in the second (an L2 re-read), so registers
+    stay low and several programs per SM overlap their HBM loads."""
     pid = tl.program_id(0)
     pid_m = pid // n_tiles_k
     pid_k = pid % n_tiles_k
-    rm = pid_m.to(tl.int64) * T + tl.arange(0, T)
     rk = (pid_k * T + tl.arange(0, T)).to(tl.int64)
-    row_ok = rm[:, None] < M
     col_ok = rk[None, :] < K
-    x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=row_ok & col_ok, other=0.0).to(tl.float32)
-    ax = tl.abs(x)
-    row_scale = fp8_scale(tl.max(ax, axis=1, keep_dims=True), POW2)
-    tl.store(q_ptr + rm[:, None] * K + rk[None, :], to_e4m3(x * row_scale), mask=row_ok & col_ok)
-    tl.store(
-        s_ptr + pid_k * M + rm[:, None],
-        tl.math.div_rn(tl.zeros_like(row_scale) + 1.0, row_scale),
-        mask=row_ok,
-    )
-    col_scale = fp8_scale(tl.max(ax, axis=0, keep_dims=True), POW2)
-    qc = to_e4m3(x * col_scale)
-    tl.store(
-        qt_ptr + rk[:, None] * MP + rm[None, :], tl.trans(qc), mask=tl.trans(col_ok & (rm[:, None] < MP))
-    )
+    col_amax = tl.zeros([1, T], dtype=tl.float32)
+    for i in range(T // SUB):
+        rm = pid_m.to(tl.int64) * T + i * SUB + tl.arange(0, SUB)
+        row_ok = rm[:, None] < M
+        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=row_ok & col_ok, other=0.0).to(
+            tl.float32
+        )
+        ax = tl.abs(x)
+        row_scale = fp8_scale(tl.max(ax, axis=1, keep_dims=True), POW2)
+        tl.store(q_ptr + rm[:, None] * K + rk[None, :], to_e4m3(x * row_scale), mask=row_ok & col_ok)
+        row_inv = tl.math.div_rn(tl.zeros_like(row_scale) + 1.0, row_scale)
+        tl.store(s_ptr + pid_k * M + rm[:, None], row_inv, mask=row_ok)
+        col_amax = tl.maximum(col_amax, tl.max(ax, axis=0, keep_dims=True))
+    col_scale = fp8_scale(col_amax, POW2)
     tl.store(
         st_ptr + pid_m * K + rk[None, :],
         tl.math.div_rn(tl.zeros_like(col_scale) + 1.0, col_scale),
         mask=col_ok,
     )
+    for i in range(T // SUB):
+        rm = pid_m.to(tl.int64) * T + i * SUB + tl.arange(0, SUB)
+        row_ok = rm[:, None] < M
+        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=row_ok & col_ok, other=0.0).to(
+            tl.float32
+        )
+        qc = to_e4m3(x * col_scale)
+        tl.store(
+            qt_ptr + rk[:, None] * MP + rm[None, :], tl.trans(qc), mask=tl.trans(col_ok & (rm[:, None] < MP))
+        )
 
 
 def round_up(v: int, m: int) -> int:
@@ -85,13 +105,16 @@ def quantize_rows(x: Tensor, *, pow2_scale: bool = False) -> tuple[Tensor, Tenso
         0, *x.stride(),
         0, 1, m,
         0, 0, 0,
-        TN=ROW_BAND, TK=TILE, ROWWISE=True, POW2=pow2_scale, WRITE_T=False, WRITE_S2=False, CHECK=False,
+        TN=ROW_BAND, TK=TILE, SUB=ROW_BAND, ROWWISE=True, POW2=pow2_scale,
+        WRITE_T=False, WRITE_S2=False, CHECK=False,
         num_warps=num_warps_for(ROW_BAND * TILE),
     )  # fmt: skip
     return q, s_buf.t()
 
 
-def quantize_rows_cols(x: Tensor, *, pow2_scale: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def quantize_rows_cols(
+    x: Tensor, *, pow2_scale: bool = False, sub: int | None = None, num_warps: int | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """x [M, K] (any strides) -> (q [M, K], scale [M, ceil(K/128)] strides (1, M),
     qt [K, Mp], scale_t [K, Mp/128] strides (1, K)), Mp = M rounded up to 128, in one pass."""
     m, k = x.shape
@@ -102,8 +125,9 @@ def quantize_rows_cols(x: Tensor, *, pow2_scale: bool = False) -> tuple[Tensor, 
     st_buf = torch.empty((mp // TILE, k), dtype=torch.float32, device=x.device)
     n_tiles_k = cdiv(k, TILE)
     _rows_cols_kernel[(cdiv(m, TILE) * n_tiles_k,)](
-        x, q, s_buf, qt, st_buf, m, k, mp, n_tiles_k, *x.stride(), POW2=pow2_scale, T=TILE, num_warps=8
-    )
+        x, q, s_buf, qt, st_buf, m, k, mp, n_tiles_k, *x.stride(),
+        POW2=pow2_scale, T=TILE, SUB=sub or ROWS_COLS_SUB, num_warps=num_warps or ROWS_COLS_NUM_WARPS,
+    )  # fmt: skip
     return q, s_buf.t(), qt, st_buf.t()
 
 
@@ -125,8 +149,9 @@ def quantize_weight(w: Tensor, *, pow2_scale: bool = False) -> tuple[Tensor, Ten
         *x.stride(),
         *s_fwd.stride(),
         *s_bwd.stride(),
-        TN=TILE, TK=TILE, ROWWISE=False, POW2=pow2_scale, WRITE_T=True, WRITE_S2=True, CHECK=False,
-        num_warps=8,
+        TN=TILE, TK=TILE, SUB=BLOCK_SUB_ROWS, ROWWISE=False, POW2=pow2_scale,
+        WRITE_T=True, WRITE_S2=True, CHECK=False,
+        num_warps=BLOCK_NUM_WARPS,
     )  # fmt: skip
     lead = w.shape[:-2]
     return (

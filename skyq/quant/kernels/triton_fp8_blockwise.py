@@ -20,8 +20,8 @@ from torch import Tensor
 from skyq.quant import fp8_blockwise
 from skyq.quant.kernels._common import as_3d, cdiv, new_flag, raise_if_flagged
 
-_FLT_MAX: tl.constexpr = 3.4028234663852886e38
-_EXPONENT_BITS: tl.constexpr = 0x7F800000
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)
+_EXPONENT_BITS = tl.constexpr(0x7F800000)
 ROW_TILE_ELEMENTS = 8192  # elements per program in 1 x bk mode: 16 KB of bf16 in flight
 
 
@@ -44,10 +44,14 @@ def to_e4m3(x):
 
 
 @triton.jit
-def count_nonfinite(ax, flag_ptr):
-    """Bump `*flag_ptr` when the tile of |x| holds NaN or inf (NaN fails every comparison)."""
-    bad = tl.max(tl.max(tl.where(ax <= _FLT_MAX, 0, 1), axis=1), axis=0)
-    if bad > 0:
+def nonfinite_2d(ax):
+    """[1, 1] int32: 1 when the tile of |x| holds NaN or inf (NaN fails every comparison)."""
+    return tl.max(tl.max(tl.where(ax <= _FLT_MAX, 0, 1), axis=1, keep_dims=True), axis=0, keep_dims=True)
+
+
+@triton.jit
+def flag_if(bad, flag_ptr):
+    if tl.max(tl.max(bad, axis=1), axis=0) > 0:
         tl.atomic_add(flag_ptr, 1)
 
 
@@ -58,42 +62,72 @@ def _quant_kernel(
     sxb, sxn, sxk,
     ssb, ssn, ssk,
     s2b, s2k, s2n,
-    TN: tl.constexpr, TK: tl.constexpr, ROWWISE: tl.constexpr, POW2: tl.constexpr,
+    TN: tl.constexpr, TK: tl.constexpr, SUB: tl.constexpr, ROWWISE: tl.constexpr, POW2: tl.constexpr,
     WRITE_T: tl.constexpr, WRITE_S2: tl.constexpr, CHECK: tl.constexpr,
 ):  # fmt: skip
     """x [B, N, K] (any strides) -> q [B, N, K] contiguous, scale_inv at `s_ptr` with strides
     (ssb, ssn, ssk) per (batch, block row, block col). ROWWISE: one scale per row of a TN x TK
     tile (1 x TK blocks); else one scale per TN x TK tile. WRITE_T also writes q transposed,
     [B, K, N] (the dgrad operand of a linear), and WRITE_S2 a second copy of the scales with
-    strides (s2b, s2k, s2n) per (batch, block col, block row) (the transposed GEMM scale layout)."""
+    strides (s2b, s2k, s2n) per (batch, block col, block row) (the transposed GEMM scale layout).
+
+    A TN x TK block is held in registers whole when SUB == TN; with SUB < TN it is read in SUB-row
+    slices twice (amax, then codes; the second read hits L2), which keeps registers low enough for
+    several programs per SM to overlap their loads. HBM traffic is the same."""
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pid_n = pid // n_tiles_k
     pid_k = pid % n_tiles_k
-    rn = pid_n.to(tl.int64) * TN + tl.arange(0, TN)
     rk = pid_k * TK + tl.arange(0, TK)
-    mask = (rn[:, None] < N) & (rk[None, :] < K)
-    x = tl.load(x_ptr + b * sxb + rn[:, None] * sxn + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
-    ax = tl.abs(x)
-    if CHECK:
-        count_nonfinite(ax, flag_ptr)
-    amax = tl.max(ax, axis=1, keep_dims=True)
-    if not ROWWISE:
-        amax = tl.max(amax, axis=0, keep_dims=True)
-    scale = fp8_scale(amax, POW2)
-    q = to_e4m3(x * scale)
-    base = b * N * K
-    tl.store(q_ptr + base + rn[:, None] * K + rk[None, :], q, mask=mask)
-    inv = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
-    if ROWWISE:
-        tl.store(s_ptr + b * ssb + rn[:, None] * ssn + pid_k * ssk, inv, mask=rn[:, None] < N)
+    k_ok = rk[None, :] < K
+    x_base = x_ptr + b * sxb + rk[None, :] * sxk
+    q_base = q_ptr + b * N * K + rk[None, :]
+    qt_base = qt_ptr + b * N * K + rk[:, None] * N
+    if ROWWISE or SUB == TN:
+        rn = pid_n.to(tl.int64) * TN + tl.arange(0, TN)
+        mask = (rn[:, None] < N) & k_ok
+        x = tl.load(x_base + rn[:, None] * sxn, mask=mask, other=0.0).to(tl.float32)
+        ax = tl.abs(x)
+        if CHECK:
+            flag_if(nonfinite_2d(ax), flag_ptr)
+        amax = tl.max(ax, axis=1, keep_dims=True)
+        if not ROWWISE:
+            amax = tl.max(amax, axis=0, keep_dims=True)
+        scale = fp8_scale(amax, POW2)
+        q = to_e4m3(x * scale)
+        tl.store(q_base + rn[:, None] * K, q, mask=mask)
+        if WRITE_T:
+            tl.store(qt_base + rn[None, :], tl.trans(q), mask=tl.trans(mask))
+        if ROWWISE:
+            inv = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
+            tl.store(s_ptr + b * ssb + rn[:, None] * ssn + pid_k * ssk, inv, mask=rn[:, None] < N)
     else:
+        amax = tl.zeros([1, 1], dtype=tl.float32)
+        bad = tl.zeros([1, 1], dtype=tl.int32)
+        for i in range(TN // SUB):
+            rn = pid_n.to(tl.int64) * TN + i * SUB + tl.arange(0, SUB)
+            x = tl.load(x_base + rn[:, None] * sxn, mask=(rn[:, None] < N) & k_ok, other=0.0).to(tl.float32)
+            ax = tl.abs(x)
+            amax = tl.maximum(amax, tl.max(tl.max(ax, axis=1, keep_dims=True), axis=0, keep_dims=True))
+            if CHECK:
+                bad = tl.maximum(bad, nonfinite_2d(ax))
+        if CHECK:
+            flag_if(bad, flag_ptr)
+        scale = fp8_scale(amax, POW2)
+        for i in range(TN // SUB):
+            rn = pid_n.to(tl.int64) * TN + i * SUB + tl.arange(0, SUB)
+            mask = (rn[:, None] < N) & k_ok
+            x = tl.load(x_base + rn[:, None] * sxn, mask=mask, other=0.0).to(tl.float32)
+            q = to_e4m3(x * scale)
+            tl.store(q_base + rn[:, None] * K, q, mask=mask)
+            if WRITE_T:
+                tl.store(qt_base + rn[None, :], tl.trans(q), mask=tl.trans(mask))
+    if not ROWWISE:
+        inv = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
         zero = tl.zeros([1, 1], dtype=tl.int64)
         tl.store(s_ptr + b * ssb + pid_n * ssn + pid_k * ssk + zero, inv)
         if WRITE_S2:
             tl.store(s2_ptr + b * s2b + pid_k * s2k + pid_n * s2n + zero, inv)
-    if WRITE_T:
-        tl.store(qt_ptr + base + rk[:, None] * N + rn[None, :], tl.trans(q), mask=tl.trans(mask))
 
 
 @triton.jit
@@ -145,11 +179,25 @@ def num_warps_for(elements: int) -> int:
     return 8 if elements >= 8192 else 4
 
 
+# Square blocks: rows per slice and warps, tuned on the H200 (benchmarks/quantizers.py sweeps them).
+BLOCK_SUB_ROWS = 32
+BLOCK_NUM_WARPS = 8
+
+
+def sub_rows(tn: int, rowwise: bool, sub: int | None = None) -> int:
+    return tn if rowwise else min(tn, sub or BLOCK_SUB_ROWS)
+
+
 def launch_quantize(
-    w: Tensor, *, block_size: tuple[int, int], pow2_scale: bool, num_warps: int | None = None
+    w: Tensor,
+    *,
+    block_size: tuple[int, int],
+    pow2_scale: bool,
+    num_warps: int | None = None,
+    sub: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One launch, no host sync: `(q [B, N, K], scale_inv [B, nN, nK], flag)`; flag > 0 means a
-    non-finite input (the outputs are then meaningless). `num_warps` is for benchmark sweeps."""
+    non-finite input (the outputs are then meaningless). `num_warps`, `sub`: benchmark sweeps."""
     bn, bk = block_size
     x = as_3d(w)
     nb, n, k = x.shape
@@ -165,8 +213,9 @@ def launch_quantize(
         *x.stride(),
         *s.stride(),
         0, 0, 0,
-        TN=tn, TK=tk, ROWWISE=rowwise, POW2=pow2_scale, WRITE_T=False, WRITE_S2=False, CHECK=True,
-        num_warps=num_warps or num_warps_for(tn * tk),
+        TN=tn, TK=tk, SUB=sub_rows(tn, rowwise, sub), ROWWISE=rowwise, POW2=pow2_scale,
+        WRITE_T=False, WRITE_S2=False, CHECK=True,
+        num_warps=num_warps or (num_warps_for(tn * tk) if rowwise else BLOCK_NUM_WARPS),
     )  # fmt: skip
     return q, s, flag
 

@@ -17,11 +17,11 @@ from skyq.config.enums import Int4Grid
 from skyq.quant import int4
 from skyq.quant.kernels._common import as_3d, cdiv, new_flag, raise_if_flagged
 
-_FLT_MAX: tl.constexpr = 3.4028234663852886e38
-_AMAX_FLOOR: tl.constexpr = 1e-10  # the reference's fp32(1e-10)
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)
+_AMAX_FLOOR = tl.constexpr(1e-10)  # the reference's fp32(1e-10)
 # Adding then subtracting 1.5 * 2^23 rounds an fp32 |y| < 2^22 to an integer, ties to even: the
 # same result as torch.round, without libdevice (which the Triton CPU interpreter lacks).
-_ROUND_MAGIC: tl.constexpr = 12582912.0
+_ROUND_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit

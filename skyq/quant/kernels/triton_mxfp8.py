@@ -16,10 +16,10 @@ from skyq.quant import mxfp8
 from skyq.quant.kernels._common import as_3d, cdiv, new_flag, raise_if_flagged
 from skyq.quant.kernels.triton_fp8_blockwise import to_e4m3
 
-_FLT_MAX: tl.constexpr = 3.4028234663852886e38
-_INV_448: tl.constexpr = 1.0 / 448.0  # exactly the fp32 constant the reference multiplies by
-_HALF_MANTISSA: tl.constexpr = 0x400000
-_SUBNORMAL_2_POW_M127: tl.constexpr = 0x400000  # fp32 bits of 2^-127
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)
+_INV_448 = tl.constexpr(1.0 / 448.0)  # exactly the fp32 constant the reference multiplies by
+_HALF_MANTISSA = tl.constexpr(0x400000)
+_SUBNORMAL_2_POW_M127 = tl.constexpr(0x400000)  # fp32 bits of 2^-127
 BLOCK = 32
 
 
