@@ -1,0 +1,111 @@
+"""Group serialized units into byte buckets of bounded size, and unpack them on arrival.
+
+A unit (a weight and its scales) is never split: a bucket holds whole units and is closed when the
+next unit would push it past `bucket_bytes`. A single unit larger than `bucket_bytes` travels alone
+in a bucket of its own size, because splitting it would separate a weight from its scales.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from skyq.sync.errors import SyncRefused
+from skyq.sync.manifest import BucketEntry, TensorEntry
+from skyq.sync.wire_dtypes import as_bytes, dtype_from_name, dtype_name, from_bytes
+
+ALIGN_BYTES = 16
+"""Tensor offsets inside a bucket are multiples of this, so every dtype can be viewed in place."""
+
+
+@dataclass(frozen=True, slots=True)
+class WireUnit:
+    """One source parameter as it crosses the wire: wire name -> tensor (its weight and scales)."""
+
+    source: str
+    tensors: dict[str, Tensor]
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes this unit takes in a bucket, alignment padding included."""
+        return sum(_aligned(t.numel() * t.element_size()) for t in self.tensors.values())
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+
+
+def plan_buckets(units: Sequence[WireUnit], bucket_bytes: int) -> list[list[WireUnit]]:
+    """Split `units` (in order) into buckets of at most `bucket_bytes`, never splitting a unit."""
+    if bucket_bytes < 1:
+        raise SyncRefused(f"rollout.weight_sync.bucket_bytes={bucket_bytes}: must be at least 1")
+    buckets: list[list[WireUnit]] = []
+    current: list[WireUnit] = []
+    current_bytes = 0
+    for unit in units:
+        size = unit.packed_bytes
+        if current and current_bytes + size > bucket_bytes:
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.append(unit)
+        current_bytes += size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def bucket_checksum(buf: Tensor) -> str:
+    """blake2b-128 of a bucket's bytes (hex)."""
+    return hashlib.blake2b(buf.detach().cpu().numpy().data, digest_size=16).hexdigest()
+
+
+def pack_bucket(index: int, units: Sequence[WireUnit]) -> tuple[Tensor, BucketEntry]:
+    """Copy the units' bytes into one flat uint8 buffer and describe where each tensor lies."""
+    entries: list[TensorEntry] = []
+    offset = 0
+    for unit in units:
+        for name, t in unit.tensors.items():
+            nbytes = t.numel() * t.element_size()
+            entries.append(
+                TensorEntry(
+                    name=name,
+                    unit=unit.source,
+                    dtype=dtype_name(t.dtype),
+                    shape=tuple(t.shape),
+                    offset=offset,
+                    nbytes=nbytes,
+                )
+            )
+            offset += _aligned(nbytes)
+    total = entries[-1].offset + entries[-1].nbytes if entries else 0
+    device = next((t.device for u in units for t in u.tensors.values()), torch.device("cpu"))
+    # Zeroed so the padding bytes (and hence the checksum) are deterministic.
+    buf = torch.zeros(total, dtype=torch.uint8, device=device)
+    flat = [t for u in units for t in u.tensors.values()]
+    for entry, t in zip(entries, flat):
+        buf[entry.offset : entry.offset + entry.nbytes] = as_bytes(t)
+    return buf, BucketEntry(index=index, nbytes=total, checksum=bucket_checksum(buf), tensors=tuple(entries))
+
+
+def unpack_bucket(buf: Tensor, entry: BucketEntry, *, verify_checksum: bool) -> dict[str, Tensor]:
+    """The tensors of a received bucket, each a fresh copy with the dtype the manifest names."""
+    if buf.dtype != torch.uint8 or buf.ndim != 1 or buf.numel() != entry.nbytes:
+        raise SyncRefused(
+            f"bucket {entry.index}: received {buf.numel()} bytes ({buf.dtype}), manifest says {entry.nbytes}"
+        )
+    if verify_checksum:
+        got = bucket_checksum(buf)
+        if got != entry.checksum:
+            names = ", ".join(t.name for t in entry.tensors[:3])
+            raise SyncRefused(
+                f"bucket {entry.index} (holding {names}{', ...' if len(entry.tensors) > 3 else ''}) arrived "
+                f"corrupted: checksum {got} != manifest {entry.checksum}"
+            )
+    return {
+        t.name: from_bytes(buf[t.offset : t.offset + t.nbytes], dtype_from_name(t.dtype), t.shape)
+        for t in entry.tensors
+    }

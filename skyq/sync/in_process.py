@@ -1,0 +1,50 @@
+"""In-process transport: two queues, for tests and same-process setups.
+
+Frames are copied on send, so a sender reusing its buffer cannot change what was delivered, which
+is what a real transport guarantees.
+"""
+
+from __future__ import annotations
+
+import queue
+
+from torch import Tensor
+
+from skyq.sync.channel import check_frame_length
+from skyq.sync.errors import SyncTimeout
+
+
+class InProcessChannel:
+    """One end of an in-process frame channel (see `in_process_pair`)."""
+
+    def __init__(self, outbox: queue.Queue, inbox: queue.Queue, *, timeout_s: float, side: str) -> None:
+        self._outbox = outbox
+        self._inbox = inbox
+        self._timeout_s = timeout_s
+        self._side = side
+
+    def send_frame(self, payload: Tensor) -> None:
+        self._outbox.put(payload.detach().clone())
+
+    def recv_frame(self, max_bytes: int, what: str) -> Tensor:
+        try:
+            frame = self._inbox.get(timeout=self._timeout_s)
+        except queue.Empty:
+            raise SyncTimeout(
+                f"{what}: the {self._side} waited {self._timeout_s:.1f} s and nothing arrived "
+                "(rollout.weight_sync.timeout_s); is the peer running?"
+            ) from None
+        check_frame_length(frame.numel(), max_bytes, what)
+        return frame
+
+    def close(self) -> None:
+        """Nothing to release: the queues are garbage-collected with the channel."""
+
+
+def in_process_pair(timeout_s: float) -> tuple[InProcessChannel, InProcessChannel]:
+    """(sender end, receiver end) of a fresh in-process channel."""
+    to_receiver: queue.Queue = queue.Queue()
+    to_sender: queue.Queue = queue.Queue()
+    sender = InProcessChannel(to_receiver, to_sender, timeout_s=timeout_s, side="sender")
+    receiver = InProcessChannel(to_sender, to_receiver, timeout_s=timeout_s, side="receiver")
+    return sender, receiver

@@ -1,0 +1,183 @@
+"""The manifest every sync carries: version, buckets, and each tensor's name, unit, dtype, shape, bytes.
+
+It crosses the wire as JSON bytes (never pickle) and is parsed strictly: a missing or extra key, a
+wrong type, an overlapping byte range or a name listed twice is refused before any weight is read.
+A *unit* is one source parameter: a weight together with its scales (FORMATS.md "a weight and its
+scale(s) are one unit"); all tensors of a unit sit in one bucket.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from skyq.sync.errors import SyncRefused
+from skyq.sync.wire_dtypes import dtype_from_name, nbytes_of
+
+MANIFEST_FORMAT = "skyq-weight-sync/1"
+"""Format tag of the JSON manifest; a receiver refuses any other."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """Where one wire tensor lives inside its bucket."""
+
+    name: str
+    """Wire name, e.g. `model.layers.0.mlp.experts.1.up_proj.weight_scale_inv`."""
+    unit: str
+    """The source parameter this tensor was serialized from (its weight and scales share it)."""
+    dtype: str
+    """Wire dtype name (see `wire_dtypes.WIRE_DTYPES`)."""
+    shape: tuple[int, ...]
+    """Tensor shape."""
+    offset: int
+    """Byte offset inside the bucket."""
+    nbytes: int
+    """Byte length."""
+
+
+@dataclass(frozen=True, slots=True)
+class BucketEntry:
+    """One bucket: a flat byte buffer holding whole units."""
+
+    index: int
+    nbytes: int
+    checksum: str
+    """blake2b-128 hex digest of the bucket bytes."""
+    tensors: tuple[TensorEntry, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SyncManifest:
+    """Everything the receiver needs to account for one sync."""
+
+    version: int
+    """Weight version this sync commits (strictly increasing)."""
+    buckets: tuple[BucketEntry, ...]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+    @property
+    def tensors(self) -> list[TensorEntry]:
+        return [t for b in self.buckets for t in b.tensors]
+
+    def validate(self) -> None:
+        """Refuse an internally inconsistent manifest (whoever built it)."""
+        if self.version < 1:
+            raise SyncRefused(f"manifest version {self.version}: weight versions start at 1")
+        seen_names: set[str] = set()
+        unit_bucket: dict[str, int] = {}
+        for i, bucket in enumerate(self.buckets):
+            if bucket.index != i:
+                raise SyncRefused(f"manifest bucket {i} is labelled {bucket.index}: buckets must be in order")
+            end = 0
+            for t in sorted(bucket.tensors, key=lambda e: e.offset):
+                _validate_entry(t, bucket)
+                if t.offset < end:
+                    raise SyncRefused(f"manifest: `{t.name}` overlaps the previous tensor in bucket {i}")
+                end = t.offset + t.nbytes
+                if t.name in seen_names:
+                    raise SyncRefused(f"manifest lists `{t.name}` twice")
+                seen_names.add(t.name)
+                if unit_bucket.setdefault(t.unit, i) != i:
+                    raise SyncRefused(
+                        f"manifest splits unit `{t.unit}` across buckets {unit_bucket[t.unit]} and {i}: "
+                        "a weight and its scales must travel in the same bucket"
+                    )
+
+    def to_json_bytes(self) -> bytes:
+        payload = {
+            "format": MANIFEST_FORMAT,
+            "version": self.version,
+            "buckets": [
+                {
+                    "index": b.index,
+                    "nbytes": b.nbytes,
+                    "checksum": b.checksum,
+                    "tensors": [
+                        {
+                            "name": t.name,
+                            "unit": t.unit,
+                            "dtype": t.dtype,
+                            "shape": list(t.shape),
+                            "offset": t.offset,
+                            "nbytes": t.nbytes,
+                        }
+                        for t in b.tensors
+                    ],
+                }
+                for b in self.buckets
+            ],
+        }
+        return json.dumps(payload, separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json_bytes(cls, raw: bytes) -> SyncManifest:
+        """Parse and validate a manifest received from another process."""
+        try:
+            obj = json.loads(raw.decode())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise SyncRefused(f"weight-sync manifest is not valid JSON: {exc}") from None
+        _expect_keys(obj, {"format", "version", "buckets"}, "manifest")
+        if obj["format"] != MANIFEST_FORMAT:
+            raise SyncRefused(
+                f"manifest format {obj['format']!r}, expected {MANIFEST_FORMAT!r} (skyq versions differ?)"
+            )
+        buckets = tuple(_parse_bucket(b) for b in _expect(obj["buckets"], list, "manifest.buckets"))
+        manifest = cls(version=_expect(obj["version"], int, "manifest.version"), buckets=buckets)
+        manifest.validate()
+        return manifest
+
+
+def _validate_entry(t: TensorEntry, bucket: BucketEntry) -> None:
+    expected = nbytes_of(dtype_from_name(t.dtype), t.shape)
+    if t.nbytes != expected:
+        raise SyncRefused(
+            f"manifest: `{t.name}` says {t.nbytes} bytes, but {t.dtype}{list(t.shape)} is {expected}"
+        )
+    if t.offset < 0 or t.offset + t.nbytes > bucket.nbytes:
+        raise SyncRefused(
+            f"manifest: `{t.name}` at bytes [{t.offset}, {t.offset + t.nbytes}) lies outside "
+            f"bucket {bucket.index} of {bucket.nbytes} bytes"
+        )
+
+
+def _parse_bucket(obj: Any) -> BucketEntry:
+    _expect_keys(obj, {"index", "nbytes", "checksum", "tensors"}, "manifest bucket")
+    return BucketEntry(
+        index=_expect(obj["index"], int, "bucket.index"),
+        nbytes=_expect(obj["nbytes"], int, "bucket.nbytes"),
+        checksum=_expect(obj["checksum"], str, "bucket.checksum"),
+        tensors=tuple(_parse_tensor(t) for t in _expect(obj["tensors"], list, "bucket.tensors")),
+    )
+
+
+def _parse_tensor(obj: Any) -> TensorEntry:
+    _expect_keys(obj, {"name", "unit", "dtype", "shape", "offset", "nbytes"}, "manifest tensor")
+    shape = _expect(obj["shape"], list, "tensor.shape")
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise SyncRefused(f"manifest: `{obj['name']}` has shape {shape}; dims must be non-negative ints")
+    return TensorEntry(
+        name=_expect(obj["name"], str, "tensor.name"),
+        unit=_expect(obj["unit"], str, "tensor.unit"),
+        dtype=_expect(obj["dtype"], str, "tensor.dtype"),
+        shape=tuple(shape),
+        offset=_expect(obj["offset"], int, "tensor.offset"),
+        nbytes=_expect(obj["nbytes"], int, "tensor.nbytes"),
+    )
+
+
+def _expect_keys(obj: Any, keys: set[str], what: str) -> None:
+    if not isinstance(obj, dict) or set(obj) != keys:
+        got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+        raise SyncRefused(f"{what} must have exactly the keys {sorted(keys)}, got {got}")
+
+
+def _expect(value: Any, kind: type, what: str) -> Any:
+    # bool is an int subclass in Python; a JSON `true` is never a valid count or offset.
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise SyncRefused(f"{what} must be a {kind.__name__}, got {value!r}")
+    return value

@@ -1,0 +1,149 @@
+"""Trainer side of a weight sync: serialize -> bucket -> send -> wait for the engine's accounting.
+
+The whole sync is serialized and checked before the first byte leaves, so a non-finite weight is
+refused with nothing sent. The sender waits for two acknowledgements: the engine accepts the
+manifest (version and names), then reports what it committed; a sync counts as done only when the
+committed tensor and byte counts equal the manifest's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from torch import Tensor
+
+from skyq.quant.errors import QuantizationError, check_finite
+from skyq.sync.buckets import WireUnit, pack_bucket, plan_buckets
+from skyq.sync.channel import Channel, recv_json, send_bytes
+from skyq.sync.errors import SyncError, SyncRefused
+from skyq.sync.manifest import SyncManifest
+
+Serializer = Callable[[str, Tensor], dict[str, Tensor]]
+"""`QuantizationStrategy.serialize`: one source tensor -> its wire tensors (weight and scales)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SyncStats:
+    """What one sync moved and where its time went (seconds)."""
+
+    version: int
+    num_tensors: int
+    num_buckets: int
+    bytes: int
+    gather_s: float
+    """Producing the trainer's full-precision tensors (the trainer's weight iterator)."""
+    quantize_s: float
+    """Finite checks and the strategy's serialize()."""
+    transfer_s: float
+    """Packing, checksums, and sending until the engine acknowledged every bucket, minus load_s."""
+    load_s: float
+    """Engine side: verifying, unpacking and committing (reported by the engine)."""
+    total_s: float
+
+    def as_metrics(self) -> dict[str, float]:
+        return {f"sync/{key}": float(value) for key, value in asdict(self).items()}
+
+
+def serialize_unit(name: str, tensor: Tensor, serialize: Serializer, version: int) -> WireUnit:
+    """One source tensor through the strategy, refused (naming it) if it is not finite."""
+    try:
+        check_finite(tensor, name)
+        wire = serialize(name, tensor)
+    except QuantizationError as exc:
+        raise SyncRefused(f"weight sync of version {version} refused before sending anything: {exc}") from exc
+    if not wire:
+        raise SyncError(
+            f"serializing `{name}` produced no wire tensors; the strategy must return at least one"
+        )
+    return WireUnit(source=name, tensors=dict(wire))
+
+
+def build_units(
+    weights: Iterable[tuple[str, Tensor]], serialize: Serializer, version: int
+) -> tuple[list[WireUnit], float, float]:
+    """Serialize every source tensor; returns (units, gather seconds, quantize seconds)."""
+    units: list[WireUnit] = []
+    seen: dict[str, str] = {}
+    gather_s = quantize_s = 0.0
+    iterator = iter(weights)
+    while True:
+        start = time.perf_counter()
+        item = next(iterator, None)
+        gather_s += time.perf_counter() - start
+        if item is None:
+            break
+        name, tensor = item
+        start = time.perf_counter()
+        unit = serialize_unit(name, tensor, serialize, version)
+        quantize_s += time.perf_counter() - start
+        for wire_name in unit.tensors:
+            if wire_name in seen:
+                raise SyncError(f"wire name `{wire_name}` produced by both `{seen[wire_name]}` and `{name}`")
+            seen[wire_name] = name
+        units.append(unit)
+    if not units:
+        raise SyncRefused(f"weight sync of version {version}: the trainer produced no weights to send")
+    return units, gather_s, quantize_s
+
+
+class WeightSender:
+    """Sends full weight syncs over one channel."""
+
+    def __init__(self, channel: Channel, *, serialize: Serializer, bucket_bytes: int) -> None:
+        self._channel = channel
+        self._serialize = serialize
+        self._bucket_bytes = bucket_bytes
+
+    def sync(self, weights: Iterable[tuple[str, Tensor]], version: int) -> SyncStats:
+        """Send `weights` (HF name, full-precision tensor) as weight version `version`."""
+        start = time.perf_counter()
+        units, gather_s, quantize_s = build_units(weights, self._serialize, version)
+        transfer_start = time.perf_counter()
+        packed = [pack_bucket(i, group) for i, group in enumerate(plan_buckets(units, self._bucket_bytes))]
+        manifest = SyncManifest(version=version, buckets=tuple(entry for _, entry in packed))
+        manifest.validate()
+        send_bytes(self._channel, manifest.to_json_bytes())
+        self._expect_ack(
+            recv_json(self._channel, f"engine's answer to manifest v{version}"), "manifest", version
+        )
+        for buf, _ in packed:
+            self._channel.send_frame(buf)
+        ack = recv_json(self._channel, f"engine's commit of v{version}")
+        self._expect_ack(ack, "commit", version)
+        if ack["num_tensors"] != len(manifest.tensors) or ack["bytes"] != manifest.total_bytes:
+            raise SyncError(
+                f"weight version {version}: the engine committed {ack['num_tensors']} tensors / {ack['bytes']} "
+                f"bytes but the manifest holds {len(manifest.tensors)} / {manifest.total_bytes}"
+            )
+        end = time.perf_counter()
+        load_s = float(ack["load_s"])
+        return SyncStats(
+            version=version,
+            num_tensors=len(manifest.tensors),
+            num_buckets=len(packed),
+            bytes=manifest.total_bytes,
+            gather_s=gather_s,
+            quantize_s=quantize_s,
+            transfer_s=max(end - transfer_start - load_s, 0.0),
+            load_s=load_s,
+            total_s=end - start,
+        )
+
+    @staticmethod
+    def _expect_ack(ack: dict[str, Any], stage: str, version: int) -> None:
+        keys = {"stage", "ok", "version", "error", "num_tensors", "bytes", "load_s"}
+        if set(ack) != keys or ack["stage"] != stage:
+            raise SyncError(
+                f"weight version {version}: malformed {stage} acknowledgement from the engine: {ack}"
+            )
+        if ack["ok"] is not True:
+            raise SyncRefused(
+                f"the engine refused weight version {version} at the {stage} stage: {ack['error']}"
+            )
+        if ack["version"] != version:
+            raise SyncError(
+                f"weight version {version}: the engine acknowledged version {ack['version']} instead"
+            )

@@ -1,0 +1,96 @@
+"""torch.distributed transport: a private two-rank group, gloo on CPU and NCCL on GPU (same code).
+
+Rank 0 is the trainer (sender), rank 1 the engine (receiver). The group is a standalone
+`ProcessGroupGloo`/`ProcessGroupNCCL` built on a TCPStore, not the process's default group, so a
+trainer that runs its own torch.distributed world keeps it. The store is created by rank 0 on
+`127.0.0.1` with port 0: the OS picks a free port and the store holds it from then on, so there is
+no probe-then-bind race between sibling runs. Every collective is waited on with the sync deadline.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from skyq.sync.channel import check_frame_length
+from skyq.sync.errors import SyncError, SyncTimeout
+
+LOOPBACK = "127.0.0.1"
+SENDER_RANK = 0
+RECEIVER_RANK = 1
+
+
+def open_store(timeout_s: float, host: str = LOOPBACK) -> dist.TCPStore:
+    """Rank 0's rendezvous store on a free port of `host` (read it from `.port`)."""
+    return dist.TCPStore(host, 0, 2, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def connect_store(port: int, timeout_s: float, host: str = LOOPBACK) -> dist.TCPStore:
+    """Rank 1's connection to rank 0's store."""
+    try:
+        return dist.TCPStore(host, port, 2, False, timeout=timedelta(seconds=timeout_s))
+    except (RuntimeError, dist.DistError) as exc:
+        raise SyncTimeout(
+            f"could not reach the weight-sync store at {host}:{port} within {timeout_s} s: {exc}"
+        ) from exc
+
+
+class TorchDistChannel:
+    """One end of a two-rank frame channel over broadcast collectives."""
+
+    def __init__(self, store: dist.Store, *, rank: int, timeout_s: float, device: torch.device) -> None:
+        if rank not in (SENDER_RANK, RECEIVER_RANK):
+            raise ValueError(
+                f"weight-sync rank must be {SENDER_RANK} (trainer) or {RECEIVER_RANK} (engine), got {rank}"
+            )
+        self.rank = rank
+        self.peer = 1 - rank
+        self.device = torch.device(device)
+        self._timeout = timedelta(seconds=timeout_s)
+        try:
+            if self.device.type == "cuda":
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = self._timeout
+                self._group = dist.ProcessGroupNCCL(store, rank, 2, options)
+            else:
+                self._group = dist.ProcessGroupGloo(store, rank, 2, self._timeout)
+        except (RuntimeError, dist.DistError) as exc:
+            raise SyncTimeout(
+                f"weight-sync group (rank {rank}) did not form within {timeout_s} s: {exc}. "
+                "Did the other actor join? (rollout.weight_sync.timeout_s)"
+            ) from exc
+
+    def _broadcast(self, t: Tensor, root: int, what: str) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = root
+        try:
+            work = self._group.broadcast([t], opts)
+            work.wait(self._timeout)
+        except (RuntimeError, dist.DistError) as exc:
+            # gloo reports both a peer that closed its socket and a passed deadline as RuntimeError.
+            kind = SyncTimeout if "imeout" in str(exc) or "imed out" in str(exc) else SyncError
+            raise kind(f"{what}: transfer between trainer and engine failed: {exc}") from exc
+
+    def send_frame(self, payload: Tensor) -> None:
+        payload = payload.reshape(-1).to(self.device)
+        header = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
+        self._broadcast(header, self.rank, "frame header")
+        if payload.numel():
+            self._broadcast(payload.contiguous(), self.rank, f"frame of {payload.numel()} bytes")
+
+    def recv_frame(self, max_bytes: int, what: str) -> Tensor:
+        header = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self._broadcast(header, self.peer, f"{what} (header)")
+        n = int(header.item())
+        check_frame_length(n, max_bytes, what)
+        buf = torch.empty(n, dtype=torch.uint8, device=self.device)
+        if n:
+            self._broadcast(buf, self.peer, what)
+        return buf
+
+    def close(self) -> None:
+        """Drop the group; its sockets close when the last reference goes."""
+        self._group = None
