@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from skyq.checkpoint.errors import CheckpointError
+from skyq.checkpoint.fp8_convert import check_kept_finite
 from skyq.checkpoint.hf_config import text_config_of
 from skyq.checkpoint.pipeline import ShardResult, ShardTransform
 from skyq.checkpoint.reader import ShardedCheckpoint, TensorInfo
@@ -136,8 +137,7 @@ def make_fp8_dequant_transform(
                 result.tensors[name] = dequantize(tensors[name], scale, name)
                 result.converted += 1
             elif name not in scales:
-                if tensors[name].is_floating_point() and not torch.isfinite(tensors[name]).all():
-                    raise CheckpointError(f"tensor {name!r} in {shard}: NaN or inf values")
+                check_kept_finite(name, tensors[name])
                 result.tensors[name] = tensors[name]
                 result.kept += 1
             tick()

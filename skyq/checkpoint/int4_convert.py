@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from skyq.checkpoint.chunking import quantize_by_rows
 from skyq.checkpoint.errors import CheckpointError
 from skyq.checkpoint.fp8_convert import check_kept_finite
 from skyq.checkpoint.pipeline import ShardResult, ShardTransform
@@ -53,13 +54,19 @@ def make_int4_transform(quantized: frozenset[str], opts: Int4Options) -> ShardTr
     def quantize(name: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
         base = name.removesuffix(".weight")
         if opts.symmetric:
-            q, scale = int4.quantize(w, group_size=opts.group_size, grid=opts.grid, name=name)
+
+            def symmetric(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                q, scale = int4.quantize(rows, group_size=opts.group_size, grid=opts.grid, name=name)
+                return int4.pack(q, name=name), scale
+
+            packed, scale = quantize_by_rows(w, symmetric, multiple=1)
             extra = {}
         else:
             q, scale, zp = int4.quantize_asymmetric(w, group_size=opts.group_size, name=name)
+            packed = int4.pack(q, name=name)
             extra = {f"{base}.weight_zero_point": int4.pack_zero_point(zp, name=name)}
         return {
-            f"{base}.weight_packed": int4.pack(q, name=name),
+            f"{base}.weight_packed": packed,
             f"{base}.weight_scale": scale,
             f"{base}.weight_shape": int4.weight_shape_tensor(*w.shape),
             **extra,

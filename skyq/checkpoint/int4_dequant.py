@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from skyq.checkpoint.errors import CheckpointError
+from skyq.checkpoint.fp8_convert import check_kept_finite
 from skyq.checkpoint.pipeline import ShardResult, ShardTransform
 from skyq.checkpoint.reader import ShardedCheckpoint, TensorInfo
 from skyq.quant import int4
@@ -136,8 +137,7 @@ def make_int4_dequant_transform(
                 result.tensors[name.removesuffix("_packed")] = dequantize(name, tensors)
                 result.converted += 1
             elif name not in members:
-                if tensors[name].is_floating_point() and not torch.isfinite(tensors[name]).all():
-                    raise CheckpointError(f"tensor {name!r} in {shard}: NaN or inf values")
+                check_kept_finite(name, tensors[name])
                 result.tensors[name] = tensors[name]
                 result.kept += 1
             tick()

@@ -150,6 +150,11 @@ def run_conversion(
             stats.shards_written += 1
             overall.update(source.shard_bytes(shard))
 
+    # Converter threads run torch single-threaded; `max_workers` is the parallelism. On a shared
+    # 2-core machine intra-op threads made the quantizers up to 5x slower (a stolen core stalls
+    # every parallel op), and the read/write threads need a core slice of their own.
+    intra_op_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     start = time.perf_counter()
     threads = [threading.Thread(target=guarded(read), name="skyq-read")]
     threads += [threading.Thread(target=guarded(convert), name=f"skyq-convert-{i}") for i in range(workers)]
@@ -159,6 +164,7 @@ def run_conversion(
     for t in threads:
         t.join()
     overall.close()
+    torch.set_num_threads(intra_op_threads)
     stats.seconds = time.perf_counter() - start
     if stats.errors:
         raise stats.errors[0]

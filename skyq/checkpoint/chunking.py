@@ -1,0 +1,37 @@
+"""Apply a row-wise quantizer to a large weight a slab of rows at a time.
+
+Every skyq weight format is independent across row slabs whose height is a multiple of the block
+(fp8 blockwise: bn rows; per-channel and int4 groups: one row), so quantizing slab by slab gives the
+same bits as one call on the whole tensor while its fp32 temporaries stay in cache and no
+gigabyte-sized intermediate is allocated (page faults dominated the eager quantizers' time: about
+5x faster on 2 CPU cores for a 8192 x 2048 expert stack).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+SLAB_ELEMENTS = 1 << 20  # ~4 MB of fp32 temporaries per op
+
+
+def slab_rows(shape: tuple[int, ...], multiple: int) -> int:
+    """Rows per slab: about SLAB_ELEMENTS elements, rounded down to a multiple of `multiple`."""
+    rows = max(1, SLAB_ELEMENTS // max(1, shape[-1]))
+    return max(multiple, rows // multiple * multiple)
+
+
+def quantize_by_rows(
+    w: torch.Tensor, quantize: Callable[[torch.Tensor], tuple[torch.Tensor, ...]], *, multiple: int
+) -> tuple[torch.Tensor, ...]:
+    """`quantize(w)` computed over row slabs of `w` (2-D) and concatenated along rows.
+
+    Each output of `quantize` must have one row per `rows / multiple` input rows (codes: per row;
+    blockwise scales: per block row), which is what makes the slabs independent.
+    """
+    rows = slab_rows(tuple(w.shape), multiple)
+    if w.ndim != 2 or w.shape[0] <= rows:
+        return quantize(w)
+    parts = [quantize(w[i : i + rows]) for i in range(0, w.shape[0], rows)]
+    return tuple(torch.cat(outputs) for outputs in zip(*parts))
