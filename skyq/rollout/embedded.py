@@ -69,7 +69,9 @@ class EmbeddedEngine:
     def _linear(self, hf_name: str) -> nn.Module:
         entry = self.plan[hf_name]
         if entry.quantized:
-            return WireLinear(hf_name, list(entry.wire), self.strategy, activation_quant(self.precision_cfg))
+            return WireLinear(
+                hf_name, entry.role, list(entry.wire), self.strategy, activation_quant(self.precision_cfg)
+            )
         return plain_linear(entry.shape, COMPUTE_DTYPE)
 
     def _build_model(self) -> nn.Module:
@@ -141,7 +143,11 @@ class EmbeddedEngine:
         for entry in self.plan:
             unit = {w.name: wire[w.name] for w in entry.wire}
             try:
-                value = self.strategy.deserialize(entry.name, unit) if entry.quantized else unit[entry.name]
+                value = (
+                    self.strategy.deserialize(entry.name, unit, role=entry.role)
+                    if entry.quantized
+                    else unit[entry.name]
+                )
             except QuantizationError as exc:
                 raise WeightLoadError(f"weight version rejected: {exc}") from exc
             if value.is_floating_point() and not bool(torch.isfinite(value).all()):

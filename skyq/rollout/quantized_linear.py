@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from skyq.config.enums import Precision, ScaleFormat
 from skyq.config.schema import PrecisionConfig
 from skyq.quant import fake_quant
+from skyq.quant.layouts import Role
 from skyq.quant.strategies import QuantizationStrategy, WireSpec
 
 TensorFn = Callable[[Tensor], Tensor]
@@ -41,10 +42,16 @@ class WireLinear(nn.Module):
     """A bias-free linear whose weight lives as wire tensors; dequantized inside `forward`."""
 
     def __init__(
-        self, hf_name: str, specs: list[WireSpec], strategy: QuantizationStrategy, activation: TensorFn | None
+        self,
+        hf_name: str,
+        role: Role,
+        specs: list[WireSpec],
+        strategy: QuantizationStrategy,
+        activation: TensorFn | None,
     ) -> None:
         super().__init__()
         self.hf_name = hf_name
+        self.role = role
         self.stem = hf_name.removesuffix("weight")
         self.strategy = strategy
         self.activation = activation
@@ -57,7 +64,7 @@ class WireLinear(nn.Module):
         return {self.stem + leaf: buffer for leaf, buffer in self._buffers.items()}
 
     def forward(self, x: Tensor) -> Tensor:
-        weight = self.strategy.deserialize(self.hf_name, self.wire(), dtype=x.dtype)
+        weight = self.strategy.deserialize(self.hf_name, self.wire(), role=self.role, dtype=x.dtype)
         if self.activation is not None:
             x = self.activation(x)
         return F.linear(x, weight)

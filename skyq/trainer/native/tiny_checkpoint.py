@@ -28,7 +28,7 @@ from skyq.trainer.native.model import build_model, write_hf_checkpoint
 RECIPE_VERSION = 1
 """Bump when the warm-up recipe below changes, so cached checkpoints built by the old one are not reused."""
 SFT_BATCH_SIZE = 64
-SFT_LR = 1e-3
+SFT_LR = 1e-2
 INFO_FILE = "skyq_tiny_checkpoint.json"
 
 
