@@ -18,6 +18,7 @@ import argparse
 import datetime
 import json
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -88,6 +89,39 @@ def variants(m: int, n: int, k: int) -> tuple[dict[str, Callable[[], object]], f
     return fns, rel
 
 
+def host_overhead(m: int, n: int, k: int) -> dict[str, float]:
+    """Host (CPU) microseconds per call: launches only, the GPU queue absorbing the work."""
+    from skyq.quant.kernels import triton_fp8_act
+
+    fns, _ = variants(m, n, k)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    parts = {
+        "quantize_rows_cols launch": lambda: triton_fp8_act.quantize_rows_cols(x),
+        "quantize_weight launch": lambda: quantize_weight(w),
+        "scaled_mm call": fns["gemm fp8"],
+        "bf16 mm call": fns["gemm bf16"],
+        "fwd+bwd fp8 (w cached)": fns["fwd+bwd fp8 (w cached)"],
+        "fwd+bwd bf16": fns["fwd+bwd bf16"],
+    }
+    out = {}
+    for name, fn in parts.items():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            fn()
+        out[name] = (time.perf_counter() - t0) / 20 * 1e6
+        torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            fns["fwd+bwd fp8 (w cached)"]()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
@@ -123,7 +157,10 @@ def main() -> None:
         }
         del fns
         torch.cuda.empty_cache()
+    overhead = host_overhead(*SHAPES["expert gate_up 8192x1536x2048"])
+    print("host us per call (8192x1536x2048): " + ", ".join(f"{k} {v:.0f}" for k, v in overhead.items()))
     record = {
+        "host_us_per_call": overhead,
         "date": datetime.date.today().isoformat(),
         "device": device,
         "torch": torch.__version__,

@@ -52,17 +52,19 @@ def build_cases(x: torch.Tensor) -> dict[str, dict]:
         "fp8_blockwise": {
             "bytes": fp8_bytes,
             "ours": lambda: dispatch.quantize_fp8_blockwise(x),
-            "kernel": lambda nw: triton_fp8_blockwise.launch_quantize(
-                x, block_size=(128, 128), pow2_scale=False, num_warps=nw
+            "kernel": lambda nw, sub: triton_fp8_blockwise.launch_quantize(
+                x, block_size=(128, 128), pow2_scale=False, num_warps=nw, sub=sub
             ),
+            "sweep": FP8_SWEEP,
             "reference": fp8_blockwise.quantize,
         },
         "fp8_blockwise_ue8m0": {
             "bytes": fp8_bytes,
             "ours": lambda: dispatch.quantize_fp8_blockwise(x, pow2_scale=True),
-            "kernel": lambda nw: triton_fp8_blockwise.launch_quantize(
-                x, block_size=(128, 128), pow2_scale=True, num_warps=nw
+            "kernel": lambda nw, sub: triton_fp8_blockwise.launch_quantize(
+                x, block_size=(128, 128), pow2_scale=True, num_warps=nw, sub=sub
             ),
+            "sweep": [(8, 32)],
             "reference": lambda w: fp8_blockwise.quantize(w, pow2_scale=True),
         },
         "mxfp8": {
@@ -75,9 +77,10 @@ def build_cases(x: torch.Tensor) -> dict[str, dict]:
         "int4_pack_g128": {
             "bytes": n * 2 + n // 2 + (n // 128) * 2,
             "ours": lambda: dispatch.quantize_int4_packed(x, group_size=128, grid="rtn"),
-            "kernel": lambda nw: triton_int4.launch_quantize(
+            "kernel": lambda nw, sub: triton_int4.launch_quantize(
                 x, group_size=128, grid="rtn", codes=False, packed=True, num_warps=nw
             ),
+            "sweep": WARPS_SWEEP,
             "reference": int4_reference,
         },
     }

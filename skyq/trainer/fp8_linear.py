@@ -79,25 +79,26 @@ def quantize_weight(w: Tensor) -> WeightOperands:
 
 
 def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
-    """x [M, K] -> (q, scale [M, K/128] with strides (1, M))."""
+    """x [M, K] -> (q [Mp, K], scale [Mp, K/128] with strides (1, Mp)): 1 x 128 tiles along K.
+    Mp = M rounded up to 128; the padding rows are codes 0 with scale 1 (cuBLAS refused some
+    ragged row counts), and callers keep the first M rows of the product."""
     if uses_kernel(x):
         from skyq.quant.kernels import triton_fp8_act
 
         return triton_fp8_act.quantize_rows(x)
-    q, s = fp8_blockwise.quantize_activation(x)
+    q, s = fp8_blockwise.quantize_activation(F.pad(x, (0, 0, 0, _round_up(x.shape[0], TILE) - x.shape[0])))
     return q, s.t().contiguous().t()
 
 
 def quantize_rows_cols(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """x [M, K] -> rows as `quantize_rows`, plus (x^T codes [K, Mp], scale [K, Mp/128] with
-    strides (1, K)), Mp = M rounded up to 128 with zero rows (cuBLAS's contraction tiles)."""
+    strides (1, K)): 1 x 128 tiles along M, cuBLAS's wgrad contraction tiles."""
     if uses_kernel(x):
         from skyq.quant.kernels import triton_fp8_act
 
         return triton_fp8_act.quantize_rows_cols(x)
     q, s = quantize_rows(x)
-    xt = F.pad(x, (0, 0, 0, _round_up(x.shape[0], TILE) - x.shape[0])).t()
-    qt, st = fp8_blockwise.quantize_activation(xt)
+    qt, st = fp8_blockwise.quantize_activation(F.pad(x, (0, 0, 0, q.shape[0] - x.shape[0])).t())
     return q, s, qt, st.t().contiguous().t()
 
 
@@ -145,7 +146,7 @@ class _LinearFn(torch.autograd.Function):
             xq, xs = quantize_rows(x2)
         out = blockwise_gemm(
             xq, xs, ops.q.t(), ops.scale_fwd, b_blocks=True, out_dtype=x.dtype, emulate=emulate
-        )
+        )[: x2.shape[0]]
         if bias is not None:
             out = out + bias
         ctx.ops, ctx.emulate, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = (
@@ -175,7 +176,7 @@ class _LinearFn(torch.autograd.Function):
             dx = blockwise_gemm(
                 dyq, dys, ops.qt.t(), ops.scale_bwd, b_blocks=True, out_dtype=ctx.x_dtype, emulate=ctx.emulate
             )
-            dx = dx.reshape(ctx.x_shape)
+            dx = dx[: dy2.shape[0]].reshape(ctx.x_shape)
         if need_db:
             db = dy2.sum(0)
         return dx, dw, db, None, None
@@ -275,7 +276,7 @@ class _ExpertsFn(torch.autograd.Function):
             outs.append(
                 blockwise_gemm(
                     xq, xs, ops.q[e].t(), ops.scale_fwd[e], b_blocks=True, out_dtype=x.dtype, emulate=emulate
-                )
+                )[:count]
             )
         ctx.ops, ctx.emulate, ctx.counts, ctx.saved, ctx.w_dtype = ops, emulate, counts, saved, weight.dtype
         n = weight.shape[1]
@@ -314,7 +315,7 @@ class _ExpertsFn(torch.autograd.Function):
                         b_blocks=True,
                         out_dtype=dy.dtype,
                         emulate=ctx.emulate,
-                    )
+                    )[:count]
                 )
         dx = (torch.cat(dxs) if dxs else dy.new_zeros((0, k))) if need_dx else None
         ctx.saved = None

@@ -177,10 +177,14 @@ def _interpreter_main() -> None:
         check(f"int4 g{g} scale", scale, scale_ref)
         deq = triton_int4.dequantize_packed(packed, scale, 24, 512, g, torch.bfloat16)
         check(f"int4 g{g} dequant", deq, int4.dequantize_packed(packed, scale, [24, 512]))
-    x = _weight(gen, (200, 384))
-    q_ref, s_ref = fp8_blockwise.quantize_activation(x)
+    xp = F.pad(_weight(gen, (200, 384)), (0, 0, 0, 56))  # the kernels pad M to 256: codes 0, scale 1
+    x = xp[:200]
+    q_ref, s_ref = fp8_blockwise.quantize_activation(xp)
     q, s, qt, st = triton_fp8_act.quantize_rows_cols(x)
-    qt_ref, st_ref = fp8_blockwise.quantize_activation(F.pad(x, (0, 0, 0, 56)).t())
+    qt_ref, st_ref = fp8_blockwise.quantize_activation(xp.t())
+    qr, sr = triton_fp8_act.quantize_rows(x)
+    check("activation rows-only q", qr, q_ref)
+    check("activation rows-only s", sr.contiguous(), s_ref)
     for label, got, ref in (
         ("rows q", q, q_ref),
         ("rows s", s.contiguous(), s_ref),

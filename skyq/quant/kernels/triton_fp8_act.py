@@ -10,8 +10,9 @@ orientations with the scales already padded to a multiple of 4 blocks along K (c
 garbage otherwise: unpadded K = 768 scales gave silently wrong products on the H200).
 
 Scale layouts (all fp32 dequant multipliers, shapes as cuBLAS checks them):
-- rows of x [M, K]:    [M, ceil(K/128)], strides (1, M)
-- cols of x, as xT [K, Mp] (Mp = M rounded up to 128, zero padded): [K, Mp/128], strides (1, K)
+- rows of x [M, K]:    codes [Mp, K], scales [Mp, ceil(K/128)], strides (1, Mp)
+- cols of x, as xT:    codes [K, Mp], scales [K, Mp/128], strides (1, K)
+(Mp = M rounded up to 128; padding rows are codes 0 with scale 1: cuBLAS refused some ragged M.)
 - weight w [N, K]:     [round4(ceil(K/128)), ceil(N/128)], strides (1, round4(...))
 - weight, transposed:  [round4(ceil(N/128)), ceil(K/128)], strides (1, round4(...))
 """
@@ -47,45 +48,37 @@ def _rows_cols_kernel(
     sxm, sxk,
     POW2: tl.constexpr, T: tl.constexpr, SUB: tl.constexpr,
 ):  # fmt: skip
-    """One T x T tile of x [M, K]: row scales (1 x T along K) -> q [M, K] and s_buf [nK, M];
-    column scales (1 x T along M) -> qt [K, MP] (transposed, rows >= M written as 0) and
-    st_buf [MP / T, K]. The tile is read in SUB-row slices twice: rows are quantized in the first
-    sweep while the column amax accumulates, columns in the second (an L2 re-read), so registers
-    stay low and several programs per SM overlap their HBM loads."""
+    """One T x T tile of x [M, K]: row scales (1 x T along K) -> q [MP, K] and s_buf [nK, MP];
+    column scales (1 x T along M) -> qt [K, MP] (transposed) and st_buf [MP / T, K]; rows M..MP-1
+    read as 0. The tile is read in SUB-row slices twice: rows are quantized in the first sweep
+    while the column amax accumulates, columns in the second (an L2 re-read), so registers stay
+    low and several programs per SM overlap their HBM loads."""
     pid = tl.program_id(0)
     pid_m = pid // n_tiles_k
     pid_k = pid % n_tiles_k
     rk = (pid_k * T + tl.arange(0, T)).to(tl.int64)
     col_ok = rk[None, :] < K
+    x_cols = x_ptr + rk[None, :] * sxk
     col_amax = tl.zeros([1, T], dtype=tl.float32)
     for i in range(T // SUB):
         rm = pid_m.to(tl.int64) * T + i * SUB + tl.arange(0, SUB)
-        row_ok = rm[:, None] < M
-        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=row_ok & col_ok, other=0.0).to(
-            tl.float32
-        )
+        x = tl.load(x_cols + rm[:, None] * sxm, mask=(rm[:, None] < M) & col_ok, other=0.0).to(tl.float32)
         ax = tl.abs(x)
         row_scale = fp8_scale(tl.max(ax, axis=1, keep_dims=True), POW2)
-        tl.store(q_ptr + rm[:, None] * K + rk[None, :], to_e4m3(x * row_scale), mask=row_ok & col_ok)
+        pad_ok = rm[:, None] < MP
+        tl.store(q_ptr + rm[:, None] * K + rk[None, :], to_e4m3(x * row_scale), mask=pad_ok & col_ok)
         row_inv = tl.math.div_rn(tl.zeros_like(row_scale) + 1.0, row_scale)
-        tl.store(s_ptr + pid_k * M + rm[:, None], row_inv, mask=row_ok)
+        tl.store(s_ptr + pid_k * MP + rm[:, None], row_inv, mask=pad_ok)
         col_amax = tl.maximum(col_amax, tl.max(ax, axis=0, keep_dims=True))
     col_scale = fp8_scale(col_amax, POW2)
-    tl.store(
-        st_ptr + pid_m * K + rk[None, :],
-        tl.math.div_rn(tl.zeros_like(col_scale) + 1.0, col_scale),
-        mask=col_ok,
-    )
+    col_inv = tl.math.div_rn(tl.zeros_like(col_scale) + 1.0, col_scale)
+    tl.store(st_ptr + pid_m * K + rk[None, :], col_inv, mask=col_ok)
     for i in range(T // SUB):
         rm = pid_m.to(tl.int64) * T + i * SUB + tl.arange(0, SUB)
-        row_ok = rm[:, None] < M
-        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=row_ok & col_ok, other=0.0).to(
-            tl.float32
-        )
-        qc = to_e4m3(x * col_scale)
-        tl.store(
-            qt_ptr + rk[:, None] * MP + rm[None, :], tl.trans(qc), mask=tl.trans(col_ok & (rm[:, None] < MP))
-        )
+        x = tl.load(x_cols + rm[:, None] * sxm, mask=(rm[:, None] < M) & col_ok, other=0.0).to(tl.float32)
+        # transpose in fp32, then cast: Triton 3.6 transposed fp8 tiles wrongly on the H200
+        qc = to_e4m3(tl.trans(x * col_scale))
+        tl.store(qt_ptr + rk[:, None] * MP + rm[None, :], qc, mask=tl.trans(col_ok & (rm[:, None] < MP)))
 
 
 def round_up(v: int, m: int) -> int:
@@ -93,17 +86,21 @@ def round_up(v: int, m: int) -> int:
 
 
 def quantize_rows(x: Tensor, *, pow2_scale: bool = False) -> tuple[Tensor, Tensor]:
-    """x [M, K] (any strides) -> (q e4m3 [M, K], scale [M, ceil(K/128)] with strides (1, M)).
+    """x [M, K] (any strides) -> (q e4m3 [Mp, K], scale [Mp, ceil(K/128)] with strides (1, Mp)).
     No finiteness check: in training a non-finite activation propagates, as it would in bf16."""
     m, k = x.shape
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    s_buf = torch.empty((cdiv(k, TILE), m), dtype=torch.float32, device=x.device)
+    mp = round_up(m, TILE)
+    q = torch.empty((mp, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s_buf = torch.empty((cdiv(k, TILE), mp), dtype=torch.float32, device=x.device)
+    if mp > m:
+        q[m:].view(torch.uint8).zero_()
+        s_buf[:, m:].fill_(1.0)
     n_tiles_k = cdiv(k, TILE)
     _quant_kernel[(cdiv(m, ROW_BAND) * n_tiles_k, 1)](
         x, q, s_buf, q, s_buf, s_buf,
         m, k, n_tiles_k,
         0, *x.stride(),
-        0, 1, m,
+        0, 1, mp,
         0, 0, 0,
         TN=ROW_BAND, TK=TILE, SUB=ROW_BAND, ROWWISE=True, POW2=pow2_scale,
         WRITE_T=False, WRITE_S2=False, CHECK=False,
@@ -115,12 +112,12 @@ def quantize_rows(x: Tensor, *, pow2_scale: bool = False) -> tuple[Tensor, Tenso
 def quantize_rows_cols(
     x: Tensor, *, pow2_scale: bool = False, sub: int | None = None, num_warps: int | None = None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """x [M, K] (any strides) -> (q [M, K], scale [M, ceil(K/128)] strides (1, M),
-    qt [K, Mp], scale_t [K, Mp/128] strides (1, K)), Mp = M rounded up to 128, in one pass."""
+    """x [M, K] (any strides) -> (q [Mp, K], scale [Mp, ceil(K/128)] strides (1, Mp),
+    qt [K, Mp], scale_t [K, Mp/128] strides (1, K)) in one pass."""
     m, k = x.shape
     mp = round_up(m, TILE)
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    s_buf = torch.empty((cdiv(k, TILE), m), dtype=torch.float32, device=x.device)
+    q = torch.empty((mp, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s_buf = torch.empty((cdiv(k, TILE), mp), dtype=torch.float32, device=x.device)
     qt = torch.empty((k, mp), dtype=torch.float8_e4m3fn, device=x.device)
     st_buf = torch.empty((mp // TILE, k), dtype=torch.float32, device=x.device)
     n_tiles_k = cdiv(k, TILE)
