@@ -1,8 +1,8 @@
 """Which tensors of a checkpoint a precision quantizes: the layout's role of every tensor name.
 
 Converters see only tensor names; the layout of the checkpoint's family (from config.json) gives
-each name its role, and the precision's scope says which roles are quantized - the same rule the
-trainer's fake-quant and the weight sync follow. A name the layout does not know is an error
+each name its role, and the precision's strategy (`skyq.quant.strategies`) says which are quantized
+- the same rule the trainer's fake-quant, the plan and the weight sync follow. A name the layout does not know is an error
 naming it: a converter must never guess what an unknown tensor is.
 """
 
@@ -12,16 +12,9 @@ from dataclasses import dataclass
 
 from skyq.checkpoint.errors import CheckpointError
 from skyq.checkpoint.reader import TensorInfo
-from skyq.config.enums import QuantScope
-from skyq.config.schema import ModelConfig
+from skyq.config.schema import ModelConfig, PrecisionConfig
 from skyq.quant.layouts import LayoutError, Role, get_layout
-
-_SCOPE_ROLES: dict[QuantScope, frozenset[Role]] = {
-    QuantScope.routed_experts: frozenset({Role.routed_expert}),
-    QuantScope.all_linear: frozenset(
-        {Role.routed_expert, Role.shared_expert, Role.attention, Role.dense_mlp}
-    ),
-}
+from skyq.quant.strategies import get_strategy
 
 
 @dataclass(frozen=True)
@@ -33,8 +26,10 @@ class CheckpointSelection:
     """Sorted modules owning a 2-D `.weight` that stays unquantized (engines' skip/ignore list)."""
 
 
-def select(tensors: dict[str, TensorInfo], model_cfg: ModelConfig, scope: QuantScope) -> CheckpointSelection:
-    """Roles of every tensor and the set `scope` quantizes; CheckpointError naming an unknown tensor."""
+def select(
+    tensors: dict[str, TensorInfo], model_cfg: ModelConfig, precision_cfg: PrecisionConfig
+) -> CheckpointSelection:
+    """Roles of every tensor and the set the precision quantizes; CheckpointError naming an unknown tensor."""
     layout = get_layout(model_cfg.family)
     roles: dict[str, Role] = {}
     for name in sorted(tensors):
@@ -44,7 +39,8 @@ def select(tensors: dict[str, TensorInfo], model_cfg: ModelConfig, scope: QuantS
             raise CheckpointError(
                 f"tensor {name!r} in {tensors[name].shard}: {e} (model config derived from config.json)"
             ) from e
+    strategy = get_strategy(precision_cfg)
     linear = {n for n, info in tensors.items() if n.endswith(".weight") and len(info.shape) == 2}
-    quantized = frozenset(n for n in linear if roles[n] in _SCOPE_ROLES[scope])
+    quantized = frozenset(n for n in linear if strategy.quantizes_param(n, tensors[n].shape, roles[n]))
     kept = tuple(sorted({layout.module_name(n) for n in linear - quantized}))
     return CheckpointSelection(roles=roles, quantized=quantized, kept_modules=kept)

@@ -25,7 +25,8 @@ from skyq.checkpoint.fp8_convert import (
 from skyq.checkpoint.job import ConversionJob, run_job
 from skyq.checkpoint.reader import ShardedCheckpoint
 from skyq.checkpoint.selection import select
-from skyq.config.enums import QuantScope
+from skyq.config.enums import Precision
+from skyq.config.schema import PrecisionConfig
 from skyq.tools.cli import checkpoint_model_config, run_tool
 
 TOOL = "convert_hf_to_fp8"
@@ -52,7 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     source = ShardedCheckpoint(args.model_dir)
     check_fp8_input({n: info.dtype for n, info in source.tensors.items()})
-    selection = select(source.tensors, checkpoint_model_config(source), QuantScope.all_linear)
+    selection = select(
+        source.tensors, checkpoint_model_config(source), PrecisionConfig(name=Precision.fp8_blockwise)
+    )
     config = source.config()
     config["quantization_config"] = fp8_quantization_config(opts, selection.kept_modules)
     job = ConversionJob(

@@ -27,7 +27,8 @@ from skyq.checkpoint.int4_convert import (
 from skyq.checkpoint.job import ConversionJob, run_job
 from skyq.checkpoint.reader import ShardedCheckpoint
 from skyq.checkpoint.selection import select
-from skyq.config.enums import Int4Grid, QuantScope
+from skyq.config.enums import Int4Grid, Precision
+from skyq.config.schema import PrecisionConfig
 from skyq.quant.layouts import get_layout
 from skyq.tools.cli import checkpoint_model_config, run_tool
 
@@ -71,7 +72,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     source = ShardedCheckpoint(args.model_dir)
     check_fp8_input({n: info.dtype for n, info in source.tensors.items()})
     model_cfg = checkpoint_model_config(source)
-    selection = select(source.tensors, model_cfg, QuantScope.routed_experts)
+    selection = select(
+        source.tensors,
+        model_cfg,
+        PrecisionConfig(name=Precision.int4_qat, int4_group_size=opts.group_size, int4_grid=opts.grid),
+    )
     module_of = get_layout(model_cfg.family).module_name
     user_ignored = {
         n for n in selection.quantized if any(matches_ignore_rule(module_of(n), r) for r in args.ignore_rules)
