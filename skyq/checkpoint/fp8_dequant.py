@@ -34,11 +34,11 @@ class Fp8Layout:
     block_size: tuple[int, int] | None  # None: one scale per row ([N,1]) or per tensor ([1] / [])
 
 
-def find_quantization_config(config: dict[str, Any]) -> dict[str, Any] | None:
+def find_quantization_config(hf_json: dict[str, Any]) -> dict[str, Any] | None:
     """`quantization_config` at the root of config.json, else under `text_config`."""
-    block = config.get("quantization_config")
+    block = hf_json.get("quantization_config")
     if block is None:
-        block = text_config_of(config).get("quantization_config")
+        block = text_config_of(hf_json).get("quantization_config")
     return block
 
 

@@ -189,7 +189,7 @@ def test_fake_quant_of_a_fused_expert_tensor_equals_the_engines_dequant_of_the_s
     assert layout.split_experts({name: trained}, QWEN).keys() == served.keys()
     for hf_name, tensor in layout.split_experts({name: trained}, QWEN).items():
         assert torch.equal(tensor, served[hf_name]), hf_name
-    if precision_cfg.name is Precision.fp8_blockwise and leaf == "gate_up_proj":
+    if precision_cfg.name is Precision.fp8_blockwise and precision_cfg.scale_format.value == "fp32" and leaf == "gate_up_proj":
         # I = 96: a block over the fused tensor would mix gate and up rows and give other values.
         assert not torch.equal(s.fake_quant(fused), trained)
 
