@@ -15,8 +15,10 @@ Ratios are bf16 time / fp8 time: median over rounds, [min, max] spread. Needs an
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime
 import json
+import pstats
 import statistics
 import time
 from collections.abc import Callable
@@ -114,11 +116,13 @@ def host_overhead(m: int, n: int, k: int) -> dict[str, float]:
             fn()
         out[name] = (time.perf_counter() - t0) / 20 * 1e6
         torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        for _ in range(5):
-            fns["fwd+bwd fp8 (w cached)"]()
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(20):
+        fns["fwd+bwd fp8 (w cached)"]()
+    profiler.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
     return out
 
 

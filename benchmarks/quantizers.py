@@ -25,8 +25,17 @@ import triton.testing
 from skyq.quant import fp8_blockwise, int4, mxfp8
 from skyq.quant.kernels import dispatch, triton_fp8_act, triton_fp8_blockwise, triton_int4, triton_mxfp8
 
-FP8_SWEEP = [(8, 32), (4, 32), (8, 16), (16, 32), (16, 64), (8, 128)]  # (num_warps, rows per slice)
+FP8_SWEEP = [(8, 128), (16, 128), (8, 32), (8, 64)]  # (num_warps, rows per slice)
 WARPS_SWEEP = [(4, None), (8, None), (16, None)]
+INT4_SWEEP = [(8, 8192), (4, 4096), (4, 8192), (8, 16384), (16, 16384)]  # (num_warps, elements per program)
+ROWS_COLS_SWEEP = [
+    (8, 16, True),
+    (4, 16, True),
+    (8, 32, True),
+    (16, 32, True),
+    (8, 16, False),
+    (4, 16, False),
+]
 BARS = {"fp8_blockwise": 0.85, "fp8_blockwise_ue8m0": 0.85, "mxfp8": 0.85, "int4_pack_g128": 0.70}
 
 
@@ -77,10 +86,10 @@ def build_cases(x: torch.Tensor) -> dict[str, dict]:
         "int4_pack_g128": {
             "bytes": n * 2 + n // 2 + (n // 128) * 2,
             "ours": lambda: dispatch.quantize_int4_packed(x, group_size=128, grid="rtn"),
-            "kernel": lambda nw, sub: triton_int4.launch_quantize(
-                x, group_size=128, grid="rtn", codes=False, packed=True, num_warps=nw
+            "kernel": lambda nw, tile: triton_int4.launch_quantize(
+                x, group_size=128, grid="rtn", codes=False, packed=True, num_warps=nw, tile_elements=tile
             ),
-            "sweep": WARPS_SWEEP,
+            "sweep": INT4_SWEEP,
             "reference": int4_reference,
         },
     }
@@ -157,10 +166,12 @@ def main() -> None:
             variants[f"{name}/ours"] = (case["bytes"], case["ours"])
             variants[f"{name}/eager"] = (case["bytes"], case["reference"])
         act_bytes = 4 * x.numel() + 8 * (x.numel() // 128)
-        for nw, sub in ((8, 16), (4, 16), (8, 32), (16, 32), (16, 64)):
-            variants[f"activation_rows_cols/kernel_w{nw}_s{sub}"] = (
+        for nw, sub, cols in ROWS_COLS_SWEEP:
+            variants[f"activation_rows_cols/kernel_w{nw}_s{sub}_{'colslices' if cols else 'rowslices'}"] = (
                 act_bytes,
-                lambda nw=nw, sub=sub: triton_fp8_act.quantize_rows_cols(x, sub=sub, num_warps=nw),
+                lambda nw=nw, sub=sub, cols=cols: triton_fp8_act.quantize_rows_cols(
+                    x, sub=sub, num_warps=nw, col_slices=cols
+                ),
             )
         variants["activation_rows/kernel"] = (
             3 * x.numel() + 4 * (x.numel() // 128),

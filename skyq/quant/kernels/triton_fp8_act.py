@@ -39,6 +39,7 @@ ROW_BAND = 64  # rows per program in the rows-only kernel: 64 x 128 bf16 = 16 KB
 # Rows per slice and warps of the two-orientation kernel, tuned on the H200 (the benchmarks sweep them).
 ROWS_COLS_SUB = 16
 ROWS_COLS_NUM_WARPS = 8
+ROWS_COLS_COL_SLICES = True
 
 
 @triton.jit
@@ -46,39 +47,60 @@ def _rows_cols_kernel(
     x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
     M, K, MP, n_tiles_k,
     sxm, sxk,
-    POW2: tl.constexpr, T: tl.constexpr, SUB: tl.constexpr,
+    POW2: tl.constexpr, T: tl.constexpr, SUB: tl.constexpr, COL_SLICES: tl.constexpr,
 ):  # fmt: skip
     """One T x T tile of x [M, K]: row scales (1 x T along K) -> q [MP, K] and s_buf [nK, MP];
     column scales (1 x T along M) -> qt [K, MP] (transposed) and st_buf [MP / T, K]; rows M..MP-1
-    read as 0. The tile is read in SUB-row slices twice: rows are quantized in the first sweep
-    while the column amax accumulates, columns in the second (an L2 re-read), so registers stay
-    low and several programs per SM overlap their HBM loads."""
+    read as 0. The rows sweep reads SUB-row slices [SUB, T]. With COL_SLICES the columns sweep
+    reads [T, SUB] column slices (an L2 re-read) that hold whole columns, so each slice has its
+    own column amax and its transposed codes go out as full T-byte rows of qt; without it the
+    column amax accumulates in the rows sweep and a second sweep of row slices writes SUB-byte
+    pieces of qt rows."""
     pid = tl.program_id(0)
     pid_m = pid // n_tiles_k
     pid_k = pid % n_tiles_k
-    rk = (pid_k * T + tl.arange(0, T)).to(tl.int64)
+    m0 = pid_m.to(tl.int64) * T
+    k0 = (pid_k * T).to(tl.int64)
+    rk = k0 + tl.arange(0, T)
     col_ok = rk[None, :] < K
-    x_cols = x_ptr + rk[None, :] * sxk
     col_amax = tl.zeros([1, T], dtype=tl.float32)
     for i in range(T // SUB):
-        rm = pid_m.to(tl.int64) * T + i * SUB + tl.arange(0, SUB)
-        x = tl.load(x_cols + rm[:, None] * sxm, mask=(rm[:, None] < M) & col_ok, other=0.0).to(tl.float32)
+        rm = m0 + i * SUB + tl.arange(0, SUB)
+        x = tl.load(x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=(rm[:, None] < M) & col_ok, other=0.0)
+        x = x.to(tl.float32)
         ax = tl.abs(x)
         row_scale = fp8_scale(tl.max(ax, axis=1, keep_dims=True), POW2)
         pad_ok = rm[:, None] < MP
         tl.store(q_ptr + rm[:, None] * K + rk[None, :], to_e4m3(x * row_scale), mask=pad_ok & col_ok)
         row_inv = tl.math.div_rn(tl.zeros_like(row_scale) + 1.0, row_scale)
         tl.store(s_ptr + pid_k * MP + rm[:, None], row_inv, mask=pad_ok)
-        col_amax = tl.maximum(col_amax, tl.max(ax, axis=0, keep_dims=True))
-    col_scale = fp8_scale(col_amax, POW2)
-    col_inv = tl.math.div_rn(tl.zeros_like(col_scale) + 1.0, col_scale)
-    tl.store(st_ptr + pid_m * K + rk[None, :], col_inv, mask=col_ok)
-    for i in range(T // SUB):
-        rm = pid_m.to(tl.int64) * T + i * SUB + tl.arange(0, SUB)
-        x = tl.load(x_cols + rm[:, None] * sxm, mask=(rm[:, None] < M) & col_ok, other=0.0).to(tl.float32)
-        # transpose in fp32, then cast: Triton 3.6 transposed fp8 tiles wrongly on the H200
-        qc = to_e4m3(tl.trans(x * col_scale))
-        tl.store(qt_ptr + rk[:, None] * MP + rm[None, :], qc, mask=tl.trans(col_ok & (rm[:, None] < MP)))
+        if not COL_SLICES:
+            col_amax = tl.maximum(col_amax, tl.max(ax, axis=0, keep_dims=True))
+    if COL_SLICES:
+        rm = m0 + tl.arange(0, T)
+        for j in range(T // SUB):
+            rc = k0 + j * SUB + tl.arange(0, SUB)
+            c_ok = rc[None, :] < K
+            x = tl.load(
+                x_ptr + rm[:, None] * sxm + rc[None, :] * sxk, mask=(rm[:, None] < M) & c_ok, other=0.0
+            )
+            x = x.to(tl.float32)
+            cs = fp8_scale(tl.max(tl.abs(x), axis=0, keep_dims=True), POW2)
+            tl.store(st_ptr + pid_m * K + rc[None, :], tl.math.div_rn(tl.zeros_like(cs) + 1.0, cs), mask=c_ok)
+            # transpose in fp32, then cast (this order gave the reference's bits on the H200)
+            qc = to_e4m3(tl.trans(x * cs))
+            tl.store(qt_ptr + rc[:, None] * MP + rm[None, :], qc, mask=tl.trans(c_ok & (rm[:, None] < MP)))
+    else:
+        col_scale = fp8_scale(col_amax, POW2)
+        col_inv = tl.math.div_rn(tl.zeros_like(col_scale) + 1.0, col_scale)
+        tl.store(st_ptr + pid_m * K + rk[None, :], col_inv, mask=col_ok)
+        for i in range(T // SUB):
+            rm = m0 + i * SUB + tl.arange(0, SUB)
+            x = tl.load(
+                x_ptr + rm[:, None] * sxm + rk[None, :] * sxk, mask=(rm[:, None] < M) & col_ok, other=0.0
+            )
+            qc = to_e4m3(tl.trans(x.to(tl.float32) * col_scale))
+            tl.store(qt_ptr + rk[:, None] * MP + rm[None, :], qc, mask=tl.trans(col_ok & (rm[:, None] < MP)))
 
 
 def round_up(v: int, m: int) -> int:
@@ -97,20 +119,24 @@ def quantize_rows(x: Tensor, *, pow2_scale: bool = False) -> tuple[Tensor, Tenso
         s_buf[:, m:].fill_(1.0)
     n_tiles_k = cdiv(k, TILE)
     _quant_kernel[(cdiv(m, ROW_BAND) * n_tiles_k, 1)](
-        x, q, s_buf, q, s_buf, s_buf,
+        x, q, s_buf, s_buf, s_buf,
         m, k, n_tiles_k,
         0, *x.stride(),
         0, 1, mp,
         0, 0, 0,
-        TN=ROW_BAND, TK=TILE, SUB=ROW_BAND, ROWWISE=True, POW2=pow2_scale,
-        WRITE_T=False, WRITE_S2=False, CHECK=False,
+        TN=ROW_BAND, TK=TILE, SUB=ROW_BAND, ROWWISE=True, POW2=pow2_scale, WRITE_S2=False, CHECK=False,
         num_warps=num_warps_for(ROW_BAND * TILE),
     )  # fmt: skip
     return q, s_buf.t()
 
 
 def quantize_rows_cols(
-    x: Tensor, *, pow2_scale: bool = False, sub: int | None = None, num_warps: int | None = None
+    x: Tensor,
+    *,
+    pow2_scale: bool = False,
+    sub: int | None = None,
+    num_warps: int | None = None,
+    col_slices: bool | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """x [M, K] (any strides) -> (q [Mp, K], scale [Mp, ceil(K/128)] strides (1, Mp),
     qt [K, Mp], scale_t [K, Mp/128] strides (1, K)) in one pass."""
@@ -123,7 +149,9 @@ def quantize_rows_cols(
     n_tiles_k = cdiv(k, TILE)
     _rows_cols_kernel[(cdiv(m, TILE) * n_tiles_k,)](
         x, q, s_buf, qt, st_buf, m, k, mp, n_tiles_k, *x.stride(),
-        POW2=pow2_scale, T=TILE, SUB=sub or ROWS_COLS_SUB, num_warps=num_warps or ROWS_COLS_NUM_WARPS,
+        POW2=pow2_scale, T=TILE, SUB=sub or ROWS_COLS_SUB,
+        COL_SLICES=ROWS_COLS_COL_SLICES if col_slices is None else col_slices,
+        num_warps=num_warps or ROWS_COLS_NUM_WARPS,
     )  # fmt: skip
     return q, s_buf.t(), qt, st_buf.t()
 
@@ -131,26 +159,27 @@ def quantize_rows_cols(
 def quantize_weight(w: Tensor, *, pow2_scale: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """w [..., N, K] -> (q [..., N, K], scale_fwd [..., round4(nK), nN], qt [..., K, N],
     scale_bwd [..., round4(nN), nK]) with 128 x 128 blocks; the codes and scale values are those
-    of `fp8_blockwise.quantize(w)`, the padding scales are 1."""
+    of `fp8_blockwise.quantize(w)`, the padding scales are 1. The transposed codes are a torch
+    copy (1 B read + 1 B written per element, once per optimizer step): an in-kernel fp8 tile
+    transpose gave wrong bytes on the H200 with Triton 3.6."""
     x = as_3d(w)
     nb, n, k = x.shape
     nn_, nk = cdiv(n, TILE), cdiv(k, TILE)
     l4k, l4n = round_up(nk, 4), round_up(nn_, 4)
     q = torch.empty((nb, n, k), dtype=torch.float8_e4m3fn, device=w.device)
-    qt = torch.empty((nb, k, n), dtype=torch.float8_e4m3fn, device=w.device)
     s_fwd = torch.ones((nb, nn_, l4k), dtype=torch.float32, device=w.device)
     s_bwd = torch.ones((nb, nk, l4n), dtype=torch.float32, device=w.device)
     _quant_kernel[(nn_ * nk, nb)](
-        x, q, s_fwd, qt, s_bwd, s_fwd,
+        x, q, s_fwd, s_bwd, s_fwd,
         n, k, nk,
         *x.stride(),
         *s_fwd.stride(),
         *s_bwd.stride(),
-        TN=TILE, TK=TILE, SUB=BLOCK_SUB_ROWS, ROWWISE=False, POW2=pow2_scale,
-        WRITE_T=True, WRITE_S2=True, CHECK=False,
+        TN=TILE, TK=TILE, SUB=BLOCK_SUB_ROWS, ROWWISE=False, POW2=pow2_scale, WRITE_S2=True, CHECK=False,
         num_warps=BLOCK_NUM_WARPS,
     )  # fmt: skip
     lead = w.shape[:-2]
+    qt = q.view(torch.uint8).transpose(-1, -2).contiguous().view(torch.float8_e4m3fn)
     return (
         q.reshape(w.shape),
         s_fwd.transpose(-1, -2).reshape(*lead, l4k, nn_),

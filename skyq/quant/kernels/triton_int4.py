@@ -99,7 +99,14 @@ def supports(group_size: int) -> bool:
 
 
 def launch_quantize(
-    w: Tensor, *, group_size: int, grid: Int4Grid | str, codes: bool, packed: bool, num_warps: int = 8
+    w: Tensor,
+    *,
+    group_size: int,
+    grid: Int4Grid | str,
+    codes: bool,
+    packed: bool,
+    num_warps: int = 8,
+    tile_elements: int = 8192,
 ) -> tuple[Tensor | None, Tensor | None, Tensor, Tensor]:
     """One launch, no host sync: `(codes [B, N, K] | None, packed [B, N, K/8] | None,
     scale [B, N, K/G], flag)`."""
@@ -111,7 +118,7 @@ def launch_quantize(
     scale = torch.empty((nb, n, k // group_size), dtype=torch.bfloat16, device=w.device)
     flag = new_flag(w.device)
     tk = _tile_k(group_size)
-    tn = max(1, 8192 // tk)
+    tn = max(1, tile_elements // tk)
     n_tiles_k = cdiv(k, tk)
     _quant_pack_kernel[(cdiv(n, tn) * n_tiles_k, nb)](
         x, scale if packed_out is None else packed_out, scale if codes_out is None else codes_out, scale, flag,

@@ -93,7 +93,7 @@ def _dequant_kernel(
 _TN, _TG = 16, 16  # 16 rows x 512 columns per program: 16 KB of bf16 read
 
 
-def launch_quantize(w: Tensor, *, num_warps: int = 8) -> tuple[Tensor, Tensor, Tensor]:
+def launch_quantize(w: Tensor, *, num_warps: int = 4) -> tuple[Tensor, Tensor, Tensor]:
     """One launch, no host sync: `(q [B, N, K], scale [B, N, ceil(K/32)], flag)`."""
     x = as_3d(w)
     nb, n, k = x.shape
