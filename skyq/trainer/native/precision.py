@@ -42,6 +42,23 @@ def activation_fake_quant(precision_cfg: PrecisionConfig) -> TensorFn | None:
     return None
 
 
+class _StraightThrough(torch.autograd.Function):
+    """Forward: `value`; backward: the incoming gradient goes to `master` unchanged.
+
+    This is the quantizer's straight-through estimator, applied to the bf16 rounding and the
+    fake-quant together and kept in the master's dtype: a gradient through `.to(bfloat16)` would
+    itself be rounded to bf16 (and differ with the micro-batch split).
+    """
+
+    @staticmethod
+    def forward(ctx, master: Tensor, value: Tensor) -> Tensor:
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
 def effective_parameters(
     params: dict[str, Tensor],
     *,
@@ -49,12 +66,15 @@ def effective_parameters(
     layout: ModelQuantizationLayout,
     model_cfg: ModelConfig,
 ) -> dict[str, Tensor]:
-    """{trainer name: the value the forward uses}: bf16-rounded, fake-quantized where quantized,
-    returned in each master parameter's dtype (exact: bf16 values are fp32 values)."""
+    """{trainer name: the value the forward uses}: the master rounded to bf16 and fake-quantized
+    where the strategy quantizes it, in the master's dtype (exact: bf16 values are fp32 values),
+    with a straight-through gradient to the master."""
     out = {}
     for name, master in params.items():
-        sent = master.to(torch.bfloat16)
-        out[name] = strategy.fake_quant_param(name, sent, layout=layout, model_cfg=model_cfg).to(master.dtype)
+        with torch.no_grad():
+            sent = master.detach().to(torch.bfloat16)
+            value = strategy.fake_quant_param(name, sent, layout=layout, model_cfg=model_cfg).to(master.dtype)
+        out[name] = _StraightThrough.apply(master, value)
     return out
 
 

@@ -7,6 +7,7 @@ step per `train_step`, gradients accumulated over micro-batches of the rollout b
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -211,10 +212,14 @@ class NativeTrainer:
     # checkpointing ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """fp32 master weights (trainer names), AdamW state and the step count."""
+        """A snapshot: fp32 master weights (trainer names), AdamW state and the step count.
+
+        Copied, not referenced: `optimizer.state_dict()` returns the live moment tensors, which the
+        next step would change under a caller that has not written them out yet.
+        """
         return {
             "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "step": self.step,
         }
 
@@ -235,5 +240,5 @@ class NativeTrainer:
                     f"trainer state {name}: shape {tuple(tensor.shape)} != model {tuple(own[name].shape)}"
                 )
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))  # never alias the caller's tensors
         self.step = int(state["step"])
