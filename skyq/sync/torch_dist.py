@@ -1,6 +1,6 @@
 """torch.distributed transport: a private two-rank group, gloo on CPU and NCCL on GPU (same code).
 
-Rank 0 is the trainer (sender), rank 1 the engine (receiver). The group is a standalone
+Rank 0 is the trainer (sender), rank 1 the engine (receiver); both bind to loopback. The group is a standalone
 `ProcessGroupGloo`/`ProcessGroupNCCL` built on a TCPStore, not the process's default group, so a
 trainer that runs its own torch.distributed world keeps it. The store is created by rank 0 on
 `127.0.0.1` with port 0: the OS picks a free port and the store holds it from then on, so there is
@@ -56,7 +56,11 @@ class TorchDistChannel:
                 options._timeout = self._timeout
                 self._group = dist.ProcessGroupNCCL(store, rank, 2, options)
             else:
-                self._group = dist.ProcessGroupGloo(store, rank, 2, self._timeout)
+                options = dist.ProcessGroupGloo._Options()
+                options._timeout = self._timeout
+                # Bind the data connections to loopback too; gloo's default follows the hostname.
+                options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOOPBACK)]
+                self._group = dist.ProcessGroupGloo(store, rank, 2, options)
         except (RuntimeError, dist.DistError) as exc:
             raise SyncTimeout(
                 f"weight-sync group (rank {rank}) did not form within {timeout_s} s: {exc}. "

@@ -1,0 +1,1 @@
+"""Running skyq: the run directory, Ray actors, the embedded RL driver, metrics, checkpoints."""

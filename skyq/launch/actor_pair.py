@@ -1,0 +1,184 @@
+"""The trainer actor, the engine actor and the sync group between them, driven from the driver.
+
+Every call into an actor that belongs to a sync has a deadline; the sync's own waits are bounded
+by `rollout.weight_sync.timeout_s` inside the actors, and the driver adds a backstop on top.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from skyq.config.enums import Device
+from skyq.config.schema import (
+    AlgorithmConfig,
+    ModelConfig,
+    PrecisionConfig,
+    RolloutConfig,
+    TopologyConfig,
+    TrainerConfig,
+)
+from skyq.launch.actors import EngineActor, TrainerActor
+from skyq.launch.checkpointing import TRAINER_STATE, RunState, save_run_checkpoint
+from skyq.rl.batch import RolloutBatch, Sample
+from skyq.sync.errors import SyncError
+
+ACTOR_START_TIMEOUT_S = 600.0
+"""Backstop for building an actor (imports, model load): a wedged worker fails the run."""
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where the two actors compute and how sync frames move between them."""
+
+    device: str
+    trainer_gpus: float
+    engine_gpus: float
+    sync_device: str
+
+
+def placement_for(topology: TopologyConfig) -> Placement:
+    """CPU: both on CPU, gloo. Two GPUs or more: one each, NCCL. One GPU: shared, frames staged
+    through host memory over gloo (NCCL refuses two ranks on one device)."""
+    if Device(topology.device) is Device.cpu:
+        return Placement(device="cpu", trainer_gpus=0, engine_gpus=0, sync_device="cpu")
+    if topology.gpus_per_node >= 2:
+        return Placement(device="cuda", trainer_gpus=1, engine_gpus=1, sync_device="cuda")
+    return Placement(device="cuda", trainer_gpus=0.5, engine_gpus=0.5, sync_device="cpu")
+
+
+def _actor_options(num_gpus: float, env: dict[str, str]) -> dict[str, Any]:
+    options: dict[str, Any] = {"num_cpus": 1, "num_gpus": num_gpus, "max_restarts": 0}
+    if env:
+        options["runtime_env"] = {"env_vars": dict(env)}
+    return options
+
+
+class ActorPair:
+    """Builds both actors and their sync group; `shutdown` (or the context manager) ends them."""
+
+    def __init__(
+        self,
+        *,
+        model: ModelConfig,
+        precision: PrecisionConfig,
+        algorithm: AlgorithmConfig,
+        trainer: TrainerConfig,
+        rollout: RolloutConfig,
+        placement: Placement,
+        checkpoint_path: str,
+        seed: int,
+    ) -> None:
+        self.sync_cfg = rollout.weight_sync
+        self.trainer = TrainerActor.options(**_actor_options(placement.trainer_gpus, trainer.env)).remote(
+            model_cfg=model,
+            precision_cfg=precision,
+            optimizer_cfg=trainer.optimizer,
+            algorithm_cfg=algorithm,
+            micro_batch_size=trainer.micro_batch_size,
+            checkpoint_path=checkpoint_path,
+            device=placement.device,
+            seed=seed,
+        )
+        self.engine = EngineActor.options(**_actor_options(placement.engine_gpus, rollout.env)).remote(
+            model_cfg=model, precision_cfg=precision, device=placement.device, seed=seed
+        )
+        timeout_s = self.sync_cfg.timeout_s
+        try:
+            port = ray.get(self.trainer.open_sync_store.remote(timeout_s), timeout=ACTOR_START_TIMEOUT_S)
+            ray.get(
+                [
+                    self.trainer.join_sync_group.remote(placement.sync_device),
+                    self.engine.join_sync_group.remote(port, timeout_s, placement.sync_device),
+                ],
+                timeout=ACTOR_START_TIMEOUT_S,
+            )
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def sync(self, version: int) -> dict[str, float]:
+        """One full weight sync as `version`; raises `SyncError` (with both sides' story) on failure."""
+        backstop = 4 * self.sync_cfg.timeout_s + 60
+        receiving = self.engine.receive_weights.remote(self.sync_cfg.verify_checksum)
+        sending = self.trainer.send_weights.remote(version, self.sync_cfg.bucket_bytes)
+        try:
+            metrics = ray.get(sending, timeout=backstop)
+        except (SyncError, ray.exceptions.RayError) as exc:
+            raise SyncError(
+                f"weight sync of version {version} failed. trainer: {_describe(exc)}. "
+                f"engine: {_outcome(receiving, self.sync_cfg.timeout_s + 30)}"
+            ) from exc
+        engine_stats = ray.get(receiving, timeout=self.sync_cfg.timeout_s + 30)
+        if engine_stats["version"] != version:
+            raise SyncError(f"engine committed version {engine_stats['version']}, the trainer sent {version}")
+        return metrics
+
+    def verify_engine_matches_trainer(self) -> None:
+        """Compare the engine's wire tensors with what the trainer's weights serialize to, bit for bit."""
+        want, held = ray.get(
+            [self.trainer.serialized_digest.remote(), self.engine.wire_digest.remote()], timeout=600
+        )
+        differing = sorted(n for n in want.keys() | held.keys() if want.get(n) != held.get(n))
+        if differing:
+            raise SyncError(
+                f"after the sync the engine's weights differ from the trainer's in {len(differing)} tensors "
+                f"(first: {differing[:3]}); the engine is not serving the trainer's weights"
+            )
+
+    def generate(self, prompts: list[list[int]], **sampling: Any) -> list[Sample]:
+        return ray.get(self.engine.generate.remote(prompts, **sampling))
+
+    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
+        return ray.get(self.trainer.train_step.remote(batch))
+
+    def save_checkpoint(self, root: Path, *, next_step: int, seed: int) -> Path:
+        return save_run_checkpoint(
+            root,
+            next_step=next_step,
+            seed=seed,
+            write_trainer=lambda path: ray.get(self.trainer.save_state.remote(str(path))),
+        )
+
+    def restore(self, checkpoint_dir: Path, state: RunState) -> None:
+        """Load the trainer state of a verified checkpoint (the engine is re-synced by the next sync)."""
+        trainer_step = ray.get(self.trainer.load_state.remote(str(checkpoint_dir / TRAINER_STATE)))
+        if trainer_step != state.next_step:
+            raise SyncError(
+                f"{checkpoint_dir}: trainer state is at step {trainer_step}, the run state says {state.next_step}"
+            )
+
+    def shutdown(self) -> None:
+        for actor in (self.trainer, self.engine):
+            ray.kill(actor)
+
+
+@contextmanager
+def started_pair(**kwargs: Any):
+    pair = ActorPair(**kwargs)
+    try:
+        yield pair
+    finally:
+        pair.shutdown()
+
+
+def _describe(exc: BaseException) -> str:
+    """One line for an error raised inside an actor (its original exception) or by Ray itself."""
+    if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None:
+        exc = exc.cause
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+def _outcome(ref: ray.ObjectRef, timeout_s: float) -> str:
+    try:
+        ray.get(ref, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        return f"no answer within {timeout_s:.0f} s"
+    except (SyncError, ray.exceptions.RayError) as exc:
+        return _describe(exc)
+    return "completed its side"

@@ -1,0 +1,146 @@
+"""The trainer and the rollout engine as Ray actors, and the weight-sync group between them.
+
+`TrainerWorker` and `EngineWorker` are plain classes (usable in-process); `TrainerActor` and
+`EngineActor` are their Ray actor classes. Weights reach the engine only through the sync group
+(gloo on CPU, NCCL between distinct GPUs): never as Ray arguments, which would pickle fp8 tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from skyq.checkpoint.atomic import atomic_write_bytes
+from skyq.config.schema import AlgorithmConfig, ModelConfig, OptimizerConfig, PrecisionConfig
+from skyq.quant.plan import build_plan
+from skyq.quant.strategies import get_strategy
+from skyq.rl.batch import RolloutBatch, Sample
+from skyq.rollout.embedded import EmbeddedEngine
+from skyq.sync.plan_wire import WireDigest, expected_units, plan_serializer, wire_digest
+from skyq.sync.receiver import WeightReceiver
+from skyq.sync.sender import WeightSender
+from skyq.sync.torch_dist import RECEIVER_RANK, SENDER_RANK, TorchDistChannel, connect_store, open_store
+from skyq.trainer.native.trainer import NativeTrainer
+
+
+class TrainerWorker:
+    """The native trainer plus the sending end of the weight sync."""
+
+    def __init__(
+        self,
+        *,
+        model_cfg: ModelConfig,
+        precision_cfg: PrecisionConfig,
+        optimizer_cfg: OptimizerConfig,
+        algorithm_cfg: AlgorithmConfig,
+        micro_batch_size: int,
+        checkpoint_path: str,
+        device: str,
+        seed: int,
+    ) -> None:
+        torch.manual_seed(seed)
+        self.trainer = NativeTrainer(
+            model_cfg=model_cfg,
+            precision_cfg=precision_cfg,
+            optimizer_cfg=optimizer_cfg,
+            algorithm_cfg=algorithm_cfg,
+            micro_batch_size=micro_batch_size,
+            checkpoint_path=checkpoint_path,
+            device=device,
+            seed=seed,
+        )
+        self.plan = build_plan(model_cfg, precision_cfg)
+        self.serialize = plan_serializer(get_strategy(precision_cfg), self.plan)
+        self._store = None
+        self._channel: TorchDistChannel | None = None
+
+    def open_sync_store(self, timeout_s: float) -> int:
+        """Start the rendezvous store on a free loopback port (held from now on); returns the port."""
+        self._timeout_s = timeout_s
+        self._store = open_store(timeout_s)
+        return self._store.port
+
+    def join_sync_group(self, sync_device: str) -> None:
+        self._channel = TorchDistChannel(
+            self._store, rank=SENDER_RANK, timeout_s=self._timeout_s, device=torch.device(sync_device)
+        )
+
+    def send_weights(self, version: int, bucket_bytes: int) -> dict[str, float]:
+        """Serialize the current weights and send them as `version`; returns the sync metrics."""
+        sender = WeightSender(self._channel, serialize=self.serialize, bucket_bytes=bucket_bytes)
+        return sender.sync(self.trainer.hf_weights(), version).as_metrics()
+
+    def serialized_digest(self) -> WireDigest:
+        """Digest of what the strategy serializes from the current weights (what a sync would send)."""
+        wire = {n: t for name, w in self.trainer.hf_weights() for n, t in self.serialize(name, w).items()}
+        return wire_digest(wire)
+
+    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
+        return self.trainer.train_step(batch)
+
+    def save_state(self, path: str) -> str:
+        """Write weights, optimizer and RNG state to `path` (crash-safe); returns its sha256."""
+        buffer = io.BytesIO()
+        torch.save({"trainer": self.trainer.state_dict(), "rng": {"torch": torch.get_rng_state()}}, buffer)
+        data = buffer.getvalue()
+        atomic_write_bytes(Path(path), data)
+        return hashlib.sha256(data).hexdigest()
+
+    def load_state(self, path: str) -> int:
+        """Restore what `save_state` wrote (the caller verified its sha256); returns the trainer's step."""
+        # weights_only: a checkpoint is data, never code.
+        state = torch.load(path, map_location=self.trainer.device, weights_only=True)
+        self.trainer.load_state_dict(state["trainer"])
+        torch.set_rng_state(state["rng"]["torch"])
+        return self.trainer.step
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+
+
+class EngineWorker:
+    """The embedded rollout engine plus the receiving end of the weight sync."""
+
+    def __init__(
+        self, *, model_cfg: ModelConfig, precision_cfg: PrecisionConfig, device: str, seed: int
+    ) -> None:
+        self.engine = EmbeddedEngine(
+            model_cfg=model_cfg, precision_cfg=precision_cfg, device=device, seed=seed
+        )
+        self.expected = expected_units(build_plan(model_cfg, precision_cfg))
+        self._channel: TorchDistChannel | None = None
+
+    def join_sync_group(self, port: int, timeout_s: float, sync_device: str) -> None:
+        store = connect_store(port, timeout_s)
+        self._channel = TorchDistChannel(
+            store, rank=RECEIVER_RANK, timeout_s=timeout_s, device=torch.device(sync_device)
+        )
+
+    def receive_weights(self, verify_checksum: bool) -> dict[str, float]:
+        """Take part in one sync; the engine's weights and version change only if it fully succeeds."""
+        receiver = WeightReceiver(self._channel, self.expected, verify_checksum=verify_checksum)
+        stats = receiver.receive(current_version=self.engine.weight_version, commit=self.engine.load_weights)
+        return {"version": stats.version, "recv_s": stats.recv_s, "load_s": stats.load_s}
+
+    def generate(self, prompts: list[list[int]], **sampling: Any) -> list[Sample]:
+        return self.engine.generate(prompts, **sampling)
+
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    def wire_digest(self) -> WireDigest:
+        return wire_digest(self.engine.wire_state())
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+
+
+TrainerActor = ray.remote(TrainerWorker)
+EngineActor = ray.remote(EngineWorker)

@@ -1,0 +1,131 @@
+"""Crash-safe run checkpoints: trainer state (weights, optimizer, RNG) plus the run's position.
+
+    <root>/step_000020/trainer.pt      written by the trainer actor (torch.save; read weights_only)
+    <root>/step_000020/run_state.json  next step, weight version, seed, sha256 of trainer.pt
+
+A checkpoint is assembled in a hidden temp directory, every file fsynced, then renamed into place,
+so a `step_*` directory is always complete; a kill at any moment leaves the previous one intact.
+The newest verified one is what a resume continues from. The last `KEEP` are kept.
+
+Versions: the weights saved after step s (s+1 updates) are weight version s+2 — the version the
+next step syncs before its rollouts — so a resume re-syncs the engine at the saved version first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from skyq.checkpoint.atomic import atomic_write_json, fsync_dir
+
+RUN_STATE = "run_state.json"
+TRAINER_STATE = "trainer.pt"
+STATE_FORMAT = "skyq-run-checkpoint/1"
+KEEP = 2
+_PREFIX = "step_"
+_TEMP_PREFIX = ".tmp-step_"
+
+
+class RunCheckpointError(ValueError):
+    """A run checkpoint that is missing, damaged or does not belong to this run."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunState:
+    """Where a run stands at a checkpoint."""
+
+    next_step: int
+    """The first step a resume runs (= steps completed); also the data position."""
+    weight_version: int
+    """Version of the saved weights: synced before `next_step`'s rollouts (= next_step + 1)."""
+    seed: int
+    trainer_sha256: str
+    """Digest of trainer.pt, checked before it is loaded."""
+
+
+def checkpoint_root(run_dir: Path, save: str | None) -> Path:
+    """`checkpoint.save` if set, else `<run dir>/checkpoints`."""
+    return Path(save).expanduser().resolve() if save else run_dir / "checkpoints"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def save_run_checkpoint(
+    root: Path, *, next_step: int, seed: int, write_trainer: Callable[[Path], str]
+) -> Path:
+    """Write a checkpoint for `next_step`; `write_trainer(path)` writes trainer.pt durably and returns its sha256."""
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(f"{_TEMP_PREFIX}*"):
+        shutil.rmtree(stale, ignore_errors=True)  # left by a run killed mid-save
+    tmp = root / f"{_TEMP_PREFIX}{next_step:06d}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        sha = write_trainer(tmp / TRAINER_STATE)
+        if sha256_file(tmp / TRAINER_STATE) != sha:  # read back what is on disk before trusting it
+            raise RunCheckpointError(
+                f"{tmp / TRAINER_STATE}: bytes on disk differ from what the trainer wrote"
+            )
+        state = RunState(next_step=next_step, weight_version=next_step + 1, seed=seed, trainer_sha256=sha)
+        atomic_write_json(tmp / RUN_STATE, {"format": STATE_FORMAT, **asdict(state)})
+        fsync_dir(tmp)
+        final = root / f"{_PREFIX}{next_step:06d}"
+        if final.exists():  # a resumed run re-reaching a step it had saved before being killed
+            shutil.rmtree(final)
+        tmp.rename(final)
+        fsync_dir(root)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    for old in _step_dirs(root)[:-KEEP]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _step_dirs(root: Path) -> list[Path]:
+    dirs = [p for p in root.glob(f"{_PREFIX}*") if p.is_dir() and p.name[len(_PREFIX) :].isdigit()]
+    return sorted(dirs, key=lambda p: int(p.name[len(_PREFIX) :]))
+
+
+def read_run_state(checkpoint_dir: Path) -> RunState:
+    """The verified run state of one checkpoint directory."""
+    path = checkpoint_dir / RUN_STATE
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise RunCheckpointError(f"{path}: unreadable run state ({exc})") from None
+    fields = {"format", "next_step", "weight_version", "seed", "trainer_sha256"}
+    if not isinstance(raw, dict) or set(raw) != fields or raw["format"] != STATE_FORMAT:
+        raise RunCheckpointError(f"{path}: not a {STATE_FORMAT} file")
+    state = RunState(**{k: raw[k] for k in fields - {"format"}})
+    if state.weight_version != state.next_step + 1:
+        raise RunCheckpointError(
+            f"{path}: weight_version {state.weight_version} != next_step + 1 = {state.next_step + 1}"
+        )
+    got = sha256_file(checkpoint_dir / TRAINER_STATE)
+    if got != state.trainer_sha256:
+        raise RunCheckpointError(
+            f"{checkpoint_dir / TRAINER_STATE}: sha256 {got} != {state.trainer_sha256} recorded at save; the file is damaged"
+        )
+    return state
+
+
+def latest_checkpoint(root: Path) -> tuple[Path, RunState]:
+    """The newest complete checkpoint under `root`; a damaged newest one is an error, not skipped."""
+    dirs = _step_dirs(root) if root.is_dir() else []
+    if not dirs:
+        raise RunCheckpointError(
+            f"no checkpoint under {root}: the run was killed before its first save "
+            "(checkpoint.save_interval); start it again instead of resuming"
+        )
+    return dirs[-1], read_run_state(dirs[-1])

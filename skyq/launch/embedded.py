@@ -1,0 +1,291 @@
+"""`run_embedded`: the RL loop of skyq's embedded run (trainer and engine as local Ray actors).
+
+Per step s: sync the trainer's weights to the engine as version s+1 -> sample
+`global_batch_size / group_size` prompts x `group_size` responses -> rewards -> group advantages ->
+one trainer update (which also measures the train/rollout mismatch) -> metrics; a checkpoint every
+`checkpoint.save_interval` steps and at the end. A resume continues at the checkpoint's step and
+weight version with the same data order, after verifying that the engine holds the trainer's weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from skyq.config.enums import RolloutBackend, TrainerBackend, TransportKind, WeightSyncMode
+from skyq.config.schema import (
+    AlgorithmConfig,
+    CheckpointConfig,
+    LoggerConfig,
+    ModelConfig,
+    PrecisionConfig,
+    RolloutConfig,
+    TaskConfig,
+    TopologyConfig,
+    TrainerConfig,
+)
+from skyq.launch.actor_pair import ActorPair, placement_for
+from skyq.launch.checkpointing import checkpoint_root, latest_checkpoint
+from skyq.launch.metrics import MetricsLogger, keep_rows_before, read_metrics
+from skyq.launch.plot import plot_run
+from skyq.launch.rundir import (
+    METRICS_FILE,
+    PLOT_FILE,
+    RunDirError,
+    check_resume_compatible,
+    claim_run_dir,
+    release_run_dir,
+    save_resolved_config,
+)
+from skyq.launch.secrets import redact
+from skyq.rl.batch import collate
+from skyq.rl.tasks import Task, build_task
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    """What a finished (or resumed and finished) embedded run did."""
+
+    run_dir: Path
+    start_step: int
+    """First step this invocation ran (0, or the checkpoint's step on resume)."""
+    num_steps: int
+    weight_version: int
+    """Version the engine held at the last step."""
+    reward_first: float
+    """Mean reward of the run's first 10 steps (over metrics.jsonl, resumed runs included)."""
+    reward_last: float
+    """Mean reward of the run's last 10 steps."""
+    wall_s: float
+
+
+def check_supported(*, rollout: RolloutConfig, trainer: TrainerConfig, algorithm: AlgorithmConfig) -> None:
+    """Refuse settings the embedded run cannot honour, naming the key and the fix."""
+    if (
+        RolloutBackend(rollout.backend) is not RolloutBackend.embedded
+        or TrainerBackend(trainer.backend) is not TrainerBackend.torch
+    ):
+        raise ValueError(
+            f"rollout.backend={rollout.backend.value}, trainer.backend={trainer.backend.value}: "
+            "the embedded run needs rollout=embedded trainer=torch"
+        )
+    transport = TransportKind(rollout.weight_sync.transport)
+    if transport is not TransportKind.broadcast:
+        raise ValueError(
+            f"rollout.weight_sync.transport={transport.value}: the embedded run's trainer and engine are "
+            "separate Ray actors, so weights move by torch.distributed broadcast "
+            "(in_process serves unit tests, cuda_ipc needs colocated GPU workers); set it to broadcast"
+        )
+    if WeightSyncMode(rollout.weight_sync.mode) is not WeightSyncMode.full:
+        raise ValueError("rollout.weight_sync.mode=delta is not implemented by the embedded run; use full")
+    if algorithm.global_batch_size % algorithm.group_size:
+        raise ValueError(
+            f"algorithm.global_batch_size={algorithm.global_batch_size} is not a multiple of "
+            f"algorithm.group_size={algorithm.group_size}; each prompt gets group_size responses"
+        )
+
+
+def rollout_seed(seed: int, step: int) -> int:
+    """The engine's sampling seed of step `step`: a function of (seed, step) only, so a resume matches."""
+    return int.from_bytes(hashlib.sha256(f"skyq-rollout:{seed}:{step}".encode()).digest()[:8], "little") >> 1
+
+
+@contextmanager
+def local_ray():
+    """Start a local Ray for the run unless the caller already has one (tests, a sweep); stop what we start."""
+    if ray.is_initialized():
+        yield
+        return
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="skyq")
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def run_step(
+    pair: ActorPair,
+    task: Task,
+    step: int,
+    *,
+    algorithm: AlgorithmConfig,
+    task_cfg: TaskConfig,
+    rollout: RolloutConfig,
+    seed: int,
+    verify_sync: bool,
+) -> dict[str, Any]:
+    """One RL step; returns its metrics row."""
+    start = time.perf_counter()
+    version = step + 1
+    sync = pair.sync(version)
+    if verify_sync:
+        pair.verify_engine_matches_trainer()
+    group = algorithm.group_size
+    prompts = task.prompts(step, algorithm.global_batch_size // group)
+    samples = pair.generate(
+        [p.token_ids for p in prompts],
+        n=group,
+        max_new_tokens=task_cfg.max_response_length,
+        temperature=rollout.temperature,
+        top_p=rollout.top_p,
+        seed=rollout_seed(seed, step),
+    )
+    rewards = [task.reward(prompts[i // group], s.response_ids) for i, s in enumerate(samples)]
+    batch = collate(
+        samples,
+        rewards,
+        group_size=group,
+        normalize_std=algorithm.normalize_adv_std,
+        pad_token_id=task.tokenizer.eos_token_id,
+    )
+    rolled_out = time.perf_counter()
+    train = pair.train_step(batch)
+    done = time.perf_counter()
+    return {
+        "step": step,
+        "weight_version": version,
+        "reward": sum(rewards) / len(rewards),
+        "response_length": sum(len(s.response_ids) for s in samples) / len(samples),
+        "loss": train["loss"],
+        "grad_norm": train["grad_norm"],
+        "lr": train["lr"],
+        "mismatch/mean_abs_dlogp": train["mismatch_mean_abs"],
+        "mismatch/k3_kl": train["mismatch_k3"],
+        "mismatch/max_abs_dlogp": train["mismatch_max"],
+        **sync,
+        "time/step_s": done - start,
+        "time/rollout_s": rolled_out - start - sync["sync/total_s"],
+        "time/train_s": done - rolled_out,
+        **{f"train/{k}": v for k, v in train.items()},
+    }
+
+
+def run_embedded(
+    *,
+    model: ModelConfig,
+    precision: PrecisionConfig,
+    algorithm: AlgorithmConfig,
+    task: TaskConfig,
+    rollout: RolloutConfig,
+    trainer: TrainerConfig,
+    topology: TopologyConfig,
+    logger: LoggerConfig,
+    checkpoint: CheckpointConfig,
+    seed: int,
+    config_container: dict[str, Any],
+    run_dir: str | Path,
+    resume: bool = False,
+) -> RunResult:
+    """Run (or, with `resume=True`, continue) the embedded RL loop in `run_dir`.
+
+    Args:
+        config_container: the resolved config as plain data (`OmegaConf.to_container(cfg, resolve=True,
+            enum_to_str=True)`); saved to the run dir and to wandb with env secrets redacted, and
+            compared with the run's saved config on resume.
+        run_dir: a new, empty directory for a fresh run; for a resume, the killed run's directory.
+        resume: continue `run_dir` from its newest checkpoint.
+    """
+    check_supported(rollout=rollout, trainer=trainer, algorithm=algorithm)
+    started = time.perf_counter()
+    run_dir = Path(run_dir).expanduser().resolve()
+    ckpt_root = checkpoint_root(run_dir, checkpoint.save)
+    if resume:
+        check_resume_compatible(run_dir, config_container)
+    elif (run_dir / METRICS_FILE).exists() or ckpt_root.exists():
+        raise RunDirError(
+            f"{run_dir} already holds a run; pass resume=<run dir> to continue it, or use a new directory"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    claim_run_dir(run_dir, resume=resume)
+    try:
+        save_resolved_config(run_dir, config_container)
+        start_step = 0
+        if resume:
+            ckpt_dir, state = latest_checkpoint(ckpt_root)
+            if state.seed != seed:
+                raise RunDirError(f"{ckpt_dir}: saved with seed {state.seed}, resuming with seed {seed}")
+            start_step = state.next_step
+            keep_rows_before(run_dir / METRICS_FILE, start_step)
+        task_obj = build_task(task, seed=seed)
+        with local_ray():
+            pair = ActorPair(
+                model=model,
+                precision=precision,
+                algorithm=algorithm,
+                trainer=trainer,
+                rollout=rollout,
+                placement=placement_for(topology),
+                checkpoint_path=_starting_checkpoint(model, task, checkpoint),
+                seed=seed,
+            )
+            try:
+                if resume:
+                    pair.restore(ckpt_dir, state)
+                _loop(pair, task_obj, run_dir, ckpt_root, start_step,
+                      algorithm=algorithm, task_cfg=task, rollout=rollout, logger=logger,
+                      checkpoint=checkpoint, seed=seed, wandb_config=redact(config_container))  # fmt: skip
+            finally:
+                pair.shutdown()
+    finally:
+        release_run_dir(run_dir)
+    rows = read_metrics(run_dir / METRICS_FILE)
+    if logger.plot and rows:
+        plot_run(rows, run_dir / PLOT_FILE, title=f"{precision.name.value} - {run_dir.name}")
+    rewards = [r["reward"] for r in rows]
+    return RunResult(
+        run_dir=run_dir,
+        start_step=start_step,
+        num_steps=algorithm.num_steps,
+        weight_version=rows[-1]["weight_version"] if rows else 0,
+        reward_first=sum(rewards[:10]) / max(len(rewards[:10]), 1),
+        reward_last=sum(rewards[-10:]) / max(len(rewards[-10:]), 1),
+        wall_s=time.perf_counter() - started,
+    )
+
+
+def _starting_checkpoint(model: ModelConfig, task: TaskConfig, checkpoint: CheckpointConfig) -> str:
+    if checkpoint.hf_checkpoint is not None:
+        return checkpoint.hf_checkpoint
+    from skyq.trainer.native.tiny_checkpoint import ensure_tiny_checkpoint
+
+    return str(ensure_tiny_checkpoint(model, task, cache_dir=checkpoint.cache_dir))
+
+
+def _loop(
+    pair: ActorPair,
+    task: Task,
+    run_dir: Path,
+    ckpt_root: Path,
+    start_step: int,
+    *,
+    algorithm: AlgorithmConfig,
+    task_cfg: TaskConfig,
+    rollout: RolloutConfig,
+    logger: LoggerConfig,
+    checkpoint: CheckpointConfig,
+    seed: int,
+    wandb_config: dict[str, Any],
+) -> None:
+    interval = checkpoint.save_interval
+    with MetricsLogger(
+        run_dir / METRICS_FILE,
+        logger_cfg=logger,
+        wandb_config=wandb_config,
+        run_name=run_dir.name,
+        num_steps=algorithm.num_steps,
+        start_step=start_step,
+    ) as metrics:
+        for step in range(start_step, algorithm.num_steps):
+            # The first sync of every session (fresh or resumed) is checked bit for bit.
+            row = run_step(pair, task, step, algorithm=algorithm, task_cfg=task_cfg, rollout=rollout,
+                           seed=seed, verify_sync=step == start_step)  # fmt: skip
+            metrics.log(row)
+            last = step + 1 == algorithm.num_steps
+            if last or (interval > 0 and (step + 1) % interval == 0):
+                pair.save_checkpoint(ckpt_root, next_step=step + 1, seed=seed)

@@ -1,0 +1,57 @@
+"""PNG plots of a run (reward and train/rollout mismatch) and of a sweep (one line per run)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on a training box
+
+import matplotlib.pyplot as plt  # noqa: E402
+
+from skyq.checkpoint.atomic import atomic_write_bytes  # noqa: E402
+
+RUN_PANELS = (("reward", "reward (mean)"), ("mismatch/mean_abs_dlogp", "train/rollout mean |dlogp|"))
+SWEEP_PANELS = (*RUN_PANELS, ("sync/total_s", "sync time (s)"))
+
+
+def _save(fig: Any, out: Path) -> Path:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    atomic_write_bytes(out, buffer.getvalue())
+    return out
+
+
+def _panel(ax: Any, rows: list[dict[str, Any]], key: str, label: str | None) -> None:
+    points = [(r["step"], r[key]) for r in rows if isinstance(r[key], int | float)]
+    ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", label=label)
+
+
+def plot_run(rows: list[dict[str, Any]], out: Path, *, title: str) -> Path:
+    """Reward and mismatch against step, one panel each."""
+    fig, axes = plt.subplots(1, len(RUN_PANELS), figsize=(10, 3.6))
+    for ax, (key, ylabel) in zip(axes, RUN_PANELS):
+        _panel(ax, rows, key, None)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    return _save(fig, out)
+
+
+def plot_sweep(runs: dict[str, list[dict[str, Any]]], out: Path, *, title: str) -> Path:
+    """Reward, mismatch and sync time against step, one line per run."""
+    fig, axes = plt.subplots(1, len(SWEEP_PANELS), figsize=(15, 3.8))
+    for ax, (key, ylabel) in zip(axes, SWEEP_PANELS):
+        for label, rows in runs.items():
+            _panel(ax, rows, key, label)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title)
+    return _save(fig, out)

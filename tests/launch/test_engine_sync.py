@@ -1,0 +1,171 @@
+"""The sync between the real trainer and the real embedded engine (in one process, in-process
+transport): the engine ends up holding exactly what the strategy serialized from the trainer's
+weights, and every bad sync leaves the engine's weights and version untouched."""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import pytest
+import torch
+
+from skyq.launch.actors import EngineWorker, TrainerWorker
+from skyq.sync.errors import SyncError, SyncRefused
+from skyq.sync.in_process import in_process_pair
+from skyq.sync.receiver import WeightReceiver
+from skyq.sync.sender import WeightSender
+
+from .run_helpers import compose_config
+
+PRECISIONS = ["bf16", "fp8_blockwise", "mxfp8", "int4_qat"]
+
+
+def build_workers(overrides: list[str]) -> tuple[TrainerWorker, EngineWorker]:
+    from skyq.trainer.native.tiny_checkpoint import ensure_tiny_checkpoint
+
+    cfg, _ = compose_config(overrides)
+    path = ensure_tiny_checkpoint(cfg.model, cfg.task, cache_dir=cfg.checkpoint.cache_dir)
+    trainer = TrainerWorker(
+        model_cfg=cfg.model,
+        precision_cfg=cfg.precision,
+        optimizer_cfg=cfg.trainer.optimizer,
+        algorithm_cfg=cfg.algorithm,
+        micro_batch_size=cfg.trainer.micro_batch_size,
+        checkpoint_path=str(path),
+        device="cpu",
+        seed=cfg.seed,
+    )
+    engine = EngineWorker(model_cfg=cfg.model, precision_cfg=cfg.precision, device="cpu", seed=cfg.seed)
+    return trainer, engine
+
+
+def sync(trainer, engine, version, *, serialize=None, weights=None, corrupt_bucket=None):
+    """Trainer -> engine over the in-process transport; returns (sender error, receiver error)."""
+    send_end, recv_end = in_process_pair(timeout_s=10.0)
+    if corrupt_bucket is not None:
+        original = send_end.send_frame
+        sent = []
+
+        def send_frame(payload):
+            if len(sent) == corrupt_bucket + 1:  # frame 0 is the manifest
+                payload = payload.clone()
+                payload[payload.numel() // 3] ^= 0x04
+            sent.append(1)
+            original(payload)
+
+        send_end.send_frame = send_frame
+    errors: dict = {}
+
+    def receive():
+        try:
+            WeightReceiver(recv_end, engine.expected, verify_checksum=True).receive(
+                current_version=engine.engine.weight_version, commit=engine.engine.load_weights
+            )
+        except SyncError as exc:
+            errors["recv"] = exc
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    try:
+        WeightSender(send_end, serialize=serialize or trainer.serialize, bucket_bytes=4096).sync(
+            weights if weights is not None else trainer.trainer.hf_weights(), version
+        )
+    except SyncError as exc:
+        errors["send"] = exc
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    return errors.get("send"), errors.get("recv")
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_engine_holds_bit_for_bit_what_the_strategy_serialized(base_overrides, precision):
+    trainer, engine = build_workers([*base_overrides, f"precision={precision}"])
+    assert sync(trainer, engine, 1) == (None, None)
+    first = engine.wire_digest()
+    assert first == trainer.serialized_digest()
+    assert engine.engine.weight_version == 1
+    # Change the trainer's weights; the next sync must carry the change, bit for bit.
+    with torch.no_grad():
+        for p in trainer.trainer.model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    assert sync(trainer, engine, 2) == (None, None)
+    second = engine.wire_digest()
+    assert second == trainer.serialized_digest()
+    assert second != first
+    dtypes = {dtype for dtype, _, _ in second.values()}
+    expected_dtypes = {
+        "bf16": {"bfloat16"},
+        "fp8_blockwise": {"bfloat16", "float8_e4m3fn", "float32"},
+        "mxfp8": {"bfloat16", "float8_e4m3fn", "uint8"},
+        "int4_qat": {"bfloat16", "int32", "int64"},
+    }[precision]
+    assert dtypes == expected_dtypes
+
+
+@pytest.fixture(scope="module")
+def synced_mxfp8(base_overrides):
+    trainer, engine = build_workers([*base_overrides, "precision=mxfp8"])
+    assert sync(trainer, engine, 1) == (None, None)
+    return trainer, engine
+
+
+def _without(trainer, wire_name):
+    def serialize(name, tensor):
+        return {n: t for n, t in trainer.serialize(name, tensor).items() if n != wire_name}
+
+    return serialize
+
+
+def _renaming(trainer, old, new):
+    def serialize(name, tensor):
+        return {(new if n == old else n): t for n, t in trainer.serialize(name, tensor).items()}
+
+    return serialize
+
+
+EXPERT = "model.layers.1.mlp.experts.3.down_proj"
+# case: (sync() arguments, version sent relative to the one the engine holds, expected message)
+BAD = {
+    "dropped tensor": (lambda tr: {"weights": [(n, t) for n, t in tr.trainer.hf_weights() if n != "model.norm.weight"]},
+                       +1, r"`model\.norm\.weight` was dropped"),
+    "unknown name": (lambda tr: {"serialize": _renaming(tr, "model.norm.weight", "model.norm.bias")},
+                     +1, r"unknown tensor `model\.norm\.bias`"),
+    "scale without its weight": (lambda tr: {"serialize": _without(tr, f"{EXPERT}.weight")},
+                                 +1, rf"received \['{EXPERT}\.weight_scale'\] without \['{EXPERT}\.weight'\]"),
+    "duplicate version": (lambda tr: {}, 0, "is a duplicate version"),
+    "older version": (lambda tr: {}, -1, "is an older version"),
+    "checksum mismatch": (lambda tr: {"corrupt_bucket": 0}, +1, "arrived corrupted"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD, ids=list(BAD))
+def test_bad_sync_leaves_the_real_engine_unchanged(synced_mxfp8, case):
+    trainer, engine = synced_mxfp8
+    assert sync(trainer, engine, engine.engine.weight_version + 1) == (None, None)  # holds >= 2 now
+    held_version = engine.engine.weight_version
+    before = engine.wire_digest()
+    make_kwargs, relative_version, message = BAD[case]
+    with torch.no_grad():  # new weights, so an accepted sync would show
+        for p in trainer.trainer.model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    send_err, recv_err = sync(trainer, engine, held_version + relative_version, **make_kwargs(trainer))
+    for err in (send_err, recv_err):
+        assert isinstance(err, SyncRefused) and re.search(message, str(err)), err
+    assert engine.engine.weight_version == held_version
+    assert engine.wire_digest() == before
+
+
+def test_nan_in_trainer_weights_is_refused_naming_the_tensor(base_overrides):
+    trainer, engine = build_workers([*base_overrides, "precision=fp8_blockwise"])
+    assert sync(trainer, engine, 1) == (None, None)
+    before = engine.wire_digest()
+    with torch.no_grad():
+        dict(trainer.trainer.model.named_parameters())["model.layers.0.mlp.experts.down_proj"][2, 5, 7] = (
+            float("nan")
+        )
+    send_err, recv_err = sync(trainer, engine, 2)
+    assert isinstance(send_err, SyncRefused)
+    assert "model.layers.0.mlp.experts.2.down_proj.weight: 1 NaN" in str(send_err)
+    assert isinstance(recv_err, SyncError)  # the engine waited for a manifest that never came
+    assert engine.engine.weight_version == 1 and engine.wire_digest() == before
