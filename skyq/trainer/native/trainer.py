@@ -35,12 +35,21 @@ def position_ids_of(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
-def token_logprobs(forward: Callable[..., Any], input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-    """[B, T] log-prob of token t given tokens < t (0 at t = 0), in fp32; `forward` is the model call."""
+def token_logprobs(
+    forward: Callable[..., Any], input_ids: Tensor, attention_mask: Tensor, *, temperature: float = 1.0
+) -> Tensor:
+    """[B, T] log-prob of token t given tokens < t (0 at t = 0), in fp32; `forward` is the model call.
+
+    Scored at the sampling temperature, as the rollout engine reports its log-probs.
+    """
     logits = forward(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask)
     ).logits
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    logp = (
+        torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+        .gather(-1, input_ids[:, 1:, None])
+        .squeeze(-1)
+    )
     return F.pad(logp, (1, 0))
 
 
@@ -58,9 +67,15 @@ class NativeTrainer:
         checkpoint_path: str,
         device: str = "cpu",
         seed: int,
+        temperature: float = 1.0,
     ) -> None:
+        """`temperature`: the rollout sampling temperature; log-probs are scored at it (the policy
+        the engine actually sampled from), so ratios and mismatch compare like with like."""
         if micro_batch_size <= 0:
             raise ValueError(f"trainer.micro_batch_size={micro_batch_size} must be positive")
+        if temperature <= 0:
+            raise ValueError(f"rollout.temperature={temperature}: the trainer scores sampled policies (> 0)")
+        self.temperature = temperature
         self.model_cfg, self.precision_cfg = model_cfg, precision_cfg
         self.optimizer_cfg, self.algorithm_cfg = optimizer_cfg, algorithm_cfg
         self.micro_batch_size = micro_batch_size
@@ -145,7 +160,7 @@ class NativeTrainer:
         for start in range(0, input_ids.shape[0], self.micro_batch_size):
             stop = start + self.micro_batch_size
             ids, attn = input_ids[start:stop].to(self.device), attention_mask[start:stop].to(self.device)
-            rows.append(token_logprobs(forward, ids, attn))
+            rows.append(token_logprobs(forward, ids, attn, temperature=self.temperature))
         return torch.cat(rows).cpu()
 
     def learning_rate(self, step: int) -> float:
@@ -178,11 +193,15 @@ class NativeTrainer:
             micro = batch.slice(start, start + self.micro_batch_size)
             ids, attn = micro.input_ids.to(self.device), micro.attention_mask.to(self.device)
             # Fake-quant is recomputed per micro-batch: each backward frees the graph it belongs to.
-            logp = token_logprobs(self._forward(self.effective_parameters()), ids, attn)
+            logp = token_logprobs(
+                self._forward(self.effective_parameters()), ids, attn, temperature=self.temperature
+            )
             ref_logp = None
             if self.ref_params is not None:
                 with torch.no_grad():
-                    ref_logp = token_logprobs(self._forward(self.ref_params), ids, attn)
+                    ref_logp = token_logprobs(
+                        self._forward(self.ref_params), ids, attn, temperature=self.temperature
+                    )
                 ref_rows.append(ref_logp.cpu())
             loss, _ = policy_loss(
                 logp, logp.detach(), micro.rollout_logprobs.to(self.device), micro.advantages.to(self.device),
