@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -28,9 +29,68 @@ def new_flag(device: torch.device) -> Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
+class DeferredChecks:
+    """Flags of kernel launches whose check was deferred: read together with one host sync.
+
+    Entries keep `validate` (and so the input it closes over) alive until the next `flush`; the
+    scope flushes every `max_pending` entries to bound that."""
+
+    def __init__(self, max_pending: int) -> None:
+        self.max_pending = max_pending
+        self.pending: list[tuple[Tensor, Callable[[], None], bool]] = []
+
+    def add(self, flag: Tensor, validate: Callable[[], None], *, strict: bool) -> None:
+        """`strict`: a set flag must make `validate` raise (kernel flags); else a set flag may be a
+        false alarm that `validate` clears (a sum that overflowed on finite values)."""
+        self.pending.append((flag.reshape(1).to(torch.int32), validate, strict))
+        if len(self.pending) >= self.max_pending:
+            self.flush()
+
+    def flush(self) -> None:
+        """One sync per device for all pending flags; on a set flag, run the validations in launch
+        order so the first offending tensor is named exactly as the per-call check names it."""
+        pending, self.pending = self.pending, []
+        by_device: dict[torch.device, list[Tensor]] = {}
+        for flag, _, _ in pending:
+            by_device.setdefault(flag.device, []).append(flag)
+        if not any(int(torch.cat(flags).sum().item()) for flags in by_device.values()):
+            return
+        for flag, validate, strict in pending:
+            if int(flag.item()):
+                validate()
+                if strict:
+                    raise AssertionError(
+                        "a kernel flagged an invalid input that the reference validation accepted"
+                    )
+
+
+_deferred = threading.local()
+
+
+def active_deferred() -> DeferredChecks | None:
+    """The innermost deferred-check scope of this thread, if any."""
+    stack = getattr(_deferred, "stack", None)
+    return stack[-1] if stack else None
+
+
+def push_deferred(scope: DeferredChecks) -> None:
+    if not hasattr(_deferred, "stack"):
+        _deferred.stack = []
+    _deferred.stack.append(scope)
+
+
+def pop_deferred() -> DeferredChecks:
+    return _deferred.stack.pop()
+
+
 def raise_if_flagged(flag: Tensor, validate: Callable[[], None]) -> None:
     """Read the kernel's flag (one host sync) and, when set, run the reference's own validation,
-    which raises the same `QuantizationError` (same wording) the reference would have."""
+    which raises the same `QuantizationError` (same wording) the reference would have. Inside a
+    deferred scope (`dispatch.deferred_finite_checks`) the flag is only recorded."""
+    scope = active_deferred()
+    if scope is not None:
+        scope.add(flag, validate, strict=True)
+        return
     if int(flag.item()):
         validate()
         raise AssertionError("a kernel flagged an invalid input that the reference validation accepted")

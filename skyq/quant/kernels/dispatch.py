@@ -8,16 +8,18 @@ power of two) quietly takes the reference path, which is slower but identical.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
 
 from skyq.config.enums import Int4Grid
-from skyq.quant import fp8_blockwise, int4, mxfp8
-from skyq.quant.errors import check_finite
+from skyq.quant import errors, fp8_blockwise, int4, mxfp8
+from skyq.quant.errors import QuantizationError, check_finite
+from skyq.quant.kernels import _common
 
 
 @functools.cache
@@ -174,3 +176,84 @@ def dequantize_int4_packed(
             check_finite(scale, f"{name} weight_scale")
             return kernels.dequantize_packed(packed, scale, n, k, g, dtype)
     return int4.dequantize_packed(packed, scale, weight_shape, group_size=group_size, dtype=dtype, name=name)
+
+
+# --- batched finite checks -----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def deferred_finite_checks(*, max_pending: int = 1024) -> Iterator[_common.DeferredChecks]:
+    """Check many CUDA quantizations with one host sync instead of one per call.
+
+    Inside the scope the kernel paths above (and `check_finite_deferred`) record their device-side
+    non-finite flag instead of reading it; the flags are summed and read once when the scope exits
+    (and every `max_pending` calls). Outputs produced inside the scope must not be used before it
+    exits cleanly: on a bad input it raises the same `QuantizationError`, naming the first bad
+    tensor in call order, that the per-call check would have raised. CPU calls check at once.
+    """
+    scope = _common.DeferredChecks(max_pending)
+    _common.push_deferred(scope)
+    try:
+        yield scope
+    finally:
+        _common.pop_deferred()
+    scope.flush()
+
+
+def check_finite_deferred(t: Tensor, name: str) -> None:
+    """`errors.check_finite`; on a CUDA tensor inside `deferred_finite_checks`, recorded (sum test on
+    the device, exact check only if that sum is not finite) instead of synced now."""
+    scope = _common.active_deferred()
+    if scope is None or not t.is_cuda or t.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        check_finite(t, name)
+        return
+    scope.add(
+        torch.isfinite(t.sum(dtype=torch.float32)).logical_not(), lambda: check_finite(t, name), strict=False
+    )
+
+
+# --- FP8 weight-only linear (decode) -------------------------------------------------------------
+
+
+def fp8_weight_only_linear_reference(
+    x: Tensor, q: Tensor, scale_inv: Tensor, *, block_size: tuple[int, int] = (128, 128)
+) -> Tensor:
+    """`x.float() @ fp8_blockwise.dequantize(q, scale_inv, float32).T`, cast to x's dtype."""
+    w = fp8_blockwise.dequantize(
+        q, scale_inv, block_size=block_size, dtype=torch.float32, name="fp8 linear weight"
+    )
+    return (x.float() @ w.T).to(x.dtype)
+
+
+def _check_linear_args(x: Tensor, q: Tensor, scale_inv: Tensor, block_size: Sequence[int]) -> None:
+    if not (isinstance(x, Tensor) and x.is_floating_point() and x.ndim >= 1):
+        raise QuantizationError(
+            f"fp8 linear: x must be a floating-point tensor [..., K], got {type(x).__name__}"
+        )
+    errors.check_dtype(q, torch.float8_e4m3fn, "fp8 linear weight")
+    errors.check_dtype(scale_inv, torch.float32, "fp8 linear weight_scale_inv")
+    if q.ndim != 2 or x.shape[-1] != q.shape[1]:
+        raise QuantizationError(
+            f"fp8 linear: x {tuple(x.shape)} and weight {tuple(q.shape)} do not match ([..., K] @ [N, K]^T)"
+        )
+    if not _int_pair(block_size):
+        raise QuantizationError(f"fp8 linear: block_size must be two positive ints, got {block_size!r}")
+    (n, k), (bn, bk) = q.shape, block_size
+    errors.check_shape(
+        scale_inv, (-(-n // bn), -(-k // bk)), "fp8 linear weight_scale_inv", "ceil(N/bn), ceil(K/bk)"
+    )
+
+
+def fp8_weight_only_linear(
+    x: Tensor, q: Tensor, scale_inv: Tensor, block_size: tuple[int, int] = (128, 128)
+) -> Tensor:
+    """Decode linear `x [..., K] @ dequant(q e4m3 [N, K], weight_scale_inv fp32)^T -> [..., N]` in
+    x's dtype. On CUDA a Triton kernel dequantizes in registers (no dequantized weight in memory,
+    no host sync; meant for M <= 64 rows, correct for any M); elsewhere the fp32 reference."""
+    _check_linear_args(x, q, scale_inv, block_size)
+    if uses_kernel(x) and q.is_cuda and scale_inv.is_cuda and x.dtype == torch.bfloat16:
+        from skyq.quant.kernels import triton_fp8_gemv as kernels
+
+        if kernels.supports(tuple(block_size)) and x.numel():
+            return kernels.linear(x, q, scale_inv, block_size=tuple(block_size))
+    return fp8_weight_only_linear_reference(x, q, scale_inv, block_size=tuple(block_size))

@@ -1,0 +1,163 @@
+"""The FP8 weight-only decode linear and the batched finite checks, on the CPU.
+
+The reference path (`x.float() @ dequantize(q, s, float32).T`) is what `fp8_weight_only_linear`
+runs without CUDA; the Triton kernel is checked against it under the Triton interpreter when
+Triton is importable (skipped in CI, which has no Triton). The interpreter check runs this file
+as a script in a subprocess, because TRITON_INTERPRET must be set before `@triton.jit` runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from skyq.quant import fp8_blockwise
+from skyq.quant.errors import QuantizationError
+from skyq.quant.kernels import _common, dispatch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    seed = int(os.environ.get("SKYQ_TEST_SEED", secrets.randbits(32)))
+    print(f"SKYQ_TEST_SEED={seed}")
+    return torch.Generator().manual_seed(seed)
+
+
+def _quantized_weight(gen: torch.Generator, n: int, k: int, block=(128, 128)):
+    w = torch.randn(n, k, generator=gen) * torch.logspace(-3, 1, n).unsqueeze(1)
+    return fp8_blockwise.quantize(w, block_size=block)
+
+
+def within_tolerance(got: torch.Tensor, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block) -> bool:
+    """|got - ref| <= 2^-8 |ref| (one rounding to bf16) + 1e-5 (|x| @ |W|^T) (fp32 reassociation)."""
+    w = fp8_blockwise.dequantize(q, s, block_size=block, dtype=torch.float32)
+    ref = x.float() @ w.T
+    bound = ref.abs() * 2.0**-8 + 1e-5 * (x.float().abs() @ w.abs().T)
+    return bool(((got.float() - ref).abs() <= bound).all())
+
+
+def test_reference_path_is_the_fp32_product_of_the_dequantized_weight(gen):
+    q, s = _quantized_weight(gen, 300, 260)
+    x = torch.randn(3, 5, 260, generator=gen).to(torch.bfloat16)
+    got = dispatch.fp8_weight_only_linear(x, q, s)
+    ref = (x.float() @ fp8_blockwise.dequantize(q, s, dtype=torch.float32).T).to(torch.bfloat16)
+    assert got.shape == (3, 5, 300) and got.dtype == torch.bfloat16
+    assert torch.equal(got, ref)
+
+
+def test_mismatched_linear_arguments_are_refused_by_name(gen):
+    q, s = _quantized_weight(gen, 64, 256)
+    x = torch.randn(2, 256, generator=gen).to(torch.bfloat16)
+    with pytest.raises(QuantizationError, match="do not match"):
+        dispatch.fp8_weight_only_linear(x[:, :128], q, s)
+    with pytest.raises(QuantizationError, match="weight_scale_inv"):
+        dispatch.fp8_weight_only_linear(x, q, s[:, :1])
+    with pytest.raises(QuantizationError, match="float8_e4m3fn"):
+        dispatch.fp8_weight_only_linear(x, q.float(), s)
+
+
+def test_deferred_checks_name_the_first_bad_tensor_in_call_order():
+    seen = []
+
+    def bad(name):
+        def validate():
+            seen.append(name)
+            raise QuantizationError(f"{name}: bad")
+
+        return validate
+
+    scope = _common.DeferredChecks(max_pending=100)
+    scope.add(torch.zeros(1, dtype=torch.int32), bad("a"), strict=True)
+    scope.add(torch.ones(1, dtype=torch.int32), bad("b"), strict=True)
+    scope.add(torch.ones(1, dtype=torch.int32), bad("c"), strict=True)
+    with pytest.raises(QuantizationError, match="b: bad"):
+        scope.flush()
+    assert seen == ["b"] and scope.pending == []
+
+
+def test_deferred_false_alarm_of_a_sum_check_passes():
+    scope = _common.DeferredChecks(max_pending=100)
+    scope.add(torch.ones(1, dtype=torch.bool), lambda: None, strict=False)
+    scope.flush()
+
+
+def test_deferred_scope_on_cpu_checks_at_once_with_the_reference_error():
+    w = torch.ones(4, 64)
+    w[0, 3] = float("inf")
+    with pytest.raises(QuantizationError, match="layer: 0 NaN and 1 inf"), dispatch.deferred_finite_checks():
+        dispatch.check_finite_deferred(w, "layer")
+    with pytest.raises(QuantizationError, match="layer: 0 NaN and 1 inf"), dispatch.deferred_finite_checks():
+        dispatch.quantize_fp8_blockwise(w, name="layer")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CI)")
+def test_gemv_kernel_matches_the_reference_under_the_triton_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, __file__], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600
+    )
+    assert out.returncode == 0 and "interpreter: gemv matches" in out.stdout, out.stdout + out.stderr
+
+
+def _bf16_interpreter_dot() -> None:
+    """Triton 3.6's interpreter stores bf16 as uint16 and multiplies those integers in `tl.dot`;
+    widen bf16 operands to fp32 first (exact), as the GPU's bf16 MMA with fp32 accumulation does."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    integer_dot = interpreter.InterpreterBuilder.create_dot
+
+    def widened(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        raw = torch.from_numpy(np.ascontiguousarray(handle.data).view(np.int16).copy()).view(torch.bfloat16)
+        return interpreter.TensorHandle(raw.float().numpy(), tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return integer_dot(self, widened(a), widened(b), d, input_precision, max_num_imprecise_acc)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+def _interpreter_main() -> None:
+    from tests.quant.test_kernel_dispatch import _exact_interpreter_casts
+
+    _exact_interpreter_casts()
+    _bf16_interpreter_dot()
+    from skyq.quant.kernels import triton_fp8_gemv
+
+    seed = int(os.environ.get("SKYQ_TEST_SEED", secrets.randbits(32)))
+    print(f"SKYQ_TEST_SEED={seed}")
+    gen = torch.Generator().manual_seed(seed)
+    failures = []
+    cases = [  # (M, N, K, block, forced (BM, BN, TK, split) or None)
+        (1, 200, 300, (128, 128), None),
+        (5, 70, 260, (128, 128), (16, 32, 128, 2)),
+        (17, 130, 384, (128, 128), (32, 64, 128, 3)),
+        (64, 96, 200, (64, 32), (64, 32, 32, 4)),
+        (40, 33, 129, (128, 128), (64, 64, 128, 1)),
+    ]
+    for m, n, k, block, config in cases:
+        q, s = _quantized_weight(gen, n, k, block)
+        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        got = triton_fp8_gemv.linear(x, q, s, block_size=block, config=config)
+        if got.shape != (m, n) or not within_tolerance(got, x, q, s, block):
+            failures.append((m, n, k, block, config))
+    if failures:
+        print("interpreter: gemv FAILED", failures)
+        sys.exit(1)
+    print("interpreter: gemv matches")
+
+
+if __name__ == "__main__":
+    _interpreter_main()
