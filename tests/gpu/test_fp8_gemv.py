@@ -1,0 +1,83 @@
+"""FP8 weight-only decode linear on the GPU: the Triton kernel against the fp32 reference.
+
+Reference: `x.float() @ dequantize(q, s, float32).T`. Tolerance, per element: one rounding of the
+result to bf16 (2^-8 relative) plus 1e-5 of `|x| @ |W|^T` for the kernel's reassociation
+(`sum(x*q)*s` per block instead of `sum(x*(q*s))`, fp32 accumulation on the tensor cores).
+Fresh random data each run (seed printed). The kernel allocates its output with torch.empty, so
+an unwritten element shows up as garbage or NaN: every element is checked against the bound.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from skyq.quant import fp8_blockwise
+from skyq.quant.kernels import dispatch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+        reason="needs CUDA and Triton",
+    ),
+]
+
+# (N, K, block): Qwen3-30B-A3B q/k/o and expert gate/down, odd N and K, a smaller block.
+SHAPES = [
+    (4096, 2048, (128, 128)),
+    (512, 2048, (128, 128)),
+    (2048, 4096, (128, 128)),
+    (768, 2048, (128, 128)),
+    (2048, 768, (128, 128)),
+    (301, 277, (128, 128)),
+    (1000, 1030, (64, 32)),
+]
+
+
+def _bounded(got, x, q, s, block):
+    w = fp8_blockwise.dequantize(q, s, block_size=block, dtype=torch.float32)
+    ref = x.float() @ w.T
+    bound = ref.abs() * 2.0**-8 + 1e-5 * (x.float().abs() @ w.abs().T)
+    err = (got.float() - ref).abs()
+    return bool((err <= bound).all()), float((err / bound.clamp_min(1e-30)).max())
+
+
+@pytest.mark.parametrize(("n", "k", "block"), SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 32, 64])
+def test_fp8_gemv_matches_the_fp32_reference(gen, n, k, block, m):
+    w = torch.randn(n, k, generator=gen) * torch.logspace(-3, 1, n).unsqueeze(1)
+    q, s = fp8_blockwise.quantize(w.cuda(), block_size=block)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+    got = dispatch.fp8_weight_only_linear(x, q, s, block_size=block)
+    torch.cuda.synchronize()
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    assert bool(torch.isfinite(got).all()), "an output element was not written (or is not finite)"
+    ok, worst = _bounded(got, x, q, s, block)
+    assert ok, f"error reaches {worst:.3g} of the bound"
+
+
+def test_fp8_gemv_is_deterministic_and_takes_batched_inputs(gen):
+    q, s = fp8_blockwise.quantize(torch.randn(2048, 4096, generator=gen).cuda())
+    x = torch.randn(4, 8, 4096, generator=gen).to(torch.bfloat16).cuda()
+    a = dispatch.fp8_weight_only_linear(x, q, s)
+    b = dispatch.fp8_weight_only_linear(x, q, s)
+    assert a.shape == (4, 8, 2048) and torch.equal(a, b)
+    ok, _ = _bounded(a.reshape(32, -1), x.reshape(32, -1), q, s, (128, 128))
+    assert ok
+
+
+def test_deferred_checks_name_the_bad_tensor_with_one_sync(gen):
+    good = torch.randn(256, 256, generator=gen).cuda()
+    bad = good.clone()
+    bad[3, 7] = float("nan")
+    with pytest.raises(Exception, match="second: 1 NaN"), dispatch.deferred_finite_checks():
+        dispatch.quantize_fp8_blockwise(good, name="first")
+        dispatch.quantize_fp8_blockwise(bad, name="second")
+        dispatch.check_finite_deferred(bad, "third")
+    with dispatch.deferred_finite_checks():
+        q, s = dispatch.quantize_fp8_blockwise(good, name="first")
+    q_ref, s_ref = fp8_blockwise.quantize(good)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
