@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -33,17 +34,35 @@ def fsync_dir(directory: Path) -> None:
 
 def atomic_write_bytes(path: Path, data: bytes | memoryview) -> None:
     """Write `data` to `path` via temp + fsync + rename; nothing is left under `path` on failure."""
+    atomic_write_chunks(path, [data])
+
+
+def atomic_write_chunks(
+    path: Path,
+    chunks: Iterable[bytes | memoryview],
+    on_chunk: Callable[[bytes | memoryview], None] | None = None,
+) -> int:
+    """`atomic_write_bytes` of the concatenated `chunks`, calling `on_chunk` on each one after it
+    is written (e.g. a hash update, while the chunk is still in cache); returns the bytes written."""
     tmp = temp_path_for(path)
+    size = 0
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
+        with open(tmp, "wb", buffering=0) as f:
+            for chunk in chunks:
+                view = memoryview(chunk)
+                written = 0
+                while written < view.nbytes:  # a raw write may be partial
+                    written += f.write(view[written:])
+                size += written
+                if on_chunk is not None:
+                    on_chunk(chunk)
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+    return size
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:

@@ -56,8 +56,7 @@ def make_int4_transform(quantized: frozenset[str], opts: Int4Options) -> ShardTr
         if opts.symmetric:
 
             def symmetric(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                q, scale = int4.quantize(rows, group_size=opts.group_size, grid=opts.grid, name=name)
-                return int4.pack(q, name=name), scale
+                return int4.quantize_packed(rows, group_size=opts.group_size, grid=opts.grid, name=name)
 
             packed, scale = quantize_by_rows(w, symmetric, multiple=1)
             extra = {}

@@ -5,8 +5,8 @@ Life of a run:
    temp files a killed run left, and decides what can be kept: shards recorded in the done-log (or
    the manifest of a finished run) of a run with the same fingerprint, re-verified by sha256.
    A save dir holding anything else is refused unless `overwrite` (which deletes our outputs).
-2. `write_shard` writes each shard via temp + fsync + rename, then appends its sha256 to the fsynced
-   done-log. Every shard is a pure function of the input, so a rerun rewrites identical bytes.
+2. `write_shard` writes each shard via temp + fsync + rename (hashing the bytes as they are written),
+   then appends its sha256 to the fsynced done-log. Every shard is a pure function of the input, so a rerun rewrites identical bytes.
 3. `finalize` copies the remaining files, then writes the index, config and manifest, and deletes
    the done-log. A run killed at any moment therefore resumes to byte-identical output.
 """
@@ -24,8 +24,10 @@ from typing import Any
 import torch
 from safetensors.torch import save as save_safetensors
 
+from skyq.checkpoint import safetensors_stream
 from skyq.checkpoint.atomic import (
     atomic_write_bytes,
+    atomic_write_chunks,
     atomic_write_json,
     fsync_dir,
     json_bytes,
@@ -54,10 +56,6 @@ def check_dirs_disjoint(model_dir: Path, save_dir: Path) -> None:
 def fingerprint_of(tool: str, options: dict[str, Any], sources: dict[str, int]) -> str:
     """Identity of a conversion: tool, its options and the input files (names and sizes)."""
     return hashlib.sha256(json_bytes({"tool": tool, "options": options, "sources": sources})).hexdigest()
-
-
-def serialize_shard(tensors: dict[str, torch.Tensor]) -> bytes:
-    return save_safetensors({k: v.contiguous() for k, v in tensors.items()}, metadata=SHARD_METADATA)
 
 
 class ConversionOutput:
@@ -130,21 +128,29 @@ class ConversionOutput:
         return "".join(json.dumps(r, sort_keys=True) + "\n" for r in lines).encode()
 
     def write_shard(self, shard: str, tensors: dict[str, torch.Tensor]) -> int:
-        """Write one output shard crash-safely and record it as done; returns its size in bytes."""
+        """Write one output shard crash-safely and record it as done; returns its size in bytes.
+
+        The bytes are those of `safetensors.torch.save(tensors, SHARD_METADATA)`, streamed from the
+        tensors' memory and hashed while they are written (no serialized copy of the shard)."""
         if not tensors:
             raise CheckpointError(f"{shard}: refusing to write a shard with no tensors")
-        return self.write_serialized(shard, serialize_shard(tensors))
+        if safetensors_stream.supports(tensors):
+            chunks = safetensors_stream.chunks(tensors, SHARD_METADATA)
+        else:  # a dtype the stream does not rank (e.g. U16): safetensors serializes it
+            chunks = [
+                save_safetensors({k: v.contiguous() for k, v in tensors.items()}, metadata=SHARD_METADATA)
+            ]
+        h = hashlib.sha256()
+        size = atomic_write_chunks(self.dir / shard, chunks, h.update)
+        self._record_done(shard, h.hexdigest())
+        return size
 
-    def write_serialized(self, shard: str, blob: bytes | None) -> int:
-        """`write_shard` for bytes from `serialize_shard` (serialization can run on another thread).
+    def mark_empty(self, shard: str) -> None:
+        """Record a shard whose tensors all went elsewhere (e.g. a shard of scales only): done, but
+        no file, so no empty shard appears next to the index."""
+        self._record_done(shard, EMPTY_SHARD)
 
-        `None` records a shard whose tensors all went elsewhere (e.g. a shard of scales only):
-        done, but no file, so no empty shard appears next to the index."""
-        if blob is None:
-            sha = EMPTY_SHARD
-        else:
-            atomic_write_bytes(self.dir / shard, blob)
-            sha = hashlib.sha256(blob).hexdigest()
+    def _record_done(self, shard: str, sha: str) -> None:
         with self._lock:
             self.done[shard] = sha
             # Append + fsync: a torn last line (killed mid-append) is ignored on resume.
@@ -152,7 +158,6 @@ class ConversionOutput:
                 f.write(json.dumps({"shard": shard, "sha256": sha}, sort_keys=True) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
-        return 0 if blob is None else len(blob)
 
     def copy_file(self, relative: str) -> None:
         """Copy a non-weight file (tokenizer, generation config...) from the model dir, crash-safely."""

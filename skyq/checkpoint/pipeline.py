@@ -1,4 +1,4 @@
-"""The streaming loop every converter runs: read shard -> transform -> serialize -> write.
+"""The streaming loop every converter runs: read shard -> transform -> write (and hash).
 
 Three stages on threads joined by bounded queues, so reading shard i+1, converting shard i and
 writing shard i-1 overlap (torch kernels, file I/O and hashing release the GIL). Memory stays at
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from skyq.checkpoint.output import ConversionOutput, serialize_shard
+from skyq.checkpoint.output import ConversionOutput
 from skyq.checkpoint.reader import ShardedCheckpoint
 
 
@@ -127,11 +127,10 @@ def run_conversion(
             with tqdm(total=len(tensors), desc=shard, leave=False, disable=None, file=sys.stderr) as bar:
                 result = transform(shard, tensors, bar.update)
             del tensors
-            blob = serialize_shard(result.tensors) if result.tensors else None
             with lock:
                 stats.converted += result.converted
                 stats.kept += result.kept
-            if not to_write.put((shard, blob)):
+            if not to_write.put((shard, result.tensors)):
                 return
         to_write.put(_DONE)
 
@@ -144,8 +143,12 @@ def run_conversion(
                     return
                 finished += 1
                 continue
-            shard, blob = item
-            stats.bytes_out += output.write_serialized(shard, blob)
+            shard, tensors = item
+            if tensors:
+                stats.bytes_out += output.write_shard(shard, tensors)
+            else:
+                output.mark_empty(shard)
+            del tensors, item
             stats.bytes_in += source.shard_bytes(shard)
             stats.shards_written += 1
             overall.update(source.shard_bytes(shard))

@@ -19,6 +19,7 @@ from skyq.quant.errors import (
     QuantizationError,
     check_dtype,
     check_finite,
+    check_finite_reduced,
     check_float_input,
     check_no_e4m3_nan,
     check_shape,
@@ -32,6 +33,22 @@ _FP32_EXPONENT_BITS = 0x7F800000
 def to_e4m3(x: Tensor) -> Tensor:
     """Cast to float8_e4m3fn after clamping to [-448, 448] (torch casts 448..480 and inf to NaN)."""
     return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def to_e4m3_(x: Tensor) -> Tensor:
+    """`to_e4m3` that clamps `x` (a temporary the caller owns) in place: one fp32 pass less."""
+    return x.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+# fp32 arithmetic on these dtypes (type promotion) equals fp32 arithmetic on `w.float()`: the
+# conversion to fp32 is exact, so the quantizers skip the fp32 copy of the whole input.
+EXACT_IN_FP32 = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def promotable(w: Tensor, name: str) -> Tensor:
+    """`w` itself if its dtype widens to fp32 exactly inside torch ops, else `w.float()`."""
+    check_float_input(w, name)
+    return w if w.dtype in EXACT_IN_FP32 else w.float()
 
 
 def scale_from_amax(amax: Tensor, *, pow2_scale: bool = False) -> Tensor:
@@ -67,20 +84,14 @@ def _block_size(block_size: tuple[int, int] | list[int]) -> tuple[int, int]:
 def _blocks(x: Tensor, bn: int, bk: int) -> Tensor:
     """[..., N, K] -> [..., ceil(N/bn), bn, ceil(K/bk), bk], edge blocks zero padded."""
     n, k = x.shape[-2:]
-    x = F.pad(x, (0, -k % bk, 0, -n % bn))
+    if n % bn or k % bk:  # F.pad copies even when it pads nothing
+        x = F.pad(x, (0, -k % bk, 0, -n % bn))
     return x.unflatten(-1, (-1, bk)).unflatten(-3, (-1, bn))
 
 
 def _unblock(blocks: Tensor, n: int, k: int) -> Tensor:
     """Inverse of `_blocks`: crop the padding away."""
     return blocks.flatten(-2).flatten(-3, -2)[..., :n, :k]
-
-
-def _as_float32(w: Tensor, name: str) -> Tensor:
-    check_float_input(w, name)
-    x = w.float()
-    check_finite(x, name)
-    return x
 
 
 def quantize(
@@ -99,11 +110,13 @@ def quantize(
     `name` is used in error messages.
     """
     bn, bk = _block_size(block_size)
-    x = _as_float32(w, name)
+    x = promotable(w, name)
     n, k = x.shape[-2:]
     blocks = _blocks(x, bn, bk)
-    scale = scale_from_amax(blocks.abs().amax(dim=(-3, -1)), pow2_scale=pow2_scale)
-    q = to_e4m3(_unblock(blocks * scale[..., :, None, :, None], n, k)).contiguous()
+    amax = blocks.abs().amax(dim=(-3, -1))  # exact in x's dtype
+    check_finite_reduced(amax, w, name)
+    scale = scale_from_amax(amax, pow2_scale=pow2_scale)
+    q = to_e4m3_(_unblock(blocks * scale[..., :, None, :, None], n, k)).contiguous()
     return q, torch.ones_like(scale) / scale
 
 
@@ -141,9 +154,11 @@ def _dequantize(q: Tensor, scale_inv: Tensor, bn: int, bk: int, dtype: torch.dty
 def quantize_per_channel(w: Tensor, *, name: str = "tensor") -> tuple[Tensor, Tensor]:
     """One scale per row (compressed-tensors `channel`): `(q e4m3 [..., N, K], weight_scale fp32
     [..., N, 1])`, where `weight_scale = 1 / scale` is the dequant multiplier."""
-    x = _as_float32(w, name)
-    scale = scale_from_amax(x.abs().amax(dim=-1, keepdim=True))
-    return to_e4m3(x * scale), torch.ones_like(scale) / scale
+    x = promotable(w, name)
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    check_finite_reduced(amax, w, name)
+    scale = scale_from_amax(amax)
+    return to_e4m3_(x * scale), torch.ones_like(scale) / scale
 
 
 def quantize_per_tensor(w: Tensor, *, name: str = "tensor") -> tuple[Tensor, Tensor]:
@@ -152,9 +167,11 @@ def quantize_per_tensor(w: Tensor, *, name: str = "tensor") -> tuple[Tensor, Ten
     The scale has shape [1], not [], because compressed-tensors registers a `tensor`-strategy
     `weight_scale` as `torch.empty((1,))` and engines load it with that shape.
     """
-    x = _as_float32(w, name)
-    scale = scale_from_amax(x.abs().amax().reshape(1))
-    return to_e4m3(x * scale), torch.ones_like(scale) / scale
+    x = promotable(w, name)
+    amax = x.abs().amax().reshape(1)
+    check_finite_reduced(amax, w, name)
+    scale = scale_from_amax(amax)  # shape [1], not [], so `x * scale` promotes x to fp32
+    return to_e4m3_(x * scale), torch.ones_like(scale) / scale
 
 
 def dequantize_per_channel(

@@ -10,6 +10,7 @@ int32 (two's complement), 8 codes per word.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -21,9 +22,11 @@ from skyq.quant.errors import (
     QuantizationError,
     check_dtype,
     check_finite,
+    check_finite_reduced,
     check_float_input,
     check_shape,
 )
+from skyq.quant.fp8_blockwise import promotable
 
 GRIDS: dict[Int4Grid, tuple[float, int, int]] = {
     Int4Grid.kimi: (7.0, -7, 7),  # (divisor, qmin, qmax)
@@ -68,18 +71,39 @@ def quantize(
     `scale = bf16(max(amax, 1e-10) / divisor)`, then `q = clamp(round_half_even(w / scale), qmin,
     qmax)` in fp32. Returns `(q int8 [..., N, K], scale bf16 [..., N, K / group_size])`.
     """
+    q, scale = _quantize(w, group_size, grid, name)
+    return q.to(torch.int8).flatten(-2), scale.squeeze(-1)
+
+
+def quantize_packed(
+    w: Tensor, *, group_size: int, grid: Int4Grid | str = Int4Grid.kimi, name: str = "tensor"
+) -> tuple[Tensor, Tensor]:
+    """`(pack(q), scale)` of `(q, scale) = quantize(w, ...)`, bit for bit, without the int8 codes'
+    range check (they come from the clamp) and with the nibbles made straight from the fp32 codes.
+
+    Returns `(weight_packed int32 [..., N, K / 8], weight_scale bf16 [..., N, K / group_size])`.
+    """
+    codes, scale = _quantize(w, group_size, grid, name)
+    if w.shape[-1] % CODES_PER_WORD:
+        k = w.shape[-1]
+        raise QuantizationError(f"{name}: packing needs K % 8 == 0, got K = {k} = {k // 8} * 8 + {k % 8}")
+    nibbles = codes.add_(8).to(torch.uint8).flatten(-2)
+    return _pack_nibbles(nibbles), scale.squeeze(-1)
+
+
+def _quantize(w: Tensor, group_size: int, grid: Int4Grid | str, name: str) -> tuple[Tensor, Tensor]:
+    """fp32 codes `[..., N, K / G, G]` (integers in [qmin, qmax]) and bf16 scales `[..., N, K / G, 1]`."""
     divisor, qmin, qmax = _grid(grid)
-    check_float_input(w, name)
-    x = w.float()
-    check_finite(x, name)
+    x = promotable(w, name)
     _check_groups(x.shape[-1], group_size, name)
     groups = x.unflatten(-1, (-1, group_size))
-    amax = groups.abs().amax(dim=-1, keepdim=True)
+    amax = groups.abs().amax(dim=-1, keepdim=True).float()  # abs and max are exact in x's dtype
+    check_finite_reduced(amax, w, name)
     scale = (torch.maximum(amax, torch.full_like(amax, AMAX_FLOOR)) / torch.full_like(amax, divisor)).to(
         torch.bfloat16
     )
-    q = torch.round(groups / scale.float()).clamp(qmin, qmax).to(torch.int8)
-    return q.flatten(-2), scale.squeeze(-1)
+    codes = groups / scale.float()  # a fresh fp32 temporary: round and clamp in place
+    return codes.round_().clamp_(qmin, qmax), scale
 
 
 def dequantize(
@@ -115,9 +139,25 @@ def _check_scale(scale: Tensor, q_shape: torch.Size, group_size: int, name: str)
 def _pack_words(q: Tensor) -> Tensor:
     """Codes [..., M] -> int32 [..., ceil(M/8)]; a short last word is padded with nibble 0, as
     compressed-tensors does."""
-    u = F.pad(q.to(torch.int64) + 8, (0, -q.shape[-1] % CODES_PER_WORD)).unflatten(-1, (-1, CODES_PER_WORD))
-    words = (u << torch.tensor(_SHIFTS, dtype=torch.int64, device=q.device)).sum(dim=-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    nibbles = (q + 8).view(torch.uint8)  # q in [-8, 7]: q + 8 in [0, 15] fits int8
+    return _pack_nibbles(F.pad(nibbles, (0, -q.shape[-1] % CODES_PER_WORD)))
+
+
+def _pack_nibbles(u: Tensor) -> Tensor:
+    """uint8 nibbles [..., M] (M % 8 == 0) -> int32 [..., M/8], element 0 in the lowest bits.
+
+    Two nibbles make a byte (`u[2i] | u[2i+1] << 4`), and 4 consecutive bytes read as a
+    little-endian int32 are exactly `sum_j u[8m+j] << 4j` in two's complement: uint8 work, no
+    int64 temporaries. Big-endian hosts take the int32 shift-and-or path.
+    """
+    if sys.byteorder == "little":
+        pairs = u.contiguous().unflatten(-1, (-1, 2))
+        return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous().view(torch.int32)
+    words = u.unflatten(-1, (-1, CODES_PER_WORD)).to(torch.int32)
+    out = words[..., 0].clone()
+    for j, shift in enumerate(_SHIFTS[1:], start=1):
+        out |= words[..., j] << shift  # int32 wraparound at shift 28 is the two's complement we want
+    return out
 
 
 def _unpack_words(packed: Tensor, m: int) -> Tensor:

@@ -18,11 +18,11 @@ from skyq.quant.errors import (
     QuantizationError,
     check_dtype,
     check_finite,
-    check_float_input,
+    check_finite_reduced,
     check_no_e4m3_nan,
     check_shape,
 )
-from skyq.quant.fp8_blockwise import E4M3_MAX, to_e4m3
+from skyq.quant.fp8_blockwise import E4M3_MAX, promotable, to_e4m3_
 
 BLOCK = 32
 E8M0_NAN = 0xFF
@@ -69,13 +69,14 @@ def quantize(w: Tensor, *, name: str = "tensor", allow_pad: bool = False) -> tup
     A K that is not a multiple of 32 is refused unless `allow_pad` (then the last block is
     zero padded for its max only).
     """
-    check_float_input(w, name)
-    x = w.float()
-    check_finite(x, name)
+    x = promotable(w, name)
     k = x.shape[-1]
-    blocks = F.pad(x, (0, _padded_k(k, allow_pad, name))).unflatten(-1, (-1, BLOCK))
-    e = e8m0_exponent(blocks.abs().amax(dim=-1))
-    q = to_e4m3((blocks * exp2(-e)[..., None]).flatten(-2)[..., :k]).contiguous()
+    pad = _padded_k(k, allow_pad, name)
+    blocks = (F.pad(x, (0, pad)) if pad else x).unflatten(-1, (-1, BLOCK))
+    amax = blocks.abs().amax(dim=-1)  # exact in x's dtype
+    check_finite_reduced(amax, w, name)
+    e = e8m0_exponent(amax)
+    q = to_e4m3_((blocks * exp2(-e)[..., None]).flatten(-2)[..., :k]).contiguous()
     return q, (e + 127).to(torch.uint8)
 
 
