@@ -90,8 +90,28 @@ def check_accounting(manifest: SyncManifest, expected: Sequence[ExpectedUnit], c
         )
 
 
+def _values_look_valid(wire: dict[str, Tensor]) -> bool:
+    """One device-side test per tensor and one host read per device: True when no float sum is
+    non-finite and no e4m3 byte is a NaN code. False may be a false alarm (a sum of finite values
+    that overflowed), which the exact per-tensor checks then clear."""
+    flags: dict[torch.device, list[Tensor]] = {}
+    for t in wire.values():
+        if t.dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+            bad = torch.isfinite(
+                t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
+            ).logical_not()
+        elif t.dtype == torch.float8_e4m3fn:
+            bad = ((t.view(torch.uint8) & 0x7F) == 0x7F).any()
+        else:
+            continue
+        flags.setdefault(t.device, []).append(bad.reshape(1))
+    return not any(bool(torch.cat(f).any()) for f in flags.values())
+
+
 def check_received_values(wire: dict[str, Tensor]) -> None:
     """Refuse non-finite floats and NaN-coded e4m3 bytes that arrived intact (bad at the source)."""
+    if _values_look_valid(wire):
+        return
     try:
         for name, t in wire.items():
             if t.dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):

@@ -15,7 +15,8 @@ from typing import Any
 
 from torch import Tensor
 
-from skyq.quant.errors import QuantizationError, check_finite
+from skyq.quant.errors import QuantizationError
+from skyq.quant.kernels.dispatch import check_finite_deferred, deferred_finite_checks
 from skyq.sync.buckets import WireUnit, pack_bucket, plan_buckets
 from skyq.sync.channel import Channel, recv_json, send_bytes
 from skyq.sync.errors import SyncError, SyncRefused
@@ -50,7 +51,7 @@ class SyncStats:
 def serialize_unit(name: str, tensor: Tensor, serialize: Serializer, version: int) -> WireUnit:
     """One source tensor through the strategy, refused (naming it) if it is not finite."""
     try:
-        check_finite(tensor, name)
+        check_finite_deferred(tensor, name)
         wire = serialize(name, tensor)
     except QuantizationError as exc:
         raise SyncRefused(f"weight sync of version {version} refused before sending anything: {exc}") from exc
@@ -64,7 +65,21 @@ def serialize_unit(name: str, tensor: Tensor, serialize: Serializer, version: in
 def build_units(
     weights: Iterable[tuple[str, Tensor]], serialize: Serializer, version: int
 ) -> tuple[list[WireUnit], float, float]:
-    """Serialize every source tensor; returns (units, gather seconds, quantize seconds)."""
+    """Serialize every source tensor; returns (units, gather seconds, quantize seconds).
+
+    On CUDA the finite checks of the inputs and of the quantizer kernels are read together at the
+    end (`deferred_finite_checks`: one host sync, not one per tensor); the first bad tensor in
+    order is still refused by name before anything is sent."""
+    try:
+        with deferred_finite_checks():
+            return _build_units(weights, serialize, version)
+    except QuantizationError as exc:
+        raise SyncRefused(f"weight sync of version {version} refused before sending anything: {exc}") from exc
+
+
+def _build_units(
+    weights: Iterable[tuple[str, Tensor]], serialize: Serializer, version: int
+) -> tuple[list[WireUnit], float, float]:
     units: list[WireUnit] = []
     seen: dict[str, str] = {}
     gather_s = quantize_s = 0.0

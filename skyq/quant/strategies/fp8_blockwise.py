@@ -17,6 +17,7 @@ from torch import Tensor
 from skyq.config.enums import Fp8Recipe, Precision, ScaleFormat
 from skyq.config.schema import PrecisionConfig
 from skyq.quant import fake_quant, fp8_blockwise
+from skyq.quant.kernels import dispatch
 from skyq.quant.layouts import Role
 from skyq.quant.strategies.base import (
     LINEAR_SCOPE,
@@ -62,7 +63,7 @@ class Fp8BlockwiseStrategy(QuantizationStrategy):
         ]
 
     def _encode(self, stem: str, tensor: Tensor) -> dict[str, Tensor]:
-        q, scale_inv = fp8_blockwise.quantize(
+        q, scale_inv = dispatch.quantize_fp8_blockwise(
             tensor, block_size=self.block_size, pow2_scale=self.pow2_scale, name=stem + "weight"
         )
         return {stem + "weight": q, stem + "weight_scale_inv": scale_inv}

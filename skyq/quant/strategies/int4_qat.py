@@ -18,6 +18,7 @@ from skyq.config.enums import Precision
 from skyq.config.schema import PrecisionConfig
 from skyq.quant import fake_quant, int4
 from skyq.quant.errors import QuantizationError
+from skyq.quant.kernels import dispatch
 from skyq.quant.layouts import Role
 from skyq.quant.strategies.base import (
     LINEAR_SCOPE,
@@ -70,12 +71,12 @@ class Int4QatStrategy(QuantizationStrategy):
 
     def _encode(self, stem: str, tensor: Tensor) -> dict[str, Tensor]:
         name = stem + "weight"
-        q, scale = int4.quantize(
+        packed, scale = dispatch.quantize_int4_packed(
             tensor, group_size=self.group_size, grid=self.precision_cfg.int4_grid, name=name
         )
         n, k = tensor.shape
         return {
-            stem + "weight_packed": int4.pack(q, name=name),
+            stem + "weight_packed": packed,
             stem + "weight_scale": scale,
             stem + "weight_shape": int4.weight_shape_tensor(n, k),
         }

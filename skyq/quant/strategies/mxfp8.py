@@ -16,6 +16,7 @@ from torch import Tensor
 from skyq.config.enums import Fp8Recipe, Precision
 from skyq.quant import fake_quant, mxfp8
 from skyq.quant.errors import QuantizationError
+from skyq.quant.kernels import dispatch
 from skyq.quant.layouts import Role
 from skyq.quant.strategies.base import (
     LINEAR_SCOPE,
@@ -73,7 +74,7 @@ class Mxfp8Strategy(QuantizationStrategy):
         ]
 
     def _encode(self, stem: str, tensor: Tensor) -> dict[str, Tensor]:
-        q, scale = mxfp8.quantize(tensor, name=stem + "weight")
+        q, scale = dispatch.quantize_mxfp8(tensor, name=stem + "weight")
         return {stem + "weight": q, stem + "weight_scale": scale}
 
     def _decode(self, stem: str, wire: Mapping[str, Tensor], dtype: torch.dtype) -> Tensor:
