@@ -190,12 +190,20 @@ def main() -> None:
     for m, _, _, mb, mf, b0, b1, f0, f1, rel in rows:
         print(f"{m:>5}  {mb * 1e6:8.1f} [{b0 * 1e6:.1f}-{b1 * 1e6:.1f}]   {mf * 1e6:8.1f} [{f0 * 1e6:.1f}-{f1 * 1e6:.1f}]"
               f"   {fp8_bytes / mf / 1e9:8.0f}   {rel:.2e}")  # fmt: skip
+    table(rows, device)  # printed before the diagnostics too, in case a time limit cuts them
     if not args.no_sweep:
         per_shape(gen, args.batches)
         sweep(gen)
+        table(rows, device)
+
+
+def table(rows: list[tuple], device: str) -> None:
     print("\nmetric                       ours (fp8)   baseline (bf16)  ratio  device")
     for m, tok_b, tok_f, *_ in rows:
-        print(f"M4 decode tok/s batch {m:<3}   {tok_f:10.0f}   {tok_b:14.0f}  {tok_f / tok_b:5.2f}  {device}")
+        print(
+            f"M4 decode tok/s batch {m:<3}   {tok_f:10.0f}   {tok_b:14.0f}  {tok_f / tok_b:5.2f}  {device}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
