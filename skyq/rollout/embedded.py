@@ -13,6 +13,8 @@ no cached state can survive a weight update.
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 from torch import Tensor, nn
 
@@ -27,8 +29,14 @@ from skyq.rollout.quantized_linear import ExpertMLP, WireExperts, WireLinear, ac
 from skyq.rollout.sampling import check_sampling_args, sample_tokens
 from skyq.trainer.native.model import hf_config
 
-COMPUTE_DTYPE = torch.bfloat16
 NO_WEIGHTS = -1
+
+
+def sampling_seed(engine_seed: int, call_seed: int) -> int:
+    """One generator seed from the engine's and the call's: engines of one run given the same call
+    seed still draw different samples, and a (engine seed, call seed) pair always draws the same."""
+    digest = hashlib.sha256(f"skyq-engine:{engine_seed}:{call_seed}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
 class WeightLoadError(ValueError):
@@ -72,12 +80,13 @@ class EmbeddedEngine:
             return WireLinear(
                 hf_name, entry.role, list(entry.wire), self.strategy, activation_quant(self.precision_cfg)
             )
-        return plain_linear(entry.shape, COMPUTE_DTYPE)
+        return plain_linear(entry.shape, entry.dtype)
 
     def _build_model(self) -> nn.Module:
+        """The transformers model with wire-format linears, every held tensor allocated as the plan says."""
         from transformers import Qwen3MoeForCausalLM
 
-        with torch.device("meta"):
+        with torch.device("meta"):  # nothing of the stock model is kept: skip allocating and initializing it
             model = Qwen3MoeForCausalLM(hf_config(self.model_cfg))
         for name, module in list(model.named_modules()):
             if isinstance(module, nn.Linear) and f"{name}.weight" in self.plan:
@@ -89,19 +98,18 @@ class EmbeddedEngine:
                     for e in range(self.model_cfg.num_experts)
                 ]  # fmt: skip
                 self._replace(model, name, WireExperts(experts))
-        # Whatever is still on the meta device (embeddings, norms, router) gets real zero storage.
         model.to_empty(device="cpu")
-        with torch.no_grad():
-            for tensor in model.state_dict().values():
-                tensor.zero_()
-            model.model.rotary_emb.__init__(model.config)  # inv_freq is computed, not loaded
-        model.to(COMPUTE_DTYPE)
-        for spec in self.expected.values():  # int/fp8 wire tensors must keep their own dtypes
+        for spec in self.expected.values():  # zero storage of exactly the plan's shape and dtype
             holder, _, leaf = spec.name.rpartition(".")
             owner = model.get_submodule(holder)
-            if leaf in owner._buffers and owner._buffers[leaf].dtype != spec.dtype:
-                owner._buffers[leaf] = torch.zeros(spec.shape, dtype=spec.dtype)
-        return model.requires_grad_(False)
+            tensor = torch.zeros(spec.shape, dtype=spec.dtype)
+            if leaf in owner._parameters:
+                owner._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+            else:
+                owner._buffers[leaf] = tensor
+        # RoPE frequencies are computed, not loaded: a fresh module keeps them in fp32 like the trainer's.
+        self._replace(model, "model.rotary_emb", type(model.model.rotary_emb)(model.config))
+        return model
 
     @staticmethod
     def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -202,7 +210,7 @@ class EmbeddedEngine:
             raise ValueError(
                 f"generate needs n > 0 and max_new_tokens > 0, got n={n}, max_new_tokens={max_new_tokens}"
             )
-        generator = torch.Generator().manual_seed(seed)
+        generator = torch.Generator().manual_seed(sampling_seed(self.seed, seed))
         results: list[Sample | None] = [None] * (len(prompts) * n)
         by_length: dict[int, list[int]] = {}
         for i, prompt in enumerate(prompts):
