@@ -64,14 +64,46 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
     check_hardware(obj)
     from skyq.launch.embedded import run_embedded
 
-    container = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    run_embedded(config=obj, config_container=container, run_dir=run_dir)
+    result = run_embedded(
+        model=obj.model,
+        precision=obj.precision,
+        algorithm=obj.algorithm,
+        task=obj.task,
+        rollout=obj.rollout,
+        trainer=obj.trainer,
+        topology=obj.topology,
+        logger=obj.logger,
+        checkpoint=obj.checkpoint,
+        seed=obj.seed,
+        config_container=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),  # type: ignore[arg-type]
+        run_dir=Path(obj.resume) if obj.resume else run_dir,
+        resume=obj.resume is not None,
+    )
+    print(
+        f"run {result.run_dir}: steps {result.start_step}..{result.num_steps}, weight version "
+        f"{result.weight_version}, mean reward first 10 steps {result.reward_first:.3f} -> last 10 "
+        f"{result.reward_last:.3f}, {result.wall_s:.0f} s"
+    )
+
+
+def resumed_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    """`resume=<run dir>`: the run's own saved config, plus this command line's explicit overrides."""
+    from skyq.launch.rundir import load_saved_config
+
+    saved = OmegaConf.create(load_saved_config(cfg.resume))
+    explicit = [o for o in overrides if not o.split("=", 1)[0].lstrip("+~").startswith("resume")]
+    merged = OmegaConf.merge(saved, OmegaConf.from_dotlist([o.lstrip("+") for o in explicit]))
+    merged.resume = str(Path(cfg.resume).expanduser().resolve())
+    return merged
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
+        if cfg.resume:
+            cfg = resumed_config(cfg, list(hydra_cfg.overrides.task))
         run(cfg, run_dir)
     except (ConfigValidationError, HardwareMissingError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
