@@ -1,0 +1,77 @@
+"""Run checkpoints are complete or absent, verified before use, and only the last two are kept."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from skyq.launch.checkpointing import (
+    RUN_STATE,
+    TRAINER_STATE,
+    RunCheckpointError,
+    latest_checkpoint,
+    save_run_checkpoint,
+)
+
+
+def fake_trainer(payload: bytes):
+    def write(path):
+        path.write_bytes(payload)
+        return hashlib.sha256(payload).hexdigest()
+
+    return write
+
+
+def test_latest_checkpoint_is_the_newest_and_only_two_are_kept(tmp_path):
+    for step in (2, 4, 6):
+        save_run_checkpoint(tmp_path, next_step=step, seed=7, write_trainer=fake_trainer(f"w{step}".encode()))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000004", "step_000006"]
+    path, state = latest_checkpoint(tmp_path)
+    assert path.name == "step_000006"
+    assert (state.next_step, state.weight_version, state.seed) == (6, 7, 7)
+    assert (path / TRAINER_STATE).read_bytes() == b"w6"
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_in_charge(tmp_path):
+    save_run_checkpoint(tmp_path, next_step=2, seed=0, write_trainer=fake_trainer(b"good"))
+
+    def dies(path):
+        path.write_bytes(b"half")
+        raise KeyboardInterrupt  # the process is being killed while writing
+
+    with pytest.raises(KeyboardInterrupt):
+        save_run_checkpoint(tmp_path, next_step=4, seed=0, write_trainer=dies)
+    assert [p.name for p in tmp_path.iterdir()] == ["step_000002"]
+    assert latest_checkpoint(tmp_path)[1].next_step == 2
+    # A temp dir left by a SIGKILL (no cleanup ran) is ignored, then removed by the next save.
+    (tmp_path / ".tmp-step_000004-deadbeef").mkdir()
+    assert latest_checkpoint(tmp_path)[1].next_step == 2
+    save_run_checkpoint(tmp_path, next_step=4, seed=0, write_trainer=fake_trainer(b"next"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000002", "step_000004"]
+
+
+def test_a_damaged_trainer_state_is_refused_naming_the_file(tmp_path):
+    path = save_run_checkpoint(tmp_path, next_step=2, seed=0, write_trainer=fake_trainer(b"weights"))
+    (path / TRAINER_STATE).write_bytes(b"weightz")
+    with pytest.raises(RunCheckpointError, match=r"step_000002/trainer\.pt: sha256 .* damaged"):
+        latest_checkpoint(tmp_path)
+
+
+def test_a_trainer_that_misreports_its_bytes_fails_the_save(tmp_path):
+    def lies(path):
+        path.write_bytes(b"abc")
+        return hashlib.sha256(b"abd").hexdigest()
+
+    with pytest.raises(RunCheckpointError, match="differ from what the trainer wrote"):
+        save_run_checkpoint(tmp_path, next_step=2, seed=0, write_trainer=lies)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_no_checkpoint_gives_a_clear_error(tmp_path):
+    with pytest.raises(RunCheckpointError, match="killed before its first save"):
+        latest_checkpoint(tmp_path / "checkpoints")
+    path = save_run_checkpoint(tmp_path, next_step=2, seed=0, write_trainer=fake_trainer(b"w"))
+    (path / RUN_STATE).write_text('{"format": "other"}')
+    with pytest.raises(RunCheckpointError, match="not a skyq-run-checkpoint/1 file"):
+        latest_checkpoint(tmp_path)
