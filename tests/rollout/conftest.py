@@ -22,7 +22,7 @@ PRECISIONS = ("bf16", "fp8_blockwise", "mxfp8", "int4_qat")
 WARMUP_OVERRIDES = ["model.init_sft_steps=100"]
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="session", autouse=True)
 def _one_thread():
     previous = torch.get_num_threads()
     torch.set_num_threads(1)  # shared 2-core machines; also makes CPU results reproducible
