@@ -118,3 +118,25 @@ def test_engine_logprobs_agree_with_the_trainer(make_trainer, make_engine, seria
     # activation codes that round differently from bf16 vs fp32 inputs).
     assert metrics["mismatch_mean_abs"] < 0.03
     assert metrics["mismatch_max"] < 0.3
+
+
+def test_trainer_scores_at_the_sampling_temperature(run_cfg, tiny_checkpoint, make_engine, serialize):
+    from skyq.trainer.native.trainer import NativeTrainer
+
+    cfg = run_cfg("bf16")
+    kwargs = dict(model_cfg=cfg.model, precision_cfg=cfg.precision, optimizer_cfg=cfg.trainer.optimizer,
+                  algorithm_cfg=cfg.algorithm, micro_batch_size=64, checkpoint_path=tiny_checkpoint, seed=0)  # fmt: skip
+    at_temperature, at_one = NativeTrainer(**kwargs, temperature=0.6), NativeTrainer(**kwargs)
+    engine = make_engine("bf16")
+    engine.load_weights(serialize(at_one), version=0)
+    samples = engine.generate(
+        [[1, 5, 13, 6, 18]] * 8, n=4, max_new_tokens=4, temperature=0.6, top_p=1.0, seed=0
+    )
+    batch = collate(samples, [0.0] * len(samples), group_size=4, normalize_std=False, pad_token_id=0)
+    scored = {
+        name: mismatch_metrics(
+            t.logprobs(batch.input_ids, batch.attention_mask), batch.rollout_logprobs, batch.response_mask
+        )["mismatch_mean_abs"]  # fmt: skip
+        for name, t in (("matched", at_temperature), ("unmatched", at_one))
+    }
+    assert scored["matched"] < 0.02 < scored["unmatched"]

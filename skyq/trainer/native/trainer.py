@@ -54,7 +54,14 @@ def token_logprobs(
 
 
 class NativeTrainer:
-    """GRPO trainer over a transformers model; precision applied as a module rewrite."""
+    """GRPO trainer over a transformers model, computing on the weights the engines serve.
+
+    Precision: every forward runs on `effective_parameters()` (bf16-rounded master weights,
+    fake-quantized by the strategy where it quantizes them) and, for the FP8 recipes, on
+    fake-quantized inputs of the quantized linears (module rewrite, see precision.py).
+    `seed` is recorded with the run; the update itself draws no random numbers (no dropout).
+    The KL reference (kl_coef > 0) is the policy loaded from `checkpoint_path`, frozen.
+    """
 
     def __init__(
         self,
