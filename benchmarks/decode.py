@@ -42,10 +42,12 @@ def make_layers(n_layers: int, gen: torch.Generator) -> list[dict[str, torch.Ten
 
 
 def step(x: torch.Tensor, layers: list[dict], linear) -> torch.Tensor:
-    for w in layers:
-        q, _k, _v = linear(x, w["q"]), linear(x, w["k"]), linear(x, w["v"])
+    for w in layers:  # RMS norms before each block keep random weights from overflowing
+        h = F.rms_norm(x, (HIDDEN,))
+        q, _k, _v = linear(h, w["q"]), linear(h, w["k"]), linear(h, w["v"])
         x = x + linear(q, w["o"])
-        x = x + linear(F.silu(linear(x, w["gate"])) * linear(x, w["up"]), w["down"])
+        h = F.rms_norm(x, (HIDDEN,))
+        x = x + linear(F.silu(linear(h, w["gate"])) * linear(h, w["up"]), w["down"])
     return x
 
 

@@ -93,16 +93,15 @@ def supports(block_size: tuple[int, int]) -> bool:
 
 
 def tiling(m: int, n: int, k: int, block_k: int, sms: int) -> tuple[int, int, int, int]:
-    """(BM, BN, TK, split): M padded to the dot's minimum of 16 (at most 64 per tile); wider N tiles
-    at larger M so the activations re-read from L2 per tile stay below the weight bytes; K split
-    until there are about two programs per SM."""
+    """(BM, BN, TK, split): M padded to the dot's minimum of 16 (at most 64 per tile), 64-wide N
+    tiles, K split (up to 4 ways) until there are about two programs per SM."""
     bm = min(64, max(16, triton.next_power_of_2(m)))
-    bn = 32 if m <= 16 else 64
+    bn = 64  # H200 sweep (benchmarks/decode.py): 64-wide tiles split 4 ways won at M = 16 and 64
     tk = min(128, block_k)
     tiles = cdiv(n, bn) * cdiv(m, bm)
     k_tiles = cdiv(k, tk)
     split = 1
-    while tiles * split < 2 * sms and split * 2 * 4 <= k_tiles:
+    while split < 4 and tiles * split < 2 * sms and split * 2 * 2 <= k_tiles:
         split *= 2
     return bm, bn, tk, split
 
