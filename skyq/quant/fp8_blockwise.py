@@ -51,6 +51,24 @@ def promotable(w: Tensor, name: str) -> Tensor:
     return w if w.dtype in EXACT_IN_FP32 else w.float()
 
 
+_MAGNITUDE_BITS = {
+    torch.bfloat16: (torch.int16, 0x7FFF),
+    torch.float16: (torch.int16, 0x7FFF),
+    torch.float32: (torch.int32, 0x7FFFFFFF),
+}
+
+
+def abs_max(x: Tensor, dim: int | tuple[int, ...], *, keepdim: bool = False) -> Tensor:
+    """`x.abs().amax(dim)` for a `promotable` tensor, in x's dtype, computed on the bit patterns.
+
+    Clearing the sign bit gives |x|, and non-negative IEEE floats order like their bits as
+    integers, so an integer max (~3x faster than a float max on CPU) picks the same element. NaN
+    and inf have the largest magnitude bits, so a block holding one still gets a non-finite max.
+    """
+    int_dtype, mask = _MAGNITUDE_BITS[x.dtype]
+    return (x.view(int_dtype) & mask).amax(dim=dim, keepdim=keepdim).view(x.dtype)
+
+
 def scale_from_amax(amax: Tensor, *, pow2_scale: bool = False) -> Tensor:
     """TE `compute_scale_from_amax`: fp32 `448 / amax`, FLT_MAX on overflow, 1 where `amax == 0`.
 
@@ -113,7 +131,7 @@ def quantize(
     x = promotable(w, name)
     n, k = x.shape[-2:]
     blocks = _blocks(x, bn, bk)
-    amax = blocks.abs().amax(dim=(-3, -1))  # exact in x's dtype
+    amax = abs_max(abs_max(blocks, -1), -2)  # [..., N/bn, bn, K/bk] then [..., N/bn, K/bk]
     check_finite_reduced(amax, w, name)
     scale = scale_from_amax(amax, pow2_scale=pow2_scale)
     q = to_e4m3_(_unblock(blocks * scale[..., :, None, :, None], n, k)).contiguous()
@@ -155,7 +173,7 @@ def quantize_per_channel(w: Tensor, *, name: str = "tensor") -> tuple[Tensor, Te
     """One scale per row (compressed-tensors `channel`): `(q e4m3 [..., N, K], weight_scale fp32
     [..., N, 1])`, where `weight_scale = 1 / scale` is the dequant multiplier."""
     x = promotable(w, name)
-    amax = x.abs().amax(dim=-1, keepdim=True)
+    amax = abs_max(x, -1, keepdim=True)
     check_finite_reduced(amax, w, name)
     scale = scale_from_amax(amax)
     return to_e4m3_(x * scale), torch.ones_like(scale) / scale
@@ -168,7 +186,7 @@ def quantize_per_tensor(w: Tensor, *, name: str = "tensor") -> tuple[Tensor, Ten
     `weight_scale` as `torch.empty((1,))` and engines load it with that shape.
     """
     x = promotable(w, name)
-    amax = x.abs().amax().reshape(1)
+    amax = abs_max(x, tuple(range(x.ndim))).reshape(1)
     check_finite_reduced(amax, w, name)
     scale = scale_from_amax(amax)  # shape [1], not [], so `x * scale` promotes x to fp32
     return to_e4m3_(x * scale), torch.ones_like(scale) / scale

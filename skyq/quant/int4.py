@@ -26,7 +26,7 @@ from skyq.quant.errors import (
     check_float_input,
     check_shape,
 )
-from skyq.quant.fp8_blockwise import promotable
+from skyq.quant.fp8_blockwise import abs_max, promotable
 
 GRIDS: dict[Int4Grid, tuple[float, int, int]] = {
     Int4Grid.kimi: (7.0, -7, 7),  # (divisor, qmin, qmax)
@@ -87,7 +87,9 @@ def quantize_packed(
     if w.shape[-1] % CODES_PER_WORD:
         k = w.shape[-1]
         raise QuantizationError(f"{name}: packing needs K % 8 == 0, got K = {k} = {k // 8} * 8 + {k % 8}")
-    nibbles = codes.add_(8).to(torch.uint8).flatten(-2)
+    nibbles = (
+        codes.add_(8).to(torch.int8).view(torch.uint8).flatten(-2)
+    )  # fp32 -> int8 is vectorized, -> uint8 is not
     return _pack_nibbles(nibbles), scale.squeeze(-1)
 
 
@@ -97,7 +99,7 @@ def _quantize(w: Tensor, group_size: int, grid: Int4Grid | str, name: str) -> tu
     x = promotable(w, name)
     _check_groups(x.shape[-1], group_size, name)
     groups = x.unflatten(-1, (-1, group_size))
-    amax = groups.abs().amax(dim=-1, keepdim=True).float()  # abs and max are exact in x's dtype
+    amax = abs_max(groups, -1, keepdim=True).float()
     check_finite_reduced(amax, w, name)
     scale = (torch.maximum(amax, torch.full_like(amax, AMAX_FLOOR)) / torch.full_like(amax, divisor)).to(
         torch.bfloat16

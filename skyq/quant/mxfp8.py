@@ -22,7 +22,7 @@ from skyq.quant.errors import (
     check_no_e4m3_nan,
     check_shape,
 )
-from skyq.quant.fp8_blockwise import E4M3_MAX, promotable, to_e4m3_
+from skyq.quant.fp8_blockwise import E4M3_MAX, abs_max, promotable, to_e4m3_
 
 BLOCK = 32
 E8M0_NAN = 0xFF
@@ -73,7 +73,7 @@ def quantize(w: Tensor, *, name: str = "tensor", allow_pad: bool = False) -> tup
     k = x.shape[-1]
     pad = _padded_k(k, allow_pad, name)
     blocks = (F.pad(x, (0, pad)) if pad else x).unflatten(-1, (-1, BLOCK))
-    amax = blocks.abs().amax(dim=-1)  # exact in x's dtype
+    amax = abs_max(blocks, -1)
     check_finite_reduced(amax, w, name)
     e = e8m0_exponent(amax)
     q = to_e4m3_((blocks * exp2(-e)[..., None]).flatten(-2)[..., :k]).contiguous()
