@@ -3,8 +3,9 @@
 Built the first time a (model config, task config) pair is asked for and cached under
 `checkpoint.cache_dir/<hash>/` as a real HF safetensors checkpoint; later runs load it. Why the
 warm-up: GRPO only learns from groups whose rewards differ, and from random init the tiny model
-almost never answers `a+b mod 10` right, so the reward barely moves; a second of supervised
-training starts it at a reward of roughly 0.3-0.4, from where RL visibly climbs.
+almost never answers `a+b mod 10` right, so the reward barely moves. Measured on add_mod10
+(batch 64, AdamW lr 1e-2): 60 steps reach p(correct) ~0.15, 100 steps ~0.35, 240 steps ~0.96 —
+100 steps (a few CPU seconds) leave RL a clear climb.
 """
 
 from __future__ import annotations
