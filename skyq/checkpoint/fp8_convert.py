@@ -78,9 +78,9 @@ def make_fp8_transform(quantized: frozenset[str], opts: Fp8Options) -> ShardTran
         def quantize(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
             return fp8_blockwise.quantize_per_tensor(w, name=name)
 
-    def transform(shard: str, tensors: dict[str, torch.Tensor], tick: Callable[[], None]) -> ShardResult:
+    def transform(shard: str, tensors: dict[str, torch.Tensor], names: list[str]) -> ShardResult:
         result = ShardResult(tensors={})
-        for name in sorted(tensors):
+        for name in names:
             tensor = tensors[name]
             if name in quantized:
                 q, scale_inv = quantize(tensor, name)
@@ -91,7 +91,6 @@ def make_fp8_transform(quantized: frozenset[str], opts: Fp8Options) -> ShardTran
                 check_kept_finite(name, tensor)
                 result.tensors[name] = tensor
                 result.kept += 1
-            tick()
         return result
 
     return transform

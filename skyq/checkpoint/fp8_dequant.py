@@ -10,7 +10,6 @@ wrong shape or dtype, non-finite or non-positive scales and NaN codes are refuse
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,9 +122,9 @@ def make_fp8_dequant_transform(
             return fp8_blockwise.dequantize_per_tensor(q, scale, name=name)
         return fp8_blockwise.dequantize_per_channel(q, scale, name=name)
 
-    def transform(shard: str, tensors: dict[str, torch.Tensor], tick: Callable[[], None]) -> ShardResult:
+    def transform(shard: str, tensors: dict[str, torch.Tensor], names: list[str]) -> ShardResult:
         result = ShardResult(tensors={})
-        for name in sorted(tensors):
+        for name in names:
             if name in pairs:
                 scale_name = pairs[name]
                 # The index finds a scale that another shard holds.
@@ -140,7 +139,6 @@ def make_fp8_dequant_transform(
                 check_kept_finite(name, tensors[name])
                 result.tensors[name] = tensors[name]
                 result.kept += 1
-            tick()
         return result
 
     return transform

@@ -9,7 +9,6 @@ exists only for compatibility and cannot serve INT4 QAT.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,9 +70,9 @@ def make_int4_transform(quantized: frozenset[str], opts: Int4Options) -> ShardTr
             **extra,
         }
 
-    def transform(shard: str, tensors: dict[str, torch.Tensor], tick: Callable[[], None]) -> ShardResult:
+    def transform(shard: str, tensors: dict[str, torch.Tensor], names: list[str]) -> ShardResult:
         result = ShardResult(tensors={})
-        for name in sorted(tensors):
+        for name in names:
             if name in quantized:
                 result.tensors.update(quantize(name, tensors[name]))
                 result.converted += 1
@@ -81,7 +80,6 @@ def make_int4_transform(quantized: frozenset[str], opts: Int4Options) -> ShardTr
                 check_kept_finite(name, tensors[name])
                 result.tensors[name] = tensors[name]
                 result.kept += 1
-            tick()
         return result
 
     return transform

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import math
 import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,9 +129,9 @@ def make_int4_dequant_transform(
             tensors[name], m["weight_scale"], m["weight_zero_point"], shape, name=base
         )
 
-    def transform(shard: str, tensors: dict[str, torch.Tensor], tick: Callable[[], None]) -> ShardResult:
+    def transform(shard: str, tensors: dict[str, torch.Tensor], names: list[str]) -> ShardResult:
         result = ShardResult(tensors={})
-        for name in sorted(tensors):
+        for name in names:
             if name in units:
                 result.tensors[name.removesuffix("_packed")] = dequantize(name, tensors)
                 result.converted += 1
@@ -140,7 +139,6 @@ def make_int4_dequant_transform(
                 check_kept_finite(name, tensors[name])
                 result.tensors[name] = tensors[name]
                 result.kept += 1
-            tick()
         return result
 
     return transform

@@ -1,8 +1,11 @@
-"""The streaming loop every converter runs: read shard -> transform -> write (and hash).
+"""The streaming loop every converter runs: read shard -> transform its tensors -> write (and hash).
 
-Three stages on threads joined by bounded queues, so reading shard i+1, converting shard i and
-writing shard i-1 overlap (torch kernels, file I/O and hashing release the GIL). Memory stays at
-about one shard per converter thread plus the one being read and the one being written.
+Work is spread per TENSOR, not per shard: the reader queues every tensor of a shard as a task, the
+converter threads take tasks in order, and the shard goes to the writer as soon as its last tensor
+is done. So both converter threads work on the same shard while the writer writes the previous
+one, and the end of a run waits for one shard's tensors shared out, not for a whole shard on one
+thread (with ~5 shards and 2 threads that tail was a third of the run). Torch kernels, file I/O
+and hashing release the GIL. Memory: at most `max_workers + 1` shards are read and not yet written.
 The first error in any stage stops the others and is re-raised in the caller; whatever shard was
 being written is left only as a temp file, which the next run deletes.
 """
@@ -25,7 +28,7 @@ from skyq.checkpoint.reader import ShardedCheckpoint
 
 @dataclass
 class ShardResult:
-    """What a transform made of one input shard."""
+    """What a transform made of (some tensors of) one input shard."""
 
     tensors: dict[str, torch.Tensor]
     converted: int = 0
@@ -34,8 +37,9 @@ class ShardResult:
     """Tensors copied unchanged."""
 
 
-# transform(shard, its tensors, tick) -> result; `tick()` once per tensor drives the shard's bar.
-ShardTransform = Callable[[str, dict[str, torch.Tensor], Callable[[], None]], ShardResult]
+# transform(shard, all its tensors, names) -> the result for `names` only (other tensors of the
+# shard, e.g. a weight's scale, may be read but are not emitted).
+ShardTransform = Callable[[str, dict[str, torch.Tensor], list[str]], ShardResult]
 
 
 @dataclass
@@ -62,29 +66,24 @@ class ConversionStats:
 _DONE = object()
 
 
-class _Stage:
-    """Bounded hand-off between threads that gives up as soon as any stage failed."""
+@dataclass
+class _ShardWork:
+    """One shard in flight: its input tensors, the tensors still to convert, the merged result."""
 
-    def __init__(self, stop: threading.Event) -> None:
-        self.q: queue.Queue = queue.Queue(maxsize=1)
-        self.stop = stop
+    shard: str
+    tensors: dict[str, torch.Tensor]
+    pending: int
+    result: ShardResult = field(default_factory=lambda: ShardResult(tensors={}))
 
-    def put(self, item: object) -> bool:
-        while not self.stop.is_set():
-            try:
-                self.q.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
 
-    def get(self) -> object:
-        while not self.stop.is_set():
-            try:
-                return self.q.get(timeout=0.05)
-            except queue.Empty:
-                continue
-        return _DONE
+def _get(q: queue.Queue, stop: threading.Event) -> object:
+    """The next item, or `_DONE` as soon as any stage failed."""
+    while not stop.is_set():
+        try:
+            return q.get(timeout=0.05)
+        except queue.Empty:
+            continue
+    return _DONE
 
 
 def run_conversion(
@@ -97,7 +96,9 @@ def run_conversion(
     stats.shards_resumed = len(shards) - len(todo)
     workers = max(1, max_workers)
     stop, lock = threading.Event(), threading.Lock()
-    to_convert, to_write = _Stage(stop), _Stage(stop)
+    in_flight = threading.Semaphore(workers + 1)  # shards read and not yet written
+    tasks: queue.Queue = queue.Queue()  # (shard work, tensor name); bounded by `in_flight`
+    to_write: queue.Queue = queue.Queue()
     overall = tqdm(
         total=sum(source.shard_bytes(s) for s in todo), unit="B", unit_scale=True, desc=tool,
         disable=None, file=sys.stderr,
@@ -116,42 +117,48 @@ def run_conversion(
 
     def read() -> None:
         for shard in todo:
-            if not to_convert.put((shard, source.read_shard(shard))):
-                return
-        for _ in range(workers):
-            to_convert.put(_DONE)
-
-    def convert() -> None:
-        while (item := to_convert.get()) is not _DONE:
-            shard, tensors = item
-            with tqdm(total=len(tensors), desc=shard, leave=False, disable=None, file=sys.stderr) as bar:
-                result = transform(shard, tensors, bar.update)
-            del tensors
-            with lock:
-                stats.converted += result.converted
-                stats.kept += result.kept
-            if not to_write.put((shard, result.tensors)):
-                return
-        to_write.put(_DONE)
-
-    def write() -> None:
-        finished = 0
-        while finished < workers:
-            item = to_write.get()
-            if item is _DONE:
+            while not in_flight.acquire(timeout=0.05):
                 if stop.is_set():
                     return
-                finished += 1
-                continue
-            shard, tensors = item
-            if tensors:
-                stats.bytes_out += output.write_shard(shard, tensors)
+            tensors = source.read_shard(shard)
+            work = _ShardWork(shard, tensors, pending=len(tensors))
+            if not tensors:
+                to_write.put(work)
+            for name in sorted(tensors):
+                tasks.put((work, name))
+        for _ in range(workers):
+            tasks.put(_DONE)
+
+    def convert() -> None:
+        while (item := _get(tasks, stop)) is not _DONE:
+            work, name = item
+            part = transform(work.shard, work.tensors, [name])
+            with lock:
+                work.result.tensors.update(part.tensors)
+                work.result.converted += part.converted
+                work.result.kept += part.kept
+                work.pending -= 1
+                finished = work.pending == 0
+            if finished:
+                work.tensors = {}  # drop the input (mapped file pages) before the write
+                to_write.put(work)
+
+    def write() -> None:
+        for _ in todo:
+            work = _get(to_write, stop)
+            if work is _DONE:
+                return
+            if work.result.tensors:
+                stats.bytes_out += output.write_shard(work.shard, work.result.tensors)
             else:
-                output.mark_empty(shard)
-            del tensors, item
-            stats.bytes_in += source.shard_bytes(shard)
+                output.mark_empty(work.shard)
+            stats.converted += work.result.converted
+            stats.kept += work.result.kept
+            stats.bytes_in += source.shard_bytes(work.shard)
             stats.shards_written += 1
-            overall.update(source.shard_bytes(shard))
+            overall.update(source.shard_bytes(work.shard))
+            del work
+            in_flight.release()
 
     # Converter threads run torch single-threaded; `max_workers` is the parallelism. On a shared
     # 2-core machine intra-op threads made the quantizers up to 5x slower (a stolen core stalls
