@@ -122,7 +122,7 @@ class ModelConfig:
     """Vision-tower MLP width."""
     init_seed: int = 0
     """Seed of the random init when skyq builds a tiny checkpoint itself."""
-    init_sft_steps: int = 60
+    init_sft_steps: int = 100
     """Supervised warm-up steps on the task when skyq builds a tiny checkpoint (0 = random init)."""
 
 
@@ -244,7 +244,7 @@ class RecomputeConfig:
 class TrainerConfig:
     backend: TrainerBackend = TrainerBackend.torch
     """Trainer backend."""
-    micro_batch_size: int = 16
+    micro_batch_size: int = 128
     """Sequences per forward/backward micro-batch."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Optimizer."""
@@ -266,9 +266,9 @@ class AlgorithmConfig:
     """Training steps (one rollout batch and one update each)."""
     group_size: int = 8
     """Responses sampled per prompt."""
-    global_batch_size: int = 64
+    global_batch_size: int = 256
     """Responses per training step (prompts x group_size)."""
-    lr: float = 3e-4
+    lr: float = 3e-3
     """Learning rate."""
     kl_coef: float = 0.0
     """Weight of the KL-to-reference loss (0 = no reference model)."""

@@ -18,6 +18,7 @@ import hashlib
 import torch
 from torch import Tensor, nn
 
+from skyq.checkpoint.hf_config import hf_config
 from skyq.config.schema import ModelConfig, PrecisionConfig
 from skyq.quant.errors import QuantizationError
 from skyq.quant.layouts import get_layout
@@ -27,7 +28,6 @@ from skyq.rl.batch import FinishReason, Sample
 from skyq.rl.tokenizer import EOS_ID
 from skyq.rollout.quantized_linear import ExpertMLP, WireExperts, WireLinear, activation_quant, plain_linear
 from skyq.rollout.sampling import check_sampling_args, sample_tokens
-from skyq.trainer.native.model import hf_config
 
 NO_WEIGHTS = -1
 

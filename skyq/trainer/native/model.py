@@ -8,41 +8,9 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from skyq.checkpoint.atomic import atomic_write_bytes, atomic_write_json
-from skyq.config.enums import ModelFamily
+from skyq.checkpoint.hf_config import ModelBuildError, hf_config
 from skyq.config.schema import ModelConfig
 from skyq.quant.layouts import get_layout
-
-
-class ModelBuildError(ValueError):
-    """A model config the native backend cannot build, or a checkpoint that does not match it."""
-
-
-def hf_config(model_cfg: ModelConfig) -> Qwen3MoeConfig:
-    """The transformers config of `model_cfg` (qwen3_moe family only)."""
-    if ModelFamily(model_cfg.family) is not ModelFamily.qwen3_moe:
-        raise ModelBuildError(
-            f"model.family={model_cfg.family.value}: the native trainer builds qwen3_moe models only; "
-            "use trainer=megatron for deepseek_v3"
-        )
-    return Qwen3MoeConfig(
-        vocab_size=model_cfg.vocab_size,
-        hidden_size=model_cfg.hidden_size,
-        num_hidden_layers=model_cfg.num_layers,
-        num_attention_heads=model_cfg.num_attention_heads,
-        num_key_value_heads=model_cfg.num_key_value_heads,
-        head_dim=model_cfg.head_dim,
-        intermediate_size=model_cfg.intermediate_size,
-        moe_intermediate_size=model_cfg.moe_intermediate_size,
-        num_experts=model_cfg.num_experts,
-        num_experts_per_tok=model_cfg.num_experts_per_tok,
-        # Qwen3-MoE releases renormalize the top-k routing weights.
-        norm_topk_prob=True,
-        max_position_embeddings=model_cfg.max_position_embeddings,
-        rope_parameters={"rope_theta": model_cfg.rope_theta, "rope_type": "default"},
-        rms_norm_eps=model_cfg.rms_norm_eps,
-        tie_word_embeddings=model_cfg.tie_word_embeddings,
-        attn_implementation="sdpa",
-    )
 
 
 def build_model(
