@@ -6,7 +6,6 @@ by `rollout.weight_sync.timeout_s` inside the actors, and the driver adds a back
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,15 +154,6 @@ class ActorPair:
     def shutdown(self) -> None:
         for actor in (self.trainer, self.engine):
             ray.kill(actor)
-
-
-@contextmanager
-def started_pair(**kwargs: Any):
-    pair = ActorPair(**kwargs)
-    try:
-        yield pair
-    finally:
-        pair.shutdown()
 
 
 def _describe(exc: BaseException) -> str:

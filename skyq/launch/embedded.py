@@ -34,6 +34,7 @@ from skyq.launch.actor_pair import ActorPair, placement_for
 from skyq.launch.checkpointing import checkpoint_root, latest_checkpoint
 from skyq.launch.metrics import MetricsLogger, keep_rows_before, read_metrics
 from skyq.launch.plot import plot_run
+from skyq.launch.redaction import redact
 from skyq.launch.rundir import (
     METRICS_FILE,
     PLOT_FILE,
@@ -43,7 +44,6 @@ from skyq.launch.rundir import (
     release_run_dir,
     save_resolved_config,
 )
-from skyq.launch.secrets import redact
 from skyq.rl.batch import collate
 from skyq.rl.tasks import Task, build_task
 

@@ -65,12 +65,12 @@ class MetricsLogger:
         start_step: int,
     ) -> None:
         self.path = path
-        self._file = open(path, "a")
         self._wandb = (
             _start_wandb(logger_cfg, wandb_config, path.parent, run_name)
             if _wants_wandb(logger_cfg)
             else None
         )
+        self._file = open(path, "a")
         self._bar = None
         if logger_cfg.progress_bar:
             from tqdm import tqdm

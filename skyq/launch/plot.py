@@ -1,4 +1,7 @@
-"""PNG plots of a run (reward and train/rollout mismatch) and of a sweep (one line per run)."""
+"""PNG plots of a run (reward and train/rollout mismatch) and of a sweep (one line per run).
+
+Long series are drawn faint per step with a bold moving average over `SMOOTH_STEPS` steps.
+"""
 
 from __future__ import annotations
 
@@ -26,9 +29,22 @@ def _save(fig: Any, out: Path) -> Path:
     return out
 
 
+SMOOTH_STEPS = 10
+"""Window of the moving average drawn over the per-step values (per-step rewards are noisy)."""
+
+
 def _panel(ax: Any, rows: list[dict[str, Any]], key: str, label: str | None) -> None:
     points = [(r["step"], r[key]) for r in rows if isinstance(r[key], int | float)]
-    ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", label=label)
+    steps, values = [p[0] for p in points], [p[1] for p in points]
+    if len(values) < 2 * SMOOTH_STEPS:
+        ax.plot(steps, values, marker=".", label=label)
+        return
+    (line,) = ax.plot(steps, values, alpha=0.3, linewidth=0.8)
+    window = [
+        sum(values[max(0, i - SMOOTH_STEPS + 1) : i + 1]) / min(i + 1, SMOOTH_STEPS)
+        for i in range(len(values))
+    ]
+    ax.plot(steps, window, color=line.get_color(), label=label)
 
 
 def plot_run(rows: list[dict[str, Any]], out: Path, *, title: str) -> Path:

@@ -25,7 +25,7 @@ import yaml
 
 from skyq.checkpoint.atomic import atomic_write_bytes, atomic_write_json
 from skyq.config.schema import CONFIG_VERSION
-from skyq.launch.secrets import redact
+from skyq.launch.redaction import redact
 
 CONFIG_YAML = "config.yaml"
 CONFIG_JSON = "skyq_config.json"

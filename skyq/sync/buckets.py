@@ -7,13 +7,13 @@ in a bucket of its own size, because splitting it would separate a weight from i
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from skyq.sync.checksums import bucket_checksum, checksum_algorithm
 from skyq.sync.errors import SyncRefused
 from skyq.sync.manifest import BucketEntry, TensorEntry
 from skyq.sync.wire_dtypes import as_bytes, dtype_from_name, dtype_name, from_bytes
@@ -58,11 +58,6 @@ def plan_buckets(units: Sequence[WireUnit], bucket_bytes: int) -> list[list[Wire
     return buckets
 
 
-def bucket_checksum(buf: Tensor) -> str:
-    """blake2b-128 of a bucket's bytes (hex)."""
-    return hashlib.blake2b(buf.detach().cpu().numpy().data, digest_size=16).hexdigest()
-
-
 def pack_bucket(index: int, units: Sequence[WireUnit]) -> tuple[Tensor, BucketEntry]:
     """Copy the units' bytes into one flat uint8 buffer and describe where each tensor lies."""
     entries: list[TensorEntry] = []
@@ -98,7 +93,7 @@ def unpack_bucket(buf: Tensor, entry: BucketEntry, *, verify_checksum: bool) -> 
             f"bucket {entry.index}: received {buf.numel()} bytes ({buf.dtype}), manifest says {entry.nbytes}"
         )
     if verify_checksum:
-        got = bucket_checksum(buf)
+        got = bucket_checksum(buf, checksum_algorithm(entry.checksum))
         if got != entry.checksum:
             names = ", ".join(t.name for t in entry.tensors[:3])
             raise SyncRefused(

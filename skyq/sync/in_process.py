@@ -11,7 +11,7 @@ import queue
 from torch import Tensor
 
 from skyq.sync.channel import check_frame_length
-from skyq.sync.errors import SyncTimeout
+from skyq.sync.errors import SyncError, SyncTimeout
 
 
 class InProcessChannel:
@@ -22,11 +22,18 @@ class InProcessChannel:
         self._inbox = inbox
         self._timeout_s = timeout_s
         self._side = side
+        self._closed = False
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise SyncError(f"{what}: the {self._side}'s channel is closed")
 
     def send_frame(self, payload: Tensor) -> None:
+        self._check_open("send")
         self._outbox.put(payload.detach().clone())
 
     def recv_frame(self, max_bytes: int, what: str) -> Tensor:
+        self._check_open(what)
         try:
             frame = self._inbox.get(timeout=self._timeout_s)
         except queue.Empty:
@@ -38,7 +45,8 @@ class InProcessChannel:
         return frame
 
     def close(self) -> None:
-        """Nothing to release: the queues are garbage-collected with the channel."""
+        """Refuse further use (the queues themselves are garbage-collected with the channel)."""
+        self._closed = True
 
 
 def in_process_pair(timeout_s: float) -> tuple[InProcessChannel, InProcessChannel]:

@@ -44,7 +44,7 @@ class BucketEntry:
     index: int
     nbytes: int
     checksum: str
-    """blake2b-128 hex digest of the bucket bytes."""
+    """`<algorithm>:<digest>` of the bucket bytes (see checksums.py)."""
     tensors: tuple[TensorEntry, ...]
 
 

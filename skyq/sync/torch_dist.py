@@ -2,13 +2,16 @@
 
 Rank 0 is the trainer (sender), rank 1 the engine (receiver); both bind to loopback. The group is a standalone
 `ProcessGroupGloo`/`ProcessGroupNCCL` built on a TCPStore, not the process's default group, so a
-trainer that runs its own torch.distributed world keeps it. The store is created by rank 0 on
-`127.0.0.1` with port 0: the OS picks a free port and the store holds it from then on, so there is
-no probe-then-bind race between sibling runs. Every collective is waited on with the sync deadline.
+trainer that runs its own torch.distributed world keeps it. The store is created by rank 0 on a
+socket it binds to `127.0.0.1`, port 0: the OS picks a free port and the store holds it from then
+on, so there is no probe-then-bind race between sibling runs. Gloo's data connections bind to
+loopback too (NCCL's bootstrap follows NCCL_SOCKET_IFNAME). Every collective is waited on with the
+sync deadline.
 """
 
 from __future__ import annotations
 
+import socket
 from datetime import timedelta
 
 import torch
@@ -24,8 +27,25 @@ RECEIVER_RANK = 1
 
 
 def open_store(timeout_s: float, host: str = LOOPBACK) -> dist.TCPStore:
-    """Rank 0's rendezvous store on a free port of `host` (read it from `.port`)."""
-    return dist.TCPStore(host, 0, 2, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    """Rank 0's rendezvous store on a free port of `host` (read it from `.port`).
+
+    TCPStore given a host still listens on every interface; handing it a socket we bound ourselves
+    keeps it on `host` (loopback by default).
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((host, 0))
+    sock.listen(16)
+    port = sock.getsockname()[1]
+    # detach(): the store owns the descriptor now; the Python socket must not close it under it.
+    return dist.TCPStore(
+        host,
+        port,
+        2,
+        True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+    )
 
 
 def connect_store(port: int, timeout_s: float, host: str = LOOPBACK) -> dist.TCPStore:
@@ -68,6 +88,8 @@ class TorchDistChannel:
             ) from exc
 
     def _broadcast(self, t: Tensor, root: int, what: str) -> None:
+        if self._group is None:
+            raise SyncError(f"{what}: the weight-sync channel (rank {self.rank}) is closed")
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         try:

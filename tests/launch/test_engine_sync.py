@@ -40,9 +40,9 @@ def build_workers(overrides: list[str]) -> tuple[TrainerWorker, EngineWorker]:
     return trainer, engine
 
 
-def sync(trainer, engine, version, *, serialize=None, weights=None, corrupt_bucket=None):
+def sync(trainer, engine, version, *, serialize=None, weights=None, corrupt_bucket=None, timeout_s=10.0):
     """Trainer -> engine over the in-process transport; returns (sender error, receiver error)."""
-    send_end, recv_end = in_process_pair(timeout_s=10.0)
+    send_end, recv_end = in_process_pair(timeout_s=timeout_s)
     if corrupt_bucket is not None:
         original = send_end.send_frame
         sent = []
@@ -164,7 +164,7 @@ def test_nan_in_trainer_weights_is_refused_naming_the_tensor(base_overrides):
         dict(trainer.trainer.model.named_parameters())["model.layers.0.mlp.experts.down_proj"][2, 5, 7] = (
             float("nan")
         )
-    send_err, recv_err = sync(trainer, engine, 2)
+    send_err, recv_err = sync(trainer, engine, 2, timeout_s=1.0)
     assert isinstance(send_err, SyncRefused)
     assert "model.layers.0.mlp.experts.2.down_proj.weight: 1 NaN" in str(send_err)
     assert isinstance(recv_err, SyncError)  # the engine waited for a manifest that never came

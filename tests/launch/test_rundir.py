@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from skyq.launch.redaction import redact
 from skyq.launch.rundir import (
     CONFIG_JSON,
     CONFIG_YAML,
@@ -20,7 +21,6 @@ from skyq.launch.rundir import (
     release_run_dir,
     save_resolved_config,
 )
-from skyq.launch.secrets import redact
 
 from .run_helpers import compose_config
 

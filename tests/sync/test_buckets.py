@@ -7,7 +7,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from skyq.sync.buckets import WireUnit, bucket_checksum, pack_bucket, plan_buckets, unpack_bucket
+from skyq.sync.buckets import WireUnit, pack_bucket, plan_buckets, unpack_bucket
+from skyq.sync.checksums import bucket_checksum
 from skyq.sync.errors import SyncRefused
 from skyq.sync.manifest import SyncManifest
 
