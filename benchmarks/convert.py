@@ -126,7 +126,11 @@ def main() -> None:
                 times[name].append(timed(fn, root / "out"))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    machine = f"{platform.machine()} {os.cpu_count()} cpu, torch {torch.__version__} threads {torch.get_num_threads()}"
+    load = "/".join(f"{x:.1f}" for x in os.getloadavg())
+    machine = (
+        f"{platform.machine()} {os.cpu_count()} cpu, torch {torch.__version__} threads {torch.get_num_threads()}, "
+        f"load {load}"
+    )
     base = statistics.median(times["baseline load+save"])
     print(f"checkpoint: {nbytes / 1e9:.2f} GB bf16, repeats {args.repeats}, workers {args.workers}")
     for name, ts in times.items():
