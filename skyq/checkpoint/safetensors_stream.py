@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -38,8 +39,11 @@ _CHUNK_BYTES = 4 << 20  # write and hash in cache-sized pieces: the hash reads w
 
 
 def supports(tensors: dict[str, torch.Tensor]) -> bool:
-    """True when every tensor is a CPU tensor of a dtype whose safetensors rank is known here."""
-    return all(t.device.type == "cpu" and t.dtype in _DTYPES for t in tensors.values())
+    """True when every tensor is a CPU tensor of a dtype whose safetensors rank is known here, on a
+    little-endian host (the tensors' bytes are written as they are in memory)."""
+    return sys.byteorder == "little" and all(
+        t.device.type == "cpu" and t.dtype in _DTYPES for t in tensors.values()
+    )
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
