@@ -204,7 +204,6 @@ def run_embedded(
     run_dir.mkdir(parents=True, exist_ok=True)
     claim_run_dir(run_dir, resume=resume)
     try:
-        save_resolved_config(run_dir, config_container)
         start_step = 0
         if resume:
             ckpt_dir, state = latest_checkpoint(ckpt_root)
@@ -212,6 +211,8 @@ def run_embedded(
                 raise RunDirError(f"{ckpt_dir}: saved with seed {state.seed}, resuming with seed {seed}")
             start_step = state.next_step
             keep_rows_before(run_dir / METRICS_FILE, start_step)
+        # On resume this records the (compatible) config the run continues with, e.g. more steps.
+        save_resolved_config(run_dir, config_container)
         task_obj = build_task(task, seed=seed)
         with local_ray():
             pair = ActorPair(
