@@ -16,7 +16,7 @@ from torch import Tensor
 from skyq.sync.checksums import bucket_checksum, checksum_algorithm
 from skyq.sync.errors import SyncRefused
 from skyq.sync.manifest import BucketEntry, TensorEntry
-from skyq.sync.wire_dtypes import as_bytes, dtype_from_name, dtype_name, from_bytes
+from skyq.sync.wire_dtypes import as_bytes, dtype_from_name, dtype_name, view_bytes
 
 ALIGN_BYTES = 16
 """Tensor offsets inside a bucket are multiples of this, so every dtype can be viewed in place."""
@@ -59,35 +59,40 @@ def plan_buckets(units: Sequence[WireUnit], bucket_bytes: int) -> list[list[Wire
 
 
 def pack_bucket(index: int, units: Sequence[WireUnit]) -> tuple[Tensor, BucketEntry]:
-    """Copy the units' bytes into one flat uint8 buffer and describe where each tensor lies."""
+    """Lay the units' bytes into one flat uint8 buffer (one `torch.cat` of byte views, zero padding
+    between tensors) and describe where each tensor lies."""
     entries: list[TensorEntry] = []
-    offset = 0
-    for unit in units:
-        for name, t in unit.tensors.items():
-            nbytes = t.numel() * t.element_size()
-            entries.append(
-                TensorEntry(
-                    name=name,
-                    unit=unit.source,
-                    dtype=dtype_name(t.dtype),
-                    shape=tuple(t.shape),
-                    offset=offset,
-                    nbytes=nbytes,
-                )
+    flat = [(unit.source, name, t) for unit in units for name, t in unit.tensors.items()]
+    device = flat[0][2].device if flat else torch.device("cpu")
+    pieces: list[Tensor] = []
+    offset = written = 0
+    for source, name, t in flat:
+        nbytes = t.numel() * t.element_size()
+        entries.append(
+            TensorEntry(
+                name=name,
+                unit=source,
+                dtype=dtype_name(t.dtype),
+                shape=tuple(t.shape),
+                offset=offset,
+                nbytes=nbytes,
             )
-            offset += _aligned(nbytes)
-    total = entries[-1].offset + entries[-1].nbytes if entries else 0
-    device = next((t.device for u in units for t in u.tensors.values()), torch.device("cpu"))
-    # Zeroed so the padding bytes (and hence the checksum) are deterministic.
-    buf = torch.zeros(total, dtype=torch.uint8, device=device)
-    flat = [t for u in units for t in u.tensors.values()]
-    for entry, t in zip(entries, flat):
-        buf[entry.offset : entry.offset + entry.nbytes] = as_bytes(t)
-    return buf, BucketEntry(index=index, nbytes=total, checksum=bucket_checksum(buf), tensors=tuple(entries))
+        )
+        if offset > written:
+            pieces.append(torch.zeros(offset - written, dtype=torch.uint8, device=device))
+        pieces.append(as_bytes(t).to(device))
+        written = offset + nbytes
+        offset += _aligned(nbytes)
+    # Padding is zeros, so the bytes (and hence the checksum) are deterministic.
+    buf = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.uint8, device=device)
+    return buf, BucketEntry(
+        index=index, nbytes=buf.numel(), checksum=bucket_checksum(buf), tensors=tuple(entries)
+    )
 
 
 def unpack_bucket(buf: Tensor, entry: BucketEntry, *, verify_checksum: bool) -> dict[str, Tensor]:
-    """The tensors of a received bucket, each a fresh copy with the dtype the manifest names."""
+    """The tensors of a received bucket with the dtypes and shapes the manifest names: views into
+    `buf` (which the caller hands over and must not reuse), a copy only where a view cannot be taken."""
     if buf.dtype != torch.uint8 or buf.ndim != 1 or buf.numel() != entry.nbytes:
         raise SyncRefused(
             f"bucket {entry.index}: received {buf.numel()} bytes ({buf.dtype}), manifest says {entry.nbytes}"
@@ -101,6 +106,6 @@ def unpack_bucket(buf: Tensor, entry: BucketEntry, *, verify_checksum: bool) -> 
                 f"corrupted: checksum {got} != manifest {entry.checksum}"
             )
     return {
-        t.name: from_bytes(buf[t.offset : t.offset + t.nbytes], dtype_from_name(t.dtype), t.shape)
+        t.name: view_bytes(buf[t.offset : t.offset + t.nbytes], dtype_from_name(t.dtype), t.shape)
         for t in entry.tensors
     }

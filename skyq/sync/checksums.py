@@ -24,7 +24,7 @@ from skyq.sync.errors import SyncRefused
 BLAKE2B = "blake2b-128"
 WSUM64 = "wsum64"
 _MODULUS = 65521  # the largest prime below 2^16: weights stay < 2^16, byte * weight < 2^24
-CHUNK_BYTES = 1 << 24  # 2^24 products of < 2^24 each: a chunk's sum stays below 2^48
+CHUNK_BYTES = 1 << 30  # rows per column sum: column sums < 2^14 * 255, weighted sums far below 2^63
 
 
 def _blake2b(buf: Tensor) -> str:
@@ -32,16 +32,31 @@ def _blake2b(buf: Tensor) -> str:
 
 
 def wsum64(buf: Tensor, chunk_bytes: int = CHUNK_BYTES) -> str:
-    """The wsum64 digest of a flat uint8 buffer (independent of `chunk_bytes` and device)."""
-    plain = weighted = 0
-    for start in range(0, buf.numel(), chunk_bytes):
-        chunk = buf[start : start + chunk_bytes].to(torch.int64)
-        index = torch.arange(start, start + chunk.numel(), dtype=torch.int64, device=buf.device)
-        weights = index % _MODULUS + 1
-        plain += int(chunk.sum())
-        weighted += int((chunk * weights).sum())
+    """The wsum64 digest of a flat uint8 buffer (independent of `chunk_bytes` and device).
+
+    The weights repeat every 65521 bytes, so the buffer is read as rows of 65521 bytes: one column
+    sum over the rows (exact in int64), then a dot with the weights 1..65521, plus the short tail
+    row. A few kernels and one host read per bucket; `chunk_bytes` bounds the rows per column sum."""
+    n = buf.numel()
+    rows, tail = divmod(n, _MODULUS)
+    weights = torch.arange(1, _MODULUS + 1, dtype=torch.int64, device=buf.device)
+    rows_per_chunk = max(1, chunk_bytes // _MODULUS)
+    plain = torch.zeros((), dtype=torch.int64, device=buf.device)
+    weighted = torch.zeros((), dtype=torch.int64, device=buf.device)
+    for first in range(0, rows, rows_per_chunk):
+        last = min(rows, first + rows_per_chunk)
+        cols = (
+            buf[first * _MODULUS : last * _MODULUS].view(last - first, _MODULUS).sum(dim=0, dtype=torch.int64)
+        )
+        plain += cols.sum()
+        weighted += (cols * weights).sum()
+    if tail:
+        rest = buf[rows * _MODULUS :].to(torch.int64)
+        plain += rest.sum()
+        weighted += (rest * weights[:tail]).sum()
+    plain_v, weighted_v = torch.stack([plain, weighted]).tolist()
     mask = (1 << 64) - 1
-    return f"{buf.numel():x}-{plain & mask:016x}{weighted & mask:016x}"
+    return f"{n:x}-{plain_v & mask:016x}{weighted_v & mask:016x}"
 
 
 def bucket_checksum(buf: Tensor, algorithm: str | None = None) -> str:

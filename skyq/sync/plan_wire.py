@@ -7,6 +7,7 @@ plan's wire tensors, grouped by source parameter. Both sides build the plan from
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 from torch import Tensor
 
@@ -25,13 +26,27 @@ def expected_units(plan: QuantPlan) -> list[ExpectedUnit]:
     return [ExpectedUnit(source=p.name, tensors={w.name: (w.shape, w.dtype) for w in p.wire}) for p in plan]
 
 
+class PlanSerializer:
+    """`strategy.serialize` with each tensor's role taken from the plan (a `Serializer`), and
+    `serialize_stack` for stacked items: one quantizer call per stack of same-role tensors."""
+
+    def __init__(self, strategy: QuantizationStrategy, plan: QuantPlan) -> None:
+        self.strategy = strategy
+        self.plan = plan
+
+    def __call__(self, name: str, tensor: Tensor) -> dict[str, Tensor]:
+        return self.strategy.serialize(name, tensor, role=self.plan[name].role)
+
+    def serialize_stack(self, names: Sequence[str], stack: Tensor) -> list[dict[str, Tensor]]:
+        roles = {self.plan[name].role for name in names}
+        if len(roles) != 1 or stack.ndim != 3:
+            return [self(name, stack[i]) for i, name in enumerate(names)]
+        return self.strategy.serialize_stack(names, stack, role=roles.pop())
+
+
 def plan_serializer(strategy: QuantizationStrategy, plan: QuantPlan) -> Serializer:
-    """`strategy.serialize` with each tensor's role taken from the plan."""
-
-    def serialize(name: str, tensor: Tensor) -> dict[str, Tensor]:
-        return strategy.serialize(name, tensor, role=plan[name].role)
-
-    return serialize
+    """`strategy.serialize` with each tensor's role taken from the plan (batches stacked items)."""
+    return PlanSerializer(strategy, plan)
 
 
 def wire_digest(wire: dict[str, Tensor]) -> WireDigest:

@@ -90,21 +90,45 @@ def check_accounting(manifest: SyncManifest, expected: Sequence[ExpectedUnit], c
         )
 
 
-def _values_look_valid(wire: dict[str, Tensor]) -> bool:
-    """One device-side test per tensor and one host read per device: True when no float sum is
-    non-finite and no e4m3 byte is a NaN code. False may be a false alarm (a sum of finite values
-    that overflowed), which the exact per-tensor checks then clear."""
-    flags: dict[torch.device, list[Tensor]] = {}
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+_GROUP_BYTES = 256 * 1024 * 1024
+"""Tensors are tested in groups of at most this many bytes (one concatenation, one reduction)."""
+
+
+def _groups(wire: dict[str, Tensor]) -> list[list[Tensor]]:
+    """The checked tensors grouped by (device, dtype), in order, each group at most `_GROUP_BYTES`."""
+    open_groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[int]]] = {}
+    done: list[list[Tensor]] = []
     for t in wire.values():
-        if t.dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
-            bad = torch.isfinite(
-                t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32)
-            ).logical_not()
-        elif t.dtype == torch.float8_e4m3fn:
-            bad = ((t.view(torch.uint8) & 0x7F) == 0x7F).any()
-        else:
+        if t.dtype not in _FLOATS and t.dtype != torch.float8_e4m3fn:
             continue
-        flags.setdefault(t.device, []).append(bad.reshape(1))
+        members, size = open_groups.setdefault((t.device, t.dtype), ([], [0]))
+        nbytes = t.numel() * t.element_size()
+        if members and size[0] + nbytes > _GROUP_BYTES:
+            done.append(list(members))
+            members.clear()
+            size[0] = 0
+        members.append(t)
+        size[0] += nbytes
+    return done + [members for members, _ in open_groups.values() if members]
+
+
+def _values_look_valid(wire: dict[str, Tensor]) -> bool:
+    """A few device-side tests and one host read per device: True when no float sum is non-finite
+    and no e4m3 byte is a NaN code. Tensors of one dtype are concatenated and tested together.
+    False may be a false alarm (a sum of finite values that overflowed), which the exact
+    per-tensor checks then clear."""
+    flags: dict[torch.device, list[Tensor]] = {}
+    for group in _groups(wire):
+        e4m3 = group[0].dtype == torch.float8_e4m3fn
+        parts = [t.reshape(-1).view(torch.uint8) if e4m3 else t.reshape(-1) for t in group]
+        flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if e4m3:
+            bad = ((flat & 0x7F) == 0x7F).any()
+        else:
+            acc = torch.float64 if flat.dtype == torch.float64 else torch.float32
+            bad = torch.isfinite(flat.sum(dtype=acc)).logical_not()
+        flags.setdefault(flat.device, []).append(bad.reshape(1))
     return not any(bool(torch.cat(f).any()) for f in flags.values())
 
 
@@ -114,7 +138,7 @@ def check_received_values(wire: dict[str, Tensor]) -> None:
         return
     try:
         for name, t in wire.items():
-            if t.dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+            if t.dtype in _FLOATS:
                 check_finite(t, name)
             elif t.dtype == torch.float8_e4m3fn:
                 check_no_e4m3_nan(t, name)

@@ -9,21 +9,32 @@ committed tensor and byte counts equal the manifest's.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from torch import Tensor
 
 from skyq.quant.errors import QuantizationError
-from skyq.quant.kernels.dispatch import check_finite_deferred, deferred_finite_checks
+from skyq.quant.kernels.dispatch import (
+    check_finite_deferred,
+    check_finite_stack_deferred,
+    deferred_finite_checks,
+)
 from skyq.sync.buckets import WireUnit, pack_bucket, plan_buckets
 from skyq.sync.channel import Channel, recv_json, send_bytes
 from skyq.sync.errors import SyncError, SyncRefused
 from skyq.sync.manifest import SyncManifest
 
 Serializer = Callable[[str, Tensor], dict[str, Tensor]]
-"""`QuantizationStrategy.serialize`: one source tensor -> its wire tensors (weight and scales)."""
+"""`QuantizationStrategy.serialize`: one source tensor -> its wire tensors (weight and scales).
+A serializer may also have `serialize_stack(names, stack) -> list[dict]` (see `plan_wire`), which
+stacked items then use: one quantizer call per stack instead of one per tensor."""
+
+WeightItem = tuple[str, Tensor] | tuple[Sequence[str], Tensor]
+"""What the trainer's weight iterator yields: `(name, tensor)`, or `(names, stack)` for a stack
+[E, ...] of same-shaped tensors held together (e.g. one projection's routed experts), where
+`stack[i]` is the tensor named `names[i]`. Each stacked tensor is still its own unit on the wire."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +66,34 @@ def serialize_unit(name: str, tensor: Tensor, serialize: Serializer, version: in
         wire = serialize(name, tensor)
     except QuantizationError as exc:
         raise SyncRefused(f"weight sync of version {version} refused before sending anything: {exc}") from exc
+    return _unit(name, wire)
+
+
+def serialize_stack_units(
+    names: Sequence[str], stack: Tensor, serialize: Serializer, version: int
+) -> list[WireUnit]:
+    """A stack [E, ...] of source tensors (`stack[i]` is `names[i]`) through the strategy: one finite
+    check and, when the serializer has `serialize_stack`, one quantizer call for all of them. The
+    wire tensors are bit-identical to serializing each `stack[i]` on its own."""
+    if stack.ndim < 1 or stack.shape[0] != len(names) or not names:
+        raise SyncError(
+            f"a stacked weight item has {len(names)} names for a tensor of shape {tuple(stack.shape)}"
+        )
+    try:
+        check_finite_stack_deferred(stack, names)
+        batched = getattr(serialize, "serialize_stack", None)
+        if batched is not None:
+            wires = batched(names, stack)
+        else:
+            wires = [serialize(name, stack[i]) for i, name in enumerate(names)]
+    except QuantizationError as exc:
+        raise SyncRefused(f"weight sync of version {version} refused before sending anything: {exc}") from exc
+    if len(wires) != len(names):
+        raise SyncError(f"serializing a stack of {len(names)} tensors produced {len(wires)} wire units")
+    return [_unit(name, wire) for name, wire in zip(names, wires)]
+
+
+def _unit(name: str, wire: dict[str, Tensor]) -> WireUnit:
     if not wire:
         raise SyncError(
             f"serializing `{name}` produced no wire tensors; the strategy must return at least one"
@@ -63,7 +102,7 @@ def serialize_unit(name: str, tensor: Tensor, serialize: Serializer, version: in
 
 
 def build_units(
-    weights: Iterable[tuple[str, Tensor]], serialize: Serializer, version: int
+    weights: Iterable[WeightItem], serialize: Serializer, version: int
 ) -> tuple[list[WireUnit], float, float]:
     """Serialize every source tensor; returns (units, gather seconds, quantize seconds).
 
@@ -78,7 +117,7 @@ def build_units(
 
 
 def _build_units(
-    weights: Iterable[tuple[str, Tensor]], serialize: Serializer, version: int
+    weights: Iterable[WeightItem], serialize: Serializer, version: int
 ) -> tuple[list[WireUnit], float, float]:
     units: list[WireUnit] = []
     seen: dict[str, str] = {}
@@ -92,13 +131,19 @@ def _build_units(
             break
         name, tensor = item
         start = time.perf_counter()
-        unit = serialize_unit(name, tensor, serialize, version)
+        if isinstance(name, str):
+            new = [serialize_unit(name, tensor, serialize, version)]
+        else:
+            new = serialize_stack_units(tuple(name), tensor, serialize, version)
         quantize_s += time.perf_counter() - start
-        for wire_name in unit.tensors:
-            if wire_name in seen:
-                raise SyncError(f"wire name `{wire_name}` produced by both `{seen[wire_name]}` and `{name}`")
-            seen[wire_name] = name
-        units.append(unit)
+        for unit in new:
+            for wire_name in unit.tensors:
+                if wire_name in seen:
+                    raise SyncError(
+                        f"wire name `{wire_name}` produced by both `{seen[wire_name]}` and `{unit.source}`"
+                    )
+                seen[wire_name] = unit.source
+        units.extend(new)
     if not units:
         raise SyncRefused(f"weight sync of version {version}: the trainer produced no weights to send")
     return units, gather_s, quantize_s
@@ -112,8 +157,9 @@ class WeightSender:
         self._serialize = serialize
         self._bucket_bytes = bucket_bytes
 
-    def sync(self, weights: Iterable[tuple[str, Tensor]], version: int) -> SyncStats:
-        """Send `weights` (HF name, full-precision tensor) as weight version `version`."""
+    def sync(self, weights: Iterable[WeightItem], version: int) -> SyncStats:
+        """Send `weights` (HF name, full-precision tensor; or names and a stack of them) as weight
+        version `version`."""
         start = time.perf_counter()
         units, gather_s, quantize_s = build_units(weights, self._serialize, version)
         transfer_start = time.perf_counter()

@@ -29,6 +29,9 @@ WIRE_DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,
 }
 _NAME_OF: dict[torch.dtype, str] = {dtype: name for name, dtype in WIRE_DTYPES.items()}
+_SIZES: dict[torch.dtype, int] = {
+    dtype: torch.empty((), dtype=dtype).element_size() for dtype in WIRE_DTYPES.values()
+}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -65,9 +68,18 @@ def from_bytes(raw: Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> Tenso
     return raw.clone().view(dtype).reshape(shape)
 
 
+def view_bytes(raw: Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
+    """`raw` (uint8 bytes) seen as a tensor of `dtype` and `shape`: a view when the bytes are
+    aligned for `dtype`, else (and for bool) a copy, as `from_bytes` makes."""
+    size = torch.empty((), dtype=dtype).element_size() if dtype not in _SIZES else _SIZES[dtype]
+    if dtype == torch.bool or raw.data_ptr() % size or raw.numel() % size:
+        return from_bytes(raw, dtype, shape)
+    return raw.view(dtype).reshape(shape)
+
+
 def nbytes_of(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     """Bytes a tensor of `dtype` and `shape` occupies."""
     numel = 1
     for dim in shape:
         numel *= dim
-    return numel * torch.empty((), dtype=dtype).element_size()
+    return numel * (_SIZES[dtype] if dtype in _SIZES else torch.empty((), dtype=dtype).element_size())

@@ -69,16 +69,22 @@ def test_saved_config_is_versioned_and_round_trips(tmp_path, container):
 def test_saved_config_never_holds_an_env_secret(tmp_path, container, monkeypatch):
     secret = "sk-live-0123456789abcdef"
     monkeypatch.setenv("WANDB_API_KEY", secret)
-    monkeypatch.setenv("MY_SERVICE_TOKEN", "tok-9876543210")
+    monkeypatch.setenv("MY_SERVICE_TOKEN", "tok-98765432100000")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # not a credential: "disabled" stays a word
     container["trainer"]["env"] = {"WANDB_API_KEY": secret, "PLAIN": "1"}
-    container["rollout"]["env"] = {"NOTE": f"uses {secret} inline", "OTHER": "tok-9876543210"}
+    container["rollout"]["env"] = {"NOTE": f"uses {secret} inline", "OTHER": "tok-98765432100000"}
+    container["logger"]["wandb_mode"] = "disabled"
     save_resolved_config(tmp_path, container)
     for name in (CONFIG_JSON, CONFIG_YAML):
         text = (tmp_path / name).read_text()
-        assert secret not in text and "tok-9876543210" not in text, name
+        assert secret not in text and "tok-98765432100000" not in text, name
     saved = load_saved_config(tmp_path)
     assert saved["trainer"]["env"] == {"WANDB_API_KEY": "<redacted WANDB_API_KEY>", "PLAIN": "1"}
     assert saved["rollout"]["env"]["NOTE"] == "uses <redacted $WANDB_API_KEY> inline"
+    assert saved["rollout"]["env"]["OTHER"] == "<redacted $MY_SERVICE_TOKEN>"
+    # Schema fields that merely contain a secret word are config, not secrets.
+    assert saved["model"]["num_key_value_heads"] == container["model"]["num_key_value_heads"]
+    assert saved["logger"]["wandb_mode"] == "disabled"
 
 
 def test_resume_refuses_another_runs_config_naming_the_keys(tmp_path, container):
