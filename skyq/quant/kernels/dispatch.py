@@ -212,6 +212,26 @@ def check_finite_deferred(t: Tensor, name: str) -> None:
     )
 
 
+def check_finite_stack_deferred(stack: Tensor, names: Sequence[str]) -> None:
+    """`check_finite_deferred(stack[i], names[i])` for every i, with one device test for the whole
+    stack inside `deferred_finite_checks`; a bad stack is then checked member by member, in order,
+    so the first bad tensor is named exactly as the per-tensor check names it."""
+
+    def validate() -> None:
+        for i, name in enumerate(names):
+            check_finite(stack[i], name)
+
+    scope = _common.active_deferred()
+    if (
+        scope is None
+        or not stack.is_cuda
+        or stack.dtype not in (torch.float16, torch.bfloat16, torch.float32)
+    ):
+        validate()
+        return
+    scope.add(torch.isfinite(stack.sum(dtype=torch.float32)).logical_not(), validate, strict=False)
+
+
 # --- FP8 weight-only linear (decode) -------------------------------------------------------------
 
 

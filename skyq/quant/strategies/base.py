@@ -10,7 +10,7 @@ the trainer's fake-quant (`fake_quant`, bit-identical to `deserialize(serialize(
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
@@ -109,6 +109,31 @@ class QuantizationStrategy(ABC):
             got = wire[spec.name]
             assert (tuple(got.shape), got.dtype) == (spec.shape, spec.dtype), (spec, got.shape, got.dtype)
         return wire
+
+    def serialize_stack(self, names: Sequence[str], stack: Tensor, *, role: Role) -> list[dict[str, Tensor]]:
+        """`serialize` of each `stack[i]` named `names[i]`, with one quantizer call for the stack.
+
+        `stack` is [E, N, K]: independent matrices of one role and shape (e.g. one projection's
+        routed experts). The wire tensors are views of the batched outputs, bit-identical to
+        `serialize(names[i], stack[i], role=role)` (every format quantizes each matrix on its own)."""
+        if stack.ndim != 3 or len(names) != stack.shape[0]:
+            raise StrategyError(
+                f"serialize_stack: {len(names)} names for a stack of shape {tuple(stack.shape)}"
+            )
+        shape = tuple(stack.shape[1:])
+        if not all(self.quantizes_param(name, shape, role) for name in names):
+            return [self.serialize(name, stack[i], role=role) for i, name in enumerate(names)]
+        stems = [name[: -len("weight")] for name in names]
+        batched = self._encode_stack(stems, stack)
+        for name, wire in zip(names, batched):
+            for spec in self.wire_specs(name, shape, role):
+                got = wire[spec.name]
+                assert (tuple(got.shape), got.dtype) == (spec.shape, spec.dtype), (spec, got.shape, got.dtype)
+        return batched
+
+    def _encode_stack(self, stems: Sequence[str], stack: Tensor) -> list[dict[str, Tensor]]:
+        """One `_encode` per matrix; formats override this with one batched quantizer call."""
+        return [self._encode(stem, stack[i]) for i, stem in enumerate(stems)]
 
     def _encode(self, stem: str, tensor: Tensor) -> dict[str, Tensor]:
         raise StrategyError(

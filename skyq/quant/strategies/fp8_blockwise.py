@@ -8,7 +8,7 @@ the checkpoint say `scale_fmt: ue8m0` (FORMATS.md; a flag over non-pow2 scales i
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -67,6 +67,12 @@ class Fp8BlockwiseStrategy(QuantizationStrategy):
             tensor, block_size=self.block_size, pow2_scale=self.pow2_scale, name=stem + "weight"
         )
         return {stem + "weight": q, stem + "weight_scale_inv": scale_inv}
+
+    def _encode_stack(self, stems: Sequence[str], stack: Tensor) -> list[dict[str, Tensor]]:
+        q, scale_inv = dispatch.quantize_fp8_blockwise(
+            stack, block_size=self.block_size, pow2_scale=self.pow2_scale, name=stems[0] + "weight"
+        )
+        return [{s + "weight": q[i], s + "weight_scale_inv": scale_inv[i]} for i, s in enumerate(stems)]
 
     def _decode(self, stem: str, wire: Mapping[str, Tensor], dtype: torch.dtype) -> Tensor:
         return fp8_blockwise.dequantize(

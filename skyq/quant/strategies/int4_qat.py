@@ -8,7 +8,7 @@ same set. Symmetric only: asymmetric zero points are never written for QAT (FORM
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -80,6 +80,18 @@ class Int4QatStrategy(QuantizationStrategy):
             stem + "weight_scale": scale,
             stem + "weight_shape": int4.weight_shape_tensor(n, k),
         }
+
+    def _encode_stack(self, stems: Sequence[str], stack: Tensor) -> list[dict[str, Tensor]]:
+        packed, scale = dispatch.quantize_int4_packed(
+            stack, group_size=self.group_size, grid=self.precision_cfg.int4_grid, name=stems[0] + "weight"
+        )
+        # One [2] tensor on the stack's device shared by all (read-only on the wire): no per-expert
+        # host tensor that the bucket would copy to the device one at a time.
+        shape = int4.weight_shape_tensor(*stack.shape[1:]).to(stack.device)
+        return [
+            {s + "weight_packed": packed[i], s + "weight_scale": scale[i], s + "weight_shape": shape}
+            for i, s in enumerate(stems)
+        ]
 
     def _decode(self, stem: str, wire: Mapping[str, Tensor], dtype: torch.dtype) -> Tensor:
         return int4.dequantize_packed(

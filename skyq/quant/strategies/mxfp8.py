@@ -7,7 +7,7 @@ a weight at build time with the arithmetic.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -76,6 +76,10 @@ class Mxfp8Strategy(QuantizationStrategy):
     def _encode(self, stem: str, tensor: Tensor) -> dict[str, Tensor]:
         q, scale = dispatch.quantize_mxfp8(tensor, name=stem + "weight")
         return {stem + "weight": q, stem + "weight_scale": scale}
+
+    def _encode_stack(self, stems: Sequence[str], stack: Tensor) -> list[dict[str, Tensor]]:
+        q, scale = dispatch.quantize_mxfp8(stack, name=stems[0] + "weight")
+        return [{s + "weight": q[i], s + "weight_scale": scale[i]} for i, s in enumerate(stems)]
 
     def _decode(self, stem: str, wire: Mapping[str, Tensor], dtype: torch.dtype) -> Tensor:
         return mxfp8.dequantize(
