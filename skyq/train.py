@@ -7,6 +7,7 @@ python -m skyq.train --help
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -87,12 +88,34 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
 
 
 def resumed_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
-    """`resume=<run dir>`: the run's own saved config, plus this command line's explicit overrides."""
+    """`resume=<run dir>`: the run's own saved config, plus this command line's explicit key overrides.
+
+    Group overrides (`precision=bf16`) would make it another run and are refused. Secrets were redacted
+    when the config was saved; each comes back from this command line or the environment.
+    """
+    from skyq.config.store import GROUPS
     from skyq.launch.rundir import load_saved_config
 
+    explicit = [o.lstrip("+") for o in overrides if not o.lstrip("+~").startswith("resume=")]
+    groups = [o for o in explicit if o.split("=", 1)[0] in (*GROUPS, "recipe")]
+    if groups:
+        raise ValueError(
+            f"resume={cfg.resume} continues that run with its own config; group overrides {groups} would make "
+            "it a different run. Start a new run instead, or override single keys (e.g. algorithm.num_steps=200)."
+        )
     saved = OmegaConf.create(load_saved_config(cfg.resume))
-    explicit = [o for o in overrides if not o.split("=", 1)[0].lstrip("+~").startswith("resume")]
-    merged = OmegaConf.merge(saved, OmegaConf.from_dotlist([o.lstrip("+") for o in explicit]))
+    merged = OmegaConf.merge(saved, OmegaConf.from_dotlist(explicit))
+    for side in ("trainer", "rollout"):
+        env = merged[side].env
+        for key, value in list(env.items()):
+            if isinstance(value, str) and value.startswith("<redacted"):
+                restored = cfg[side].env[key] if key in cfg[side].env else os.environ.get(key)
+                if restored is None:
+                    raise ValueError(
+                        f"{side}.env.{key} was redacted when run {cfg.resume} saved its config; pass "
+                        f"{side}.env.{key}=... again or export {key} to resume"
+                    )
+                env[key] = restored
     merged.resume = str(Path(cfg.resume).expanduser().resolve())
     return merged
 

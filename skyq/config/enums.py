@@ -5,7 +5,14 @@ from __future__ import annotations
 from enum import Enum
 
 
-class Precision(str, Enum):
+class _Choice(str, Enum):
+    """A config choice; prints as its value (`fp8_blockwise`, not `Precision.fp8_blockwise`)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class Precision(_Choice):
     """The precision of a run: what the trainer computes in and what crosses the wire."""
 
     bf16 = "bf16"
@@ -14,7 +21,7 @@ class Precision(str, Enum):
     int4_qat = "int4_qat"
 
 
-class Fp8Recipe(str, Enum):
+class Fp8Recipe(_Choice):
     """FP8 recipe; `auto` is resolved on each worker from its own device."""
 
     auto = "auto"
@@ -22,63 +29,63 @@ class Fp8Recipe(str, Enum):
     mxfp8 = "mxfp8"
 
 
-class ScaleFormat(str, Enum):
+class ScaleFormat(_Choice):
     """How FP8 blockwise scales are stored: plain fp32 or power-of-two (ue8m0)."""
 
     fp32 = "fp32"
     ue8m0 = "ue8m0"
 
 
-class Int4Grid(str, Enum):
+class Int4Grid(_Choice):
     """INT4 quantization grid: `kimi` (/7, codes [-7,7]) or `rtn` (/7.5, codes [-8,7])."""
 
     kimi = "kimi"
     rtn = "rtn"
 
 
-class QuantScope(str, Enum):
+class QuantScope(_Choice):
     """Which linears a precision quantizes."""
 
     routed_experts = "routed_experts"
     all_linear = "all_linear"
 
 
-class ModelFamily(str, Enum):
+class ModelFamily(_Choice):
     """Architecture family; picks the ModelQuantizationLayout."""
 
     qwen3_moe = "qwen3_moe"
     deepseek_v3 = "deepseek_v3"
 
 
-class Placement(str, Enum):
+class Placement(_Choice):
     """Trainer and rollout engines on the same GPUs (colocated) or on separate ones (split)."""
 
     colocated = "colocated"
     split = "split"
 
 
-class TrainerBackend(str, Enum):
+class TrainerBackend(_Choice):
     torch = "torch"
     megatron = "megatron"
 
 
-class RolloutBackend(str, Enum):
+class RolloutBackend(_Choice):
     embedded = "embedded"
     vllm = "vllm"
 
 
-class LoggerBackend(str, Enum):
+class LoggerBackend(_Choice):
     jsonl = "jsonl"
     wandb = "wandb"
 
 
-class TaskName(str, Enum):
+class TaskName(_Choice):
     arith = "arith"
     dapo_math = "dapo_math"
     multimodal_open_r1 = "multimodal_open_r1"
 
 
-class RewardName(str, Enum):
+class RewardName(_Choice):
     """Reward function: exact match for arith, boxed-answer math, or openr1mm (format + accuracy)."""
 
     exact_match = "exact_match"
@@ -86,19 +93,19 @@ class RewardName(str, Enum):
     openr1mm = "openr1mm"
 
 
-class Device(str, Enum):
+class Device(_Choice):
     cpu = "cpu"
     cuda = "cuda"
 
 
-class WeightSyncMode(str, Enum):
+class WeightSyncMode(_Choice):
     """Full weight sync every step, or incremental (delta) sync (bf16 only)."""
 
     full = "full"
     delta = "delta"
 
 
-class TransportKind(str, Enum):
+class TransportKind(_Choice):
     """How weight buckets move: same process, torch.distributed broadcast, or CUDA IPC."""
 
     in_process = "in_process"
@@ -106,18 +113,18 @@ class TransportKind(str, Enum):
     cuda_ipc = "cuda_ipc"
 
 
-class RecomputeGranularity(str, Enum):
+class RecomputeGranularity(_Choice):
     none = "none"
     selective = "selective"
     full = "full"
 
 
-class RecomputeMethod(str, Enum):
+class RecomputeMethod(_Choice):
     uniform = "uniform"
     block = "block"
 
 
-class ISCorrection(str, Enum):
+class ISCorrection(_Choice):
     """Importance-sampling correction for train/rollout mismatch."""
 
     none = "none"
@@ -125,7 +132,7 @@ class ISCorrection(str, Enum):
     icepop = "icepop"  # mask tokens whose ratio leaves [low, high]
 
 
-class ArithOp(str, Enum):
+class ArithOp(_Choice):
     """The embedded arith task's operation."""
 
     copy = "copy"
