@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from native_fixtures import PRECISIONS
 
 from skyq.rl.batch import FinishReason, collate
 from skyq.rl.grpo import mismatch_metrics
 from skyq.rl.tasks import build_task
 from skyq.rollout.embedded import WeightLoadError
-
-PRECISIONS = ("bf16", "fp8_blockwise", "mxfp8", "int4_qat")
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -5,13 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from native_fixtures import PRECISIONS
 
 from skyq.quant import fp8_blockwise, mxfp8
 from skyq.quant.layouts import Role
 from skyq.trainer.native.precision import ActivationQuantExperts, ActivationQuantLinear
 from skyq.trainer.native.trainer import token_logprobs
-
-PRECISIONS = ("bf16", "fp8_blockwise", "mxfp8", "int4_qat")
 
 
 def _served_weights(trainer) -> dict[str, torch.Tensor]:
