@@ -9,10 +9,13 @@ scales were just produced by the quantizer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
-from skyq.config.enums import Int4Grid
+from skyq.config.enums import Int4Grid, Precision, ScaleFormat
+from skyq.config.schema import PrecisionConfig
 from skyq.quant import fp8_blockwise, int4, mxfp8
 
 
@@ -73,3 +76,16 @@ def fake_quant_fp8_activation(
 ) -> Tensor:
     """FP8 fake quant of activations [..., M, K] in 1 x `tile` tiles along K."""
     return _FakeQuantFp8Blockwise.apply(x, (1, tile), pow2_scale, name)
+
+
+def activation_fake_quant(precision_cfg: PrecisionConfig) -> Callable[[Tensor], Tensor] | None:
+    """How a quantized linear's input is quantized, in the trainer and in the engine's W8A8 GEMM
+    alike: FP8 blockwise 1 x tile, MXFP8 1 x 32, or not at all (bf16, INT4 W4A16)."""
+    precision = Precision(precision_cfg.name)
+    if precision is Precision.fp8_blockwise:
+        pow2 = ScaleFormat(precision_cfg.scale_format) is ScaleFormat.ue8m0
+        tile = precision_cfg.activation_tile
+        return lambda x: fake_quant_fp8_activation(x, tile, pow2)
+    if precision is Precision.mxfp8:
+        return fake_quant_mxfp8
+    return None

@@ -21,12 +21,13 @@ from torch import Tensor, nn
 from skyq.checkpoint.hf_config import hf_config
 from skyq.config.schema import ModelConfig, PrecisionConfig
 from skyq.quant.errors import QuantizationError
+from skyq.quant.fake_quant import activation_fake_quant
 from skyq.quant.layouts import get_layout
 from skyq.quant.plan import build_plan
 from skyq.quant.strategies import WireSpec, get_strategy
 from skyq.rl.batch import FinishReason, Sample
 from skyq.rl.tokenizer import EOS_ID
-from skyq.rollout.quantized_linear import ExpertMLP, WireExperts, WireLinear, activation_quant, plain_linear
+from skyq.rollout.quantized_linear import ExpertMLP, WireExperts, WireLinear, plain_linear
 from skyq.rollout.sampling import check_sampling_args, sample_tokens
 
 NO_WEIGHTS = -1
@@ -77,9 +78,8 @@ class EmbeddedEngine:
     def _linear(self, hf_name: str) -> nn.Module:
         entry = self.plan[hf_name]
         if entry.quantized:
-            return WireLinear(
-                hf_name, entry.role, list(entry.wire), self.strategy, activation_quant(self.precision_cfg)
-            )
+            activation = activation_fake_quant(self.precision_cfg)
+            return WireLinear(hf_name, entry.role, list(entry.wire), self.strategy, activation)
         return plain_linear(entry.shape, entry.dtype)
 
     def _build_model(self) -> nn.Module:

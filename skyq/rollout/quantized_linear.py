@@ -17,25 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from skyq.config.enums import Precision, ScaleFormat
-from skyq.config.schema import PrecisionConfig
-from skyq.quant import fake_quant
 from skyq.quant.layouts import Role
 from skyq.quant.strategies import QuantizationStrategy, WireSpec
 
 TensorFn = Callable[[Tensor], Tensor]
-
-
-def activation_quant(precision_cfg: PrecisionConfig) -> TensorFn | None:
-    """The engine's dynamic activation quantization for quantized linears (W8A8 FP8 recipes)."""
-    precision = Precision(precision_cfg.name)
-    if precision is Precision.fp8_blockwise:
-        pow2 = ScaleFormat(precision_cfg.scale_format) is ScaleFormat.ue8m0
-        tile = precision_cfg.activation_tile
-        return lambda x: fake_quant.fake_quant_fp8_activation(x, tile, pow2)
-    if precision is Precision.mxfp8:
-        return fake_quant.fake_quant_mxfp8
-    return None
 
 
 class WireLinear(nn.Module):

@@ -21,25 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from skyq.config.enums import Precision, ScaleFormat
 from skyq.config.schema import ModelConfig, PrecisionConfig
-from skyq.quant import fake_quant
+from skyq.quant.fake_quant import activation_fake_quant
 from skyq.quant.layouts import ModelQuantizationLayout
 from skyq.quant.strategies import QuantizationStrategy
 
 TensorFn = Callable[[Tensor], Tensor]
-
-
-def activation_fake_quant(precision_cfg: PrecisionConfig) -> TensorFn | None:
-    """How a quantized linear's input is quantized: FP8 1 x tile, MXFP8 1 x 32, or not at all."""
-    precision = Precision(precision_cfg.name)
-    if precision is Precision.fp8_blockwise:
-        pow2 = ScaleFormat(precision_cfg.scale_format) is ScaleFormat.ue8m0
-        tile = precision_cfg.activation_tile
-        return lambda x: fake_quant.fake_quant_fp8_activation(x, tile, pow2)
-    if precision is Precision.mxfp8:
-        return fake_quant.fake_quant_mxfp8
-    return None
 
 
 class _StraightThrough(torch.autograd.Function):
