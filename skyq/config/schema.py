@@ -262,7 +262,7 @@ class TrainerConfig:
 class AlgorithmConfig:
     name: str = "grpo"
     """RL algorithm."""
-    num_steps: int = 60
+    num_steps: int = 120
     """Training steps (one rollout batch and one update each)."""
     group_size: int = 8
     """Responses sampled per prompt."""
