@@ -1,9 +1,12 @@
-"""What every skyq tool shares: the error contract and reading a checkpoint's model config."""
+"""What every skyq tool shares: the error contract, the converters' common flags and reading a
+checkpoint's model config."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from skyq.checkpoint.hf_config import model_config_from_hf
 from skyq.checkpoint.reader import ShardedCheckpoint
@@ -18,6 +21,28 @@ def run_tool(main: Callable[[Sequence[str] | None], int], argv: Sequence[str] | 
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def converter_parser(tool: str, doc: str, *, model_dir_help: str) -> argparse.ArgumentParser:
+    """A converter's parser: `python -m skyq.tools.<tool>`, the first line of its module docstring,
+    and `--model-dir` (the checkpoint it reads, described by `model_dir_help`)."""
+    p = argparse.ArgumentParser(prog=f"python -m skyq.tools.{tool}", description=doc.split("\n")[0])
+    p.add_argument("--model-dir", required=True, type=Path, help=model_dir_help)
+    return p
+
+
+def add_save_dir(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--save-dir", required=True, type=Path, help="output dir (not inside --model-dir)")
+
+
+def add_max_workers(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-workers", type=int, default=1, help="converter threads (memory: ~1 shard each)")
+
+
+def add_overwrite(
+    p: argparse.ArgumentParser, *, help: str = "replace checkpoint files already in --save-dir"
+) -> None:
+    p.add_argument("--overwrite", action="store_true", help=help)
 
 
 def checkpoint_model_config(source: ShardedCheckpoint) -> ModelConfig:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from skyq.checkpoint.fp8_dequant import (
     fp8_layout_from_config,
@@ -21,17 +20,16 @@ from skyq.checkpoint.fp8_dequant import (
 )
 from skyq.checkpoint.job import ConversionJob, run_job
 from skyq.checkpoint.reader import CONFIG_NAME, ShardedCheckpoint
-from skyq.tools.cli import run_tool
+from skyq.tools.cli import add_max_workers, add_overwrite, add_save_dir, converter_parser, run_tool
 
 TOOL = "convert_fp8_to_bf16"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=f"python -m skyq.tools.{TOOL}", description=__doc__.split("\n")[0])
-    p.add_argument("--model-dir", required=True, type=Path, help="FP8 HF checkpoint to read")
-    p.add_argument("--save-dir", required=True, type=Path, help="output dir (not inside --model-dir)")
-    p.add_argument("--max-workers", type=int, default=1, help="converter threads (memory: ~1 shard each)")
-    p.add_argument("--overwrite", action="store_true", help="replace checkpoint files already in --save-dir")
+    p = converter_parser(TOOL, __doc__, model_dir_help="FP8 HF checkpoint to read")
+    add_save_dir(p)
+    add_max_workers(p)
+    add_overwrite(p)
     return p.parse_args(argv)
 
 

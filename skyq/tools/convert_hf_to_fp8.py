@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from skyq.checkpoint.fp8_convert import (
     Fp8Options,
@@ -27,20 +26,26 @@ from skyq.checkpoint.reader import ShardedCheckpoint
 from skyq.checkpoint.selection import select
 from skyq.config.enums import Precision
 from skyq.config.schema import PrecisionConfig
-from skyq.tools.cli import checkpoint_model_config, run_tool
+from skyq.tools.cli import (
+    add_max_workers,
+    add_overwrite,
+    add_save_dir,
+    checkpoint_model_config,
+    converter_parser,
+    run_tool,
+)
 
 TOOL = "convert_hf_to_fp8"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=f"python -m skyq.tools.{TOOL}", description=__doc__.split("\n")[0])
-    p.add_argument("--model-dir", required=True, type=Path, help="BF16 HF checkpoint to read")
-    p.add_argument("--save-dir", required=True, type=Path, help="output dir (not inside --model-dir)")
+    p = converter_parser(TOOL, __doc__, model_dir_help="BF16 HF checkpoint to read")
+    add_save_dir(p)
     p.add_argument("--strategy", choices=[s.value for s in Fp8Strategy], default="block")
     p.add_argument("--block-size", nargs=2, type=int, default=[128, 128], metavar=("BN", "BK"))
-    p.add_argument("--max-workers", type=int, default=1, help="converter threads (memory: ~1 shard each)")
+    add_max_workers(p)
     p.add_argument("--scale-fmt", choices=["ue8m0"], default=None, help="power-of-two scales (block only)")
-    p.add_argument("--overwrite", action="store_true", help="replace checkpoint files already in --save-dir")
+    add_overwrite(p)
     return p.parse_args(argv)
 
 

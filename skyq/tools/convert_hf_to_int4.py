@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from skyq.checkpoint.fp8_convert import check_fp8_input
 from skyq.checkpoint.int4_convert import (
@@ -30,7 +29,14 @@ from skyq.checkpoint.selection import select
 from skyq.config.enums import Int4Grid, Precision
 from skyq.config.schema import PrecisionConfig
 from skyq.quant.layouts import get_layout
-from skyq.tools.cli import checkpoint_model_config, run_tool
+from skyq.tools.cli import (
+    add_max_workers,
+    add_overwrite,
+    add_save_dir,
+    checkpoint_model_config,
+    converter_parser,
+    run_tool,
+)
 
 TOOL = "convert_hf_to_int4"
 ASYMMETRIC_WARNING = (
@@ -40,9 +46,8 @@ ASYMMETRIC_WARNING = (
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=f"python -m skyq.tools.{TOOL}", description=__doc__.split("\n")[0])
-    p.add_argument("--model-dir", required=True, type=Path, help="BF16 HF checkpoint to read")
-    p.add_argument("--save-dir", required=True, type=Path, help="output dir (not inside --model-dir)")
+    p = converter_parser(TOOL, __doc__, model_dir_help="BF16 HF checkpoint to read")
+    add_save_dir(p)
     p.add_argument(
         "--group-size", type=int, default=32, help="INT4 group along K (seed default 32; Qwen3: 128)"
     )
@@ -56,8 +61,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--ignore-rules", nargs="+", default=[], help="extra modules kept BF16 (re:<regex> or name)"
     )
-    p.add_argument("--max-workers", type=int, default=1, help="converter threads (memory: ~1 shard each)")
-    p.add_argument("--overwrite", action="store_true", help="replace checkpoint files already in --save-dir")
+    add_max_workers(p)
+    add_overwrite(p)
     args = p.parse_args(argv)
     if args.asymmetric and args.is_symmetric:
         p.error("--asymmetric and --is-symmetric contradict each other")

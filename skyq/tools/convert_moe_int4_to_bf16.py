@@ -25,25 +25,24 @@ from skyq.checkpoint.int4_dequant import (
 )
 from skyq.checkpoint.job import ConversionJob, run_job
 from skyq.checkpoint.reader import CONFIG_NAME, ShardedCheckpoint, load_json
-from skyq.tools.cli import run_tool
+from skyq.tools.cli import add_max_workers, add_overwrite, converter_parser, run_tool
 
 TOOL = "convert_moe_int4_to_bf16"
 SIDECAR_NAME = "quantization_config.json"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=f"python -m skyq.tools.{TOOL}", description=__doc__.split("\n")[0])
-    p.add_argument("--model-dir", required=True, type=Path, help="INT4 checkpoint to read")
+    p = converter_parser(TOOL, __doc__, model_dir_help="INT4 checkpoint to read")
     p.add_argument("--output-dir", type=Path, default=None, help="output dir (default: <model-dir>_bf16)")
     p.add_argument("--files", nargs="+", default=None, help="convert only these shard files")
     p.add_argument(
         "--config-path", type=Path, default=None, help="config.json holding the quantization_config"
     )
-    p.add_argument("--overwrite", action="store_true", help="reconvert shards already in --output-dir")
+    add_overwrite(p, help="reconvert shards already in --output-dir")
     p.add_argument(
         "--keep-quantization-config", action="store_true", help="leave the block in config.json too"
     )
-    p.add_argument("--max-workers", type=int, default=1, help="converter threads (memory: ~1 shard each)")
+    add_max_workers(p)
     return p.parse_args(argv)
 
 
