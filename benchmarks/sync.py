@@ -4,11 +4,12 @@ The model is Qwen3-30B-A3B-shaped (hidden 2048, 32 q / 4 kv heads of 128, 128 ex
 per layer 3 x 128 expert linears + attention + router + norms) with `--layers` layers and a small
 vocabulary (2048, so a few-layer stack is not dominated by embeddings that no format quantizes).
 The whole pipeline runs as a trainer would: the trainer's bf16 weights on the GPU (experts held
-stacked per projection, exported as per-expert views), `WeightSender` (finite checks, the
-strategy's serialize = the Triton quantizers, bucket packing, blake2b checksums), the in-process
+stacked per projection and handed to the sender as one (names, stack) item per projection, which
+the strategy quantizes with one batched Triton call), `WeightSender` (finite checks, bucket packing
+with one cat per bucket, device-side wsum64 checksums), the in-process
 transport (frames stay on the GPU: a device clone per bucket), and `WeightReceiver` (checksum
-verification, unpacking, value checks, accounting) whose commit copies every wire tensor into
-preallocated engine buffers on the GPU. Bucket size and checksum verification are the
+verification, unpacking to views, value checks, accounting) whose commit copies every wire tensor
+into preallocated engine buffers on the GPU (one `torch._foreach_copy_`). Bucket size and checksum verification are the
 `WeightSyncConfig` defaults. Each format: one warm-up sync (Triton compiles), then `--repeats`.
 
     python benchmarks/sync.py [--layers 1] [--repeats 2]
@@ -75,13 +76,28 @@ class Trainer:
         prefix, rest = name.split(".mlp.experts.")
         return prefix, rest.split(".", 1)[1]
 
-    def weights(self):
+    def weights(self, stacked: bool = True):
+        """(name, tensor) per dense tensor; each expert stack once, as (names, stack) when `stacked`
+        (the sender then quantizes it with one call), else as per-expert (name, view) items."""
+        members: dict[tuple[str, str], list[str]] = {}
+        for name in self.names:
+            key = self._expert_key(name)
+            if key is not None:
+                members.setdefault(key, []).append(name)
         for name in self.names:
             key = self._expert_key(name)
             if key is None:
                 yield name, self.dense[name]
-            else:
-                yield name, self.stacks[key][int(name.split(".mlp.experts.")[1].split(".")[0])]
+            elif not stacked:
+                yield name, self.stacks[key][self._expert_index(name)]
+            elif members[key][0] == name:
+                names = sorted(members[key], key=self._expert_index)
+                assert [self._expert_index(n) for n in names] == list(range(len(names)))
+                yield tuple(names), self.stacks[key]
+
+    @staticmethod
+    def _expert_index(name: str) -> int:
+        return int(name.split(".mlp.experts.")[1].split(".")[0])
 
 
 def run_format(fmt: str, model_cfg: ModelConfig, gen: torch.Generator, repeats: int) -> dict:
@@ -93,8 +109,11 @@ def run_format(fmt: str, model_cfg: ModelConfig, gen: torch.Generator, repeats: 
     engine = {w.name: torch.empty(w.shape, dtype=w.dtype, device="cuda") for p in plan for w in p.wire}
 
     def commit(wire: dict[str, torch.Tensor], version: int) -> None:
-        for name, t in wire.items():
-            engine[name].copy_(t)
+        # One fused multi-tensor copy of the bytes (every wire tensor is contiguous; uint8 views
+        # put fp8, fp32, bf16 and int tensors in one list).
+        torch._foreach_copy_(
+            [engine[name].view(torch.uint8) for name in wire], [t.view(torch.uint8) for t in wire.values()]
+        )
         torch.cuda.synchronize()
 
     stats = []
@@ -122,7 +141,7 @@ def run_format(fmt: str, model_cfg: ModelConfig, gen: torch.Generator, repeats: 
         if version > 1:
             stats.append(st)
     # the engine holds exactly what the strategy makes of the trainer's weights
-    name, w = next((n, t) for n, t in trainer.weights() if "experts.1.up_proj" in n)
+    name, w = next((n, t) for n, t in trainer.weights(stacked=False) if "experts.1.up_proj" in n)
     for wname, t in strategy.serialize(name, w, role=plan[name].role).items():
         assert torch.equal(engine[wname].cpu().view(torch.uint8), t.cpu().contiguous().view(torch.uint8)), (
             wname

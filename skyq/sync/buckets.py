@@ -13,10 +13,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from skyq.sync.byte_runs import BytePieces, interleave, unpack_views
 from skyq.sync.checksums import bucket_checksum, checksum_algorithm
 from skyq.sync.errors import SyncRefused
 from skyq.sync.manifest import BucketEntry, TensorEntry
-from skyq.sync.wire_dtypes import as_bytes, dtype_from_name, dtype_name, view_bytes
+from skyq.sync.wire_dtypes import dtype_name
 
 ALIGN_BYTES = 16
 """Tensor offsets inside a bucket are multiples of this, so every dtype can be viewed in place."""
@@ -59,32 +60,34 @@ def plan_buckets(units: Sequence[WireUnit], bucket_bytes: int) -> list[list[Wire
 
 
 def pack_bucket(index: int, units: Sequence[WireUnit]) -> tuple[Tensor, BucketEntry]:
-    """Lay the units' bytes into one flat uint8 buffer (one `torch.cat` of byte views, zero padding
-    between tensors) and describe where each tensor lies."""
+    """Lay the units' bytes into one flat uint8 buffer and describe where each tensor lies.
+
+    Tensors go in `interleave` order (every unit's weight, then every unit's scales), so views of
+    one batched output are one byte range; the buffer is one `torch.cat` of those ranges and the
+    zero padding between tensors."""
+    lists = [list(unit.tensors.items()) for unit in units]
+    device = next((ts[0][1].device for ts in lists if ts), torch.device("cpu"))
+    pieces = BytePieces(device)
     entries: list[TensorEntry] = []
-    flat = [(unit.source, name, t) for unit in units for name, t in unit.tensors.items()]
-    device = flat[0][2].device if flat else torch.device("cpu")
-    pieces: list[Tensor] = []
-    offset = written = 0
-    for source, name, t in flat:
+    offset = 0
+    for u, k in interleave(lists):
+        name, t = lists[u][k]
         nbytes = t.numel() * t.element_size()
         entries.append(
             TensorEntry(
                 name=name,
-                unit=source,
+                unit=units[u].source,
                 dtype=dtype_name(t.dtype),
                 shape=tuple(t.shape),
                 offset=offset,
                 nbytes=nbytes,
             )
         )
-        if offset > written:
-            pieces.append(torch.zeros(offset - written, dtype=torch.uint8, device=device))
-        pieces.append(as_bytes(t).to(device))
-        written = offset + nbytes
+        pieces.pad_to(offset)
+        pieces.add(t)
         offset += _aligned(nbytes)
     # Padding is zeros, so the bytes (and hence the checksum) are deterministic.
-    buf = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.uint8, device=device)
+    buf = pieces.cat()
     return buf, BucketEntry(
         index=index, nbytes=buf.numel(), checksum=bucket_checksum(buf), tensors=tuple(entries)
     )
@@ -105,7 +108,4 @@ def unpack_bucket(buf: Tensor, entry: BucketEntry, *, verify_checksum: bool) -> 
                 f"bucket {entry.index} (holding {names}{', ...' if len(entry.tensors) > 3 else ''}) arrived "
                 f"corrupted: checksum {got} != manifest {entry.checksum}"
             )
-    return {
-        t.name: view_bytes(buf[t.offset : t.offset + t.nbytes], dtype_from_name(t.dtype), t.shape)
-        for t in entry.tensors
-    }
+    return unpack_views(buf, entry.tensors)

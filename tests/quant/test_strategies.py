@@ -189,7 +189,11 @@ def test_fake_quant_of_a_fused_expert_tensor_equals_the_engines_dequant_of_the_s
     assert layout.split_experts({name: trained}, QWEN).keys() == served.keys()
     for hf_name, tensor in layout.split_experts({name: trained}, QWEN).items():
         assert torch.equal(tensor, served[hf_name]), hf_name
-    if precision_cfg.name is Precision.fp8_blockwise and precision_cfg.scale_format.value == "fp32" and leaf == "gate_up_proj":
+    if (
+        precision_cfg.name is Precision.fp8_blockwise
+        and precision_cfg.scale_format.value == "fp32"
+        and leaf == "gate_up_proj"
+    ):
         # I = 96: a block over the fused tensor would mix gate and up rows and give other values.
         assert not torch.equal(s.fake_quant(fused), trained)
 
@@ -297,3 +301,43 @@ def test_env_vars_follow_the_resolved_recipe_and_refuse_what_cannot_work():
         "trainer": {},
         "engine": {},
     }
+
+
+def _wire_bytes(wire):
+    return {
+        n: (t.dtype, tuple(t.shape), t.contiguous().view(torch.uint8).reshape(-1)) for n, t in wire.items()
+    }
+
+
+@pytest.mark.parametrize(
+    "precision_cfg",
+    [
+        PrecisionConfig(name=Precision.bf16),
+        PrecisionConfig(name=Precision.fp8_blockwise, scale_format=ScaleFormat.fp32),
+        PrecisionConfig(name=Precision.fp8_blockwise, scale_format=ScaleFormat.ue8m0),
+        PrecisionConfig(name=Precision.mxfp8),
+        PrecisionConfig(name=Precision.int4_qat, int4_group_size=32),
+        PrecisionConfig(name=Precision.int4_qat, int4_group_size=128, int4_grid=Int4Grid.rtn),
+    ],
+)
+@pytest.mark.parametrize("shape", [(5, 96, 256), (3, 200, 384)])
+def test_serialize_stack_is_bitwise_the_per_tensor_serialize(gen, precision_cfg, shape):
+    s = get_strategy(precision_cfg)
+    stack = fresh(gen, *shape)
+    stack[1] *= 1e-3  # a member on a different scale: no block may be shared across members
+    names = [f"model.layers.0.mlp.experts.{i}.up_proj.weight" for i in range(shape[0])]
+    batched = s.serialize_stack(names, stack, role=Role.routed_expert)
+    assert len(batched) == len(names)
+    for i, name in enumerate(names):
+        want = _wire_bytes(s.serialize(name, stack[i].clone(), role=Role.routed_expert))
+        got = _wire_bytes(batched[i])
+        assert got.keys() == want.keys()
+        for n in want:
+            assert got[n][:2] == want[n][:2], n
+            assert torch.equal(got[n][2], want[n][2]), n
+
+
+def test_serialize_stack_refuses_a_stack_its_names_do_not_match(gen):
+    s = strategy(Precision.fp8_blockwise)
+    with pytest.raises(StrategyError, match="2 names"):
+        s.serialize_stack(["a.weight", "b.weight"], fresh(gen, 3, 128, 128), role=Role.routed_expert)

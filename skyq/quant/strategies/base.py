@@ -125,9 +125,13 @@ class QuantizationStrategy(ABC):
             return [self.serialize(name, stack[i], role=role) for i, name in enumerate(names)]
         stems = [name[: -len("weight")] for name in names]
         batched = self._encode_stack(stems, stack)
-        for name, wire in zip(names, batched):
-            for spec in self.wire_specs(name, shape, role):
-                got = wire[spec.name]
+        # Every member has the specs of the first with its own stem (same shape, same role).
+        specs = self.wire_specs(names[0], shape, role)
+        suffixes = [spec.name[len(stems[0]) :] for spec in specs]
+        for stem, wire in zip(stems, batched):
+            assert len(wire) == len(specs), (stem, sorted(wire))
+            for spec, suffix in zip(specs, suffixes):
+                got = wire[stem + suffix]
                 assert (tuple(got.shape), got.dtype) == (spec.shape, spec.dtype), (spec, got.shape, got.dtype)
         return batched
 

@@ -85,12 +85,13 @@ class Int4QatStrategy(QuantizationStrategy):
         packed, scale = dispatch.quantize_int4_packed(
             stack, group_size=self.group_size, grid=self.precision_cfg.int4_grid, name=stems[0] + "weight"
         )
-        # One [2] tensor on the stack's device shared by all (read-only on the wire): no per-expert
-        # host tensor that the bucket would copy to the device one at a time.
-        shape = int4.weight_shape_tensor(*stack.shape[1:]).to(stack.device)
+        # The shapes as rows of one [E, 2] tensor on the stack's device: no per-expert host tensor
+        # that the bucket would copy to the device one at a time, and the rows lie back to back.
+        n, k = stack.shape[1:]
+        shapes = int4.weight_shape_tensor(n, k).to(stack.device).expand(len(stems), 2).contiguous()
         return [
-            {s + "weight_packed": packed[i], s + "weight_scale": scale[i], s + "weight_shape": shape}
-            for i, s in enumerate(stems)
+            {s + "weight_packed": p, s + "weight_scale": sc, s + "weight_shape": sh}
+            for s, p, sc, sh in zip(stems, packed.unbind(0), scale.unbind(0), shapes.unbind(0))
         ]
 
     def _decode(self, stem: str, wire: Mapping[str, Tensor], dtype: torch.dtype) -> Tensor:

@@ -79,7 +79,10 @@ class Mxfp8Strategy(QuantizationStrategy):
 
     def _encode_stack(self, stems: Sequence[str], stack: Tensor) -> list[dict[str, Tensor]]:
         q, scale = dispatch.quantize_mxfp8(stack, name=stems[0] + "weight")
-        return [{s + "weight": q[i], s + "weight_scale": scale[i]} for i, s in enumerate(stems)]
+        return [
+            {s + "weight": qi, s + "weight_scale": si}
+            for s, qi, si in zip(stems, q.unbind(0), scale.unbind(0))
+        ]
 
     def _decode(self, stem: str, wire: Mapping[str, Tensor], dtype: torch.dtype) -> Tensor:
         return mxfp8.dequantize(

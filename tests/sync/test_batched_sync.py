@@ -1,0 +1,124 @@
+"""Stacked weight items and bulk bucket packing change no byte: the same wire tensors, the same
+manifest accounting, and wsum64 the same number as its defining formula."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from skyq.config.enums import Precision
+from skyq.config.schema import PrecisionConfig
+from skyq.quant.layouts import Role
+from skyq.quant.strategies import get_strategy
+from skyq.sync.buckets import WireUnit, pack_bucket, unpack_bucket
+from skyq.sync.checksums import wsum64
+from skyq.sync.errors import SyncRefused
+from skyq.sync.in_process import in_process_pair
+from skyq.sync.receiver import ExpectedUnit, WeightReceiver
+from skyq.sync.sender import WeightSender
+
+from .wire_fixtures import DictEngine, raw_bytes
+
+
+def wsum64_by_definition(buf: torch.Tensor) -> str:
+    b = buf.to(torch.int64)
+    w = torch.arange(buf.numel(), dtype=torch.int64) % 65521 + 1
+    mask = (1 << 64) - 1
+    return f"{buf.numel():x}-{int(b.sum()) & mask:016x}{int((b * w).sum()) & mask:016x}"
+
+
+@pytest.mark.parametrize("n", [0, 1, 65520, 65521, 65522, 3 * 65521 + 17, 400_000])
+def test_wsum64_is_its_definition_for_any_length_and_chunking(gen, n):
+    buf = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
+    want = wsum64_by_definition(buf)
+    assert wsum64(buf) == want
+    assert wsum64(buf, chunk_bytes=1) == wsum64(buf, chunk_bytes=2 * 65521) == want
+
+
+class Serializer:
+    """A plan serializer for fp8 blockwise: every `*.weight` of the stack is a routed expert."""
+
+    def __init__(self) -> None:
+        self.strategy = get_strategy(PrecisionConfig(name=Precision.fp8_blockwise))
+
+    def __call__(self, name, tensor):
+        return self.strategy.serialize(name, tensor, role=Role.routed_expert)
+
+    def serialize_stack(self, names, stack):
+        return self.strategy.serialize_stack(names, stack, role=Role.routed_expert)
+
+
+def sync(items, expected, version=1, bucket_bytes=80_000):
+    send_end, recv_end = in_process_pair(timeout_s=5.0)
+    engine, errors = DictEngine(), []
+
+    def receive():
+        try:
+            WeightReceiver(recv_end, expected, verify_checksum=True).receive(
+                current_version=0, commit=engine.commit
+            )
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            errors.append(exc)
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    try:
+        stats = WeightSender(send_end, serialize=Serializer(), bucket_bytes=bucket_bytes).sync(items, version)
+    finally:
+        thread.join(timeout=10)
+    assert not errors, errors
+    return engine, stats
+
+
+def test_a_stacked_item_commits_exactly_the_per_tensor_wire(gen):
+    stack = (torch.randn(6, 128, 256, generator=gen) * 0.02).to(torch.bfloat16)
+    norm = torch.randn(256, generator=gen).to(torch.bfloat16)
+    names = [f"model.layers.0.mlp.experts.{i}.down_proj.weight" for i in range(6)]
+    ser = Serializer()
+    per_tensor = {n: ser(n, stack[i]) for i, n in enumerate(names)}
+    per_tensor["model.norm.weight"] = ser("model.norm.weight", norm)
+    expected = [
+        ExpectedUnit(source=n, tensors={w: (tuple(t.shape), t.dtype) for w, t in wire.items()})
+        for n, wire in per_tensor.items()
+    ]
+    stacked, stats = sync([(tuple(names), stack), ("model.norm.weight", norm)], expected)
+    single, _ = sync([(n, stack[i]) for i, n in enumerate(names)] + [("model.norm.weight", norm)], expected)
+    want = {w: raw_bytes(t) for wire in per_tensor.values() for w, t in wire.items()}
+    assert stacked.snapshot() == single.snapshot() == (1, want)
+    assert stats.num_tensors == 13 and stats.num_buckets > 1
+
+
+def test_a_stack_with_a_non_finite_member_is_refused_naming_it(gen):
+    stack = torch.randn(4, 128, 128, generator=gen).to(torch.bfloat16)
+    stack[2, 5, 7] = float("nan")
+    names = tuple(f"e.{i}.weight" for i in range(4))
+    send_end, _ = in_process_pair(timeout_s=1.0)
+    with pytest.raises(SyncRefused, match=r"e\.2\.weight"):
+        WeightSender(send_end, serialize=Serializer(), bucket_bytes=1 << 20).sync([(names, stack)], 1)
+
+
+def test_bulk_packing_coalesces_back_to_back_views_and_unpacks_every_tensor(gen):
+    codes = torch.randint(0, 100, (8, 16, 32), generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    scales = torch.rand(8, 2, 2, generator=gen)  # 16 bytes each: no padding, one run
+    odd = torch.randn(3, generator=gen)  # 12 bytes: padded
+    units = [
+        WireUnit(source=f"u{i}", tensors={f"u{i}.w": codes[i], f"u{i}.s": scales[i]}) for i in range(8)
+    ] + [
+        WireUnit(source="odd", tensors={"odd": odd}),
+        WireUnit(source="flag", tensors={"flag": torch.tensor([True, False])}),
+    ]
+    buf, entry = pack_bucket(0, units)
+    assert len({t.name for t in entry.tensors}) == 18
+    out = unpack_bucket(buf, entry, verify_checksum=True)
+    for unit in units:
+        for name, t in unit.tensors.items():
+            assert out[name].dtype == t.dtype and out[name].shape == t.shape
+            assert raw_bytes(out[name]) == raw_bytes(t), name
+    ends = sorted((t.offset, t.offset + t.nbytes) for t in entry.tensors)
+    assert all(b[0] >= a[1] and b[0] % 16 == 0 for a, b in zip(ends, ends[1:]))
+    # every unit's codes first (back to back, one range), then the odd tensors, then the scales
+    by_name = {t.name: t for t in entry.tensors}
+    assert [by_name[f"u{i}.w"].offset for i in range(8)] == [512 * i for i in range(8)]
+    assert by_name["u0.s"].offset > by_name["flag"].offset
