@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,20 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+@contextmanager
+def atomic_replace(path: Path) -> Iterator[Path]:
+    """The protocol around one write: yields a temp path for the caller to write and fsync, then
+    renames it over `path` and fsyncs the directory. On any error the temp file is removed."""
+    tmp = temp_path_for(path)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
 def atomic_write_bytes(path: Path, data: bytes | memoryview) -> None:
     """Write `data` to `path` via temp + fsync + rename; nothing is left under `path` on failure."""
     atomic_write_chunks(path, [data])
@@ -44,24 +59,17 @@ def atomic_write_chunks(
 ) -> int:
     """`atomic_write_bytes` of the concatenated `chunks`, calling `on_chunk` on each one after it
     is written (e.g. a hash update, while the chunk is still in cache); returns the bytes written."""
-    tmp = temp_path_for(path)
     size = 0
-    try:
-        with open(tmp, "wb", buffering=0) as f:
-            for chunk in chunks:
-                view = memoryview(chunk)
-                written = 0
-                while written < view.nbytes:  # a raw write may be partial
-                    written += f.write(view[written:])
-                size += written
-                if on_chunk is not None:
-                    on_chunk(chunk)
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    with atomic_replace(path) as tmp, open(tmp, "wb", buffering=0) as f:
+        for chunk in chunks:
+            view = memoryview(chunk)
+            written = 0
+            while written < view.nbytes:  # a raw write may be partial
+                written += f.write(view[written:])
+            size += written
+            if on_chunk is not None:
+                on_chunk(chunk)
+        os.fsync(f.fileno())
     return size
 
 

@@ -26,13 +26,13 @@ from safetensors.torch import save as save_safetensors
 
 from skyq.checkpoint import safetensors_stream
 from skyq.checkpoint.atomic import (
+    atomic_replace,
     atomic_write_bytes,
     atomic_write_chunks,
     atomic_write_json,
     fsync_dir,
     json_bytes,
     remove_stale_temp_files,
-    temp_path_for,
 )
 from skyq.checkpoint.errors import CheckpointError
 from skyq.checkpoint.manifest import MANIFEST_NAME, build_manifest, file_record, read_manifest
@@ -163,16 +163,10 @@ class ConversionOutput:
         """Copy a non-weight file (tokenizer, generation config...) from the model dir, crash-safely."""
         src, dst = self.model_dir / relative, self.dir / relative
         dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = temp_path_for(dst)
-        try:
+        with atomic_replace(dst) as tmp:
             shutil.copyfile(src, tmp)
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
-            os.replace(tmp, dst)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        fsync_dir(dst.parent)
 
     def finalize(
         self, *, shards: list[str], config: dict[str, Any], extra_json: dict[str, Any], copied: list[str]
