@@ -20,9 +20,8 @@ import torch
 
 from skyq.checkpoint.chunking import quantize_by_rows
 from skyq.checkpoint.errors import CheckpointError
-from skyq.checkpoint.pipeline import ShardResult, ShardTransform
+from skyq.checkpoint.pipeline import ShardTransform, tensorwise_transform
 from skyq.quant import fp8_blockwise
-from skyq.quant.errors import check_finite
 
 
 class Fp8Strategy(str, Enum):
@@ -46,12 +45,6 @@ class Fp8Options:
 
     def scale_suffix(self) -> str:
         return "_scale_inv" if self.strategy is Fp8Strategy.block else "_scale"
-
-
-def check_kept_finite(name: str, tensor: torch.Tensor) -> None:
-    """Tensors copied unchanged must be finite too: a NaN norm weight is as fatal as a NaN linear."""
-    if tensor.is_floating_point():
-        check_finite(tensor, name)  # a sum first; the element check only when the sum is not finite
 
 
 def make_fp8_transform(quantized: frozenset[str], opts: Fp8Options) -> ShardTransform:
@@ -78,22 +71,11 @@ def make_fp8_transform(quantized: frozenset[str], opts: Fp8Options) -> ShardTran
         def quantize(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
             return fp8_blockwise.quantize_per_tensor(w, name=name)
 
-    def transform(shard: str, tensors: dict[str, torch.Tensor], names: list[str]) -> ShardResult:
-        result = ShardResult(tensors={})
-        for name in names:
-            tensor = tensors[name]
-            if name in quantized:
-                q, scale_inv = quantize(tensor, name)
-                result.tensors[name] = q
-                result.tensors[name + opts.scale_suffix()] = scale_inv
-                result.converted += 1
-            else:
-                check_kept_finite(name, tensor)
-                result.tensors[name] = tensor
-                result.kept += 1
-        return result
+    def convert(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        q, scale_inv = quantize(tensors[name], name)
+        return {name: q, name + opts.scale_suffix(): scale_inv}
 
-    return transform
+    return tensorwise_transform(convert, converts=quantized)
 
 
 def check_fp8_input(dtypes: dict[str, str]) -> None:

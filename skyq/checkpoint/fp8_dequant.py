@@ -16,9 +16,8 @@ from typing import Any
 import torch
 
 from skyq.checkpoint.errors import CheckpointError
-from skyq.checkpoint.fp8_convert import check_kept_finite
 from skyq.checkpoint.hf_config import text_config_of
-from skyq.checkpoint.pipeline import ShardResult, ShardTransform
+from skyq.checkpoint.pipeline import ShardTransform, tensorwise_transform
 from skyq.checkpoint.reader import ShardedCheckpoint, TensorInfo
 from skyq.quant import fp8_blockwise
 
@@ -122,26 +121,15 @@ def make_fp8_dequant_transform(
             return fp8_blockwise.dequantize_per_tensor(q, scale, name=name)
         return fp8_blockwise.dequantize_per_channel(q, scale, name=name)
 
-    def transform(shard: str, tensors: dict[str, torch.Tensor], names: list[str]) -> ShardResult:
-        result = ShardResult(tensors={})
-        for name in names:
-            if name in pairs:
-                scale_name = pairs[name]
-                # The index finds a scale that another shard holds.
-                scale = tensors[scale_name] if scale_name in tensors else source.read_tensor(scale_name)
-                if not torch.isfinite(scale).all():
-                    raise CheckpointError(
-                        f"scale {scale_name!r} in {source.tensors[scale_name].shard}: NaN or inf"
-                    )
-                result.tensors[name] = dequantize(tensors[name], scale, name)
-                result.converted += 1
-            elif name not in scales:
-                check_kept_finite(name, tensors[name])
-                result.tensors[name] = tensors[name]
-                result.kept += 1
-        return result
+    def convert(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        scale_name = pairs[name]
+        # The index finds a scale that another shard holds.
+        scale = tensors[scale_name] if scale_name in tensors else source.read_tensor(scale_name)
+        if not torch.isfinite(scale).all():
+            raise CheckpointError(f"scale {scale_name!r} in {source.tensors[scale_name].shard}: NaN or inf")
+        return {name: dequantize(tensors[name], scale, name)}
 
-    return transform
+    return tensorwise_transform(convert, converts=pairs, consumed=scales)
 
 
 def strip_quantization_config(config: dict[str, Any]) -> dict[str, Any] | None:

@@ -16,8 +16,7 @@ import torch
 
 from skyq.checkpoint.chunking import quantize_by_rows
 from skyq.checkpoint.errors import CheckpointError
-from skyq.checkpoint.fp8_convert import check_kept_finite
-from skyq.checkpoint.pipeline import ShardResult, ShardTransform
+from skyq.checkpoint.pipeline import ShardTransform, tensorwise_transform
 from skyq.checkpoint.reader import TensorInfo
 from skyq.config.enums import Int4Grid
 from skyq.quant import int4
@@ -70,19 +69,7 @@ def make_int4_transform(quantized: frozenset[str], opts: Int4Options) -> ShardTr
             **extra,
         }
 
-    def transform(shard: str, tensors: dict[str, torch.Tensor], names: list[str]) -> ShardResult:
-        result = ShardResult(tensors={})
-        for name in names:
-            if name in quantized:
-                result.tensors.update(quantize(name, tensors[name]))
-                result.converted += 1
-            else:
-                check_kept_finite(name, tensors[name])
-                result.tensors[name] = tensors[name]
-                result.kept += 1
-        return result
-
-    return transform
+    return tensorwise_transform(lambda name, tensors: quantize(name, tensors[name]), converts=quantized)
 
 
 def int4_quantization_config(opts: Int4Options, ignore: list[str]) -> dict[str, Any]:

@@ -17,8 +17,7 @@ from typing import Any
 import torch
 
 from skyq.checkpoint.errors import CheckpointError
-from skyq.checkpoint.fp8_convert import check_kept_finite
-from skyq.checkpoint.pipeline import ShardResult, ShardTransform
+from skyq.checkpoint.pipeline import ShardTransform, tensorwise_transform
 from skyq.checkpoint.reader import ShardedCheckpoint, TensorInfo
 from skyq.quant import int4
 
@@ -129,19 +128,10 @@ def make_int4_dequant_transform(
             tensors[name], m["weight_scale"], m["weight_zero_point"], shape, name=base
         )
 
-    def transform(shard: str, tensors: dict[str, torch.Tensor], names: list[str]) -> ShardResult:
-        result = ShardResult(tensors={})
-        for name in names:
-            if name in units:
-                result.tensors[name.removesuffix("_packed")] = dequantize(name, tensors)
-                result.converted += 1
-            elif name not in members:
-                check_kept_finite(name, tensors[name])
-                result.tensors[name] = tensors[name]
-                result.kept += 1
-        return result
+    def convert(name: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name.removesuffix("_packed"): dequantize(name, tensors)}
 
-    return transform
+    return tensorwise_transform(convert, converts=units, consumed=members)
 
 
 def sidecar_block(block: dict[str, Any], tensors: dict[str, TensorInfo]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from skyq.checkpoint.output import ConversionOutput
 from skyq.checkpoint.reader import ShardedCheckpoint
+from skyq.quant.errors import check_finite
 
 
 @dataclass
@@ -40,6 +41,37 @@ class ShardResult:
 # transform(shard, all its tensors, names) -> the result for `names` only (other tensors of the
 # shard, e.g. a weight's scale, may be read but are not emitted).
 ShardTransform = Callable[[str, dict[str, torch.Tensor], list[str]], ShardResult]
+
+
+def check_kept_finite(name: str, tensor: torch.Tensor) -> None:
+    """Tensors copied unchanged must be finite too: a NaN norm weight is as fatal as a NaN linear."""
+    if tensor.is_floating_point():
+        check_finite(tensor, name)  # a sum first; the element check only when the sum is not finite
+
+
+def tensorwise_transform(
+    convert: Callable[[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    *,
+    converts: Container[str],
+    consumed: Container[str] = frozenset(),
+) -> ShardTransform:
+    """The transform every converter runs: each name in `converts` becomes
+    `convert(name, shard tensors)` (its output tensors), a `consumed` name (a scale the conversion
+    reads) is dropped, and every other tensor is kept unchanged once it is checked finite."""
+
+    def transform(shard: str, tensors: dict[str, torch.Tensor], names: list[str]) -> ShardResult:
+        result = ShardResult(tensors={})
+        for name in names:
+            if name in converts:
+                result.tensors.update(convert(name, tensors))
+                result.converted += 1
+            elif name not in consumed:
+                check_kept_finite(name, tensors[name])
+                result.tensors[name] = tensors[name]
+                result.kept += 1
+        return result
+
+    return transform
 
 
 @dataclass
