@@ -96,6 +96,14 @@ def require_positive(model_cfg: ModelConfig, *keys: str) -> None:
             )
 
 
+# The HF causal-LM names outside the decoder layers, the same in every family.
+_TOP_ROLES: dict[str, Role] = {
+    "model.embed_tokens.weight": Role.embedding,
+    "model.norm.weight": Role.norm,
+    "lm_head.weight": Role.lm_head,
+}
+
+
 class ModelQuantizationLayout(ABC):
     """HF names, shapes and roles of one architecture family, and its trainer <-> HF name maps."""
 
@@ -108,6 +116,14 @@ class ModelQuantizationLayout(ABC):
     @abstractmethod
     def _text_role(self, body: str, model_cfg: ModelConfig) -> Role:
         """Role of a text-model name with the checkpoint's text prefix removed; LayoutError if unknown."""
+
+    def _top_role(self, body: str, model_cfg: ModelConfig) -> Role | None:
+        """Role of a text-model name outside the decoder layers (embeddings, final norm, lm_head),
+        None if not one; LayoutError for an lm_head of a model with tied embeddings."""
+        top = _TOP_ROLES.get(body)
+        if top is Role.lm_head and model_cfg.tie_word_embeddings:
+            raise LayoutError(f"{body}: model.tie_word_embeddings=true, so the checkpoint has no lm_head")
+        return top
 
     def _other_role(self, name: str, model_cfg: ModelConfig) -> Role | None:
         """Role of a name outside the text model (vision tower, projector), None if not one."""

@@ -63,11 +63,6 @@ _MOE_ROLES: dict[str, Role] = {
 }
 _MTP_ONLY = ("embed_tokens.weight", "enorm.weight", "hnorm.weight", "eh_proj.weight")
 _MTP_ONLY += ("shared_head.norm.weight", "shared_head.head.weight")
-_TOP_ROLES: dict[str, Role] = {
-    "model.embed_tokens.weight": Role.embedding,
-    "model.norm.weight": Role.norm,
-    "lm_head.weight": Role.lm_head,
-}
 
 
 def _spec(name: str, shape: tuple[int, ...], role: Role) -> ParamSpec:
@@ -184,10 +179,8 @@ class DeepseekV3Layout(ModelQuantizationLayout):
         return Role.vision
 
     def _text_role(self, body: str, model_cfg: ModelConfig) -> Role:
-        top = _TOP_ROLES.get(body)
+        top = self._top_role(body, model_cfg)
         if top is not None:
-            if top is Role.lm_head and model_cfg.tie_word_embeddings:
-                raise LayoutError(f"{body}: model.tie_word_embeddings=true, so the checkpoint has no lm_head")
             return top
         parsed = split_layer_name(body)
         if parsed is not None:

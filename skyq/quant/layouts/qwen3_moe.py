@@ -38,11 +38,6 @@ _LAYER_ROLES: dict[str, Role] = {
     "mlp.experts.gate_up_proj": Role.routed_expert,
     "mlp.experts.down_proj": Role.routed_expert,
 }
-_TOP_ROLES: dict[str, Role] = {
-    "model.embed_tokens.weight": Role.embedding,
-    "model.norm.weight": Role.norm,
-    "lm_head.weight": Role.lm_head,
-}
 
 
 def split_layer_name(body: str) -> tuple[int, str] | None:
@@ -120,10 +115,8 @@ class Qwen3MoeLayout(ModelQuantizationLayout):
         return specs
 
     def _text_role(self, body: str, model_cfg: ModelConfig) -> Role:
-        top = _TOP_ROLES.get(body)
+        top = self._top_role(body, model_cfg)
         if top is not None:
-            if top is Role.lm_head and model_cfg.tie_word_embeddings:
-                raise LayoutError(f"{body}: model.tie_word_embeddings=true, so the checkpoint has no lm_head")
             return top
         parsed = split_layer_name(body)
         if parsed is not None:
