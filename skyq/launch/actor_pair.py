@@ -13,6 +13,7 @@ from typing import Any
 import ray
 
 from skyq.config.enums import Device
+from skyq.config.resolve import agree
 from skyq.config.schema import (
     AlgorithmConfig,
     ModelConfig,
@@ -88,6 +89,13 @@ class ActorPair:
         )
         timeout_s = self.sync_cfg.timeout_s
         try:
+            # Hardware-dependent settings are resolved where the hardware is, then must agree.
+            self.resolution = agree(
+                ray.get(
+                    [self.trainer.report_resolution.remote(), self.engine.report_resolution.remote()],
+                    timeout=ACTOR_START_TIMEOUT_S,
+                )
+            )
             port = ray.get(self.trainer.open_sync_store.remote(timeout_s), timeout=ACTOR_START_TIMEOUT_S)
             ray.get(
                 [

@@ -16,6 +16,7 @@ import ray
 import torch
 
 from skyq.checkpoint.atomic import atomic_write_bytes
+from skyq.config.resolve import WorkerResolution, resolve_worker
 from skyq.config.schema import AlgorithmConfig, ModelConfig, OptimizerConfig, PrecisionConfig
 from skyq.quant.plan import build_plan
 from skyq.quant.strategies import get_strategy
@@ -26,6 +27,13 @@ from skyq.sync.receiver import WeightReceiver
 from skyq.sync.sender import WeightSender
 from skyq.sync.torch_dist import RECEIVER_RANK, SENDER_RANK, TorchDistChannel, connect_store, open_store
 from skyq.trainer.native.trainer import NativeTrainer
+
+
+def resolve_on_device(precision_cfg: PrecisionConfig, device: str) -> WorkerResolution:
+    """This worker's resolution of fp8_recipe / scale format, from its own device (None on a CPU)."""
+    dev = torch.device(device)
+    capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
+    return resolve_worker(precision_cfg, capability)
 
 
 class TrainerWorker:
@@ -56,8 +64,12 @@ class TrainerWorker:
         )
         self.plan = build_plan(model_cfg, precision_cfg)
         self.serialize = plan_serializer(get_strategy(precision_cfg), self.plan)
+        self.resolution = resolve_on_device(precision_cfg, device)
         self._store = None
         self._channel: TorchDistChannel | None = None
+
+    def report_resolution(self) -> WorkerResolution:
+        return self.resolution
 
     def open_sync_store(self, timeout_s: float) -> int:
         """Start the rendezvous store on a free loopback port (held from now on); returns the port."""
@@ -114,7 +126,11 @@ class EngineWorker:
             model_cfg=model_cfg, precision_cfg=precision_cfg, device=device, seed=seed
         )
         self.expected = expected_units(build_plan(model_cfg, precision_cfg))
+        self.resolution = resolve_on_device(precision_cfg, device)
         self._channel: TorchDistChannel | None = None
+
+    def report_resolution(self) -> WorkerResolution:
+        return self.resolution
 
     def join_sync_group(self, port: int, timeout_s: float, sync_device: str) -> None:
         store = connect_store(port, timeout_s)

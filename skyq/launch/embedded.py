@@ -225,6 +225,15 @@ def run_embedded(
                 checkpoint_path=_starting_checkpoint(model, task, checkpoint),
                 seed=seed,
             )
+            res = pair.resolution
+            print(
+                f"workers agree: fp8 recipe {res.fp8_recipe.value}, scales {res.scale_format.value}"
+                + (
+                    " (no GPU: exact emulation)"
+                    if res.capability is None
+                    else f" on SM{res.capability[0]}{res.capability[1]}"
+                )
+            )
             try:
                 if resume:
                     pair.restore(ckpt_dir, state)
