@@ -83,6 +83,7 @@ class ActorPair:
             checkpoint_path=checkpoint_path,
             device=placement.device,
             seed=seed,
+            temperature=rollout.temperature,
         )
         self.engine = EngineActor.options(**_actor_options(placement.engine_gpus, rollout.env)).remote(
             model_cfg=model, precision_cfg=precision, device=placement.device, seed=seed

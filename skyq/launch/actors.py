@@ -50,6 +50,7 @@ class TrainerWorker:
         checkpoint_path: str,
         device: str,
         seed: int,
+        temperature: float,
     ) -> None:
         torch.manual_seed(seed)
         self.trainer = NativeTrainer(
@@ -61,6 +62,8 @@ class TrainerWorker:
             checkpoint_path=checkpoint_path,
             device=device,
             seed=seed,
+            # log-probs of the policy the engine samples from (logits / rollout.temperature)
+            temperature=temperature,
         )
         self.plan = build_plan(model_cfg, precision_cfg)
         self.serialize = plan_serializer(get_strategy(precision_cfg), self.plan)

@@ -35,6 +35,7 @@ def build_workers(overrides: list[str]) -> tuple[TrainerWorker, EngineWorker]:
         checkpoint_path=str(path),
         device="cpu",
         seed=cfg.seed,
+        temperature=cfg.rollout.temperature,
     )
     engine = EngineWorker(model_cfg=cfg.model, precision_cfg=cfg.precision, device="cpu", seed=cfg.seed)
     return trainer, engine
@@ -169,3 +170,27 @@ def test_nan_in_trainer_weights_is_refused_naming_the_tensor(base_overrides):
     assert "model.layers.0.mlp.experts.2.down_proj.weight: 1 NaN" in str(send_err)
     assert isinstance(recv_err, SyncError)  # the engine waited for a manifest that never came
     assert engine.engine.weight_version == 1 and engine.wire_digest() == before
+
+
+def test_trainer_scores_the_policy_the_engine_samples_at_its_temperature(base_overrides):
+    """At rollout.temperature=0.5 the trainer's log-probs of the engine's samples match the engine's
+    (bf16, identical weights); scored at temperature 1 instead, they would be a different policy."""
+    from skyq.rl.batch import collate
+    from skyq.rl.grpo import mismatch_metrics
+
+    trainer, engine = build_workers([*base_overrides, "precision=bf16", "rollout.temperature=0.5"])
+    assert trainer.trainer.temperature == 0.5
+    assert sync(trainer, engine, 1) == (None, None)
+    prompts = [[1, 4, 12, 5, 17], [1, 7, 12, 9, 17]]
+    samples = engine.generate(prompts, n=8, max_new_tokens=3, temperature=0.5, top_p=1.0, seed=0)
+    batch = collate(samples, [0.0] * len(samples), group_size=8, normalize_std=True, pad_token_id=0)
+    train_logp = trainer.trainer.logprobs(batch.input_ids, batch.attention_mask)
+    matched = mismatch_metrics(train_logp, batch.rollout_logprobs, batch.response_mask)
+    trainer.trainer.temperature = 1.0
+    other = mismatch_metrics(
+        trainer.trainer.logprobs(batch.input_ids, batch.attention_mask),
+        batch.rollout_logprobs,
+        batch.response_mask,
+    )
+    assert matched["mismatch_mean_abs"] < 0.02, matched
+    assert other["mismatch_mean_abs"] > 5 * matched["mismatch_mean_abs"], (matched, other)
