@@ -16,7 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from skyq import preflight
-from skyq.config.enums import Device, RolloutBackend, TrainerBackend
+from skyq.config.enums import Device, ModelFamily, RolloutBackend, TrainerBackend
 from skyq.config.schema import TrainConfig
 from skyq.config.store import register, strict
 from skyq.config.validate import ConfigValidationError, validate
@@ -28,9 +28,28 @@ class HardwareMissingError(RuntimeError):
     """The run needs hardware or a backend this machine does not have."""
 
 
+EMBEDDED_MAX_PARAMS = 2e9
+"""Largest model the embedded native trainer + engine pair is meant to hold on one device."""
+
+
 def check_hardware(cfg: TrainConfig) -> None:
-    """Refuse a GPU topology on a machine without those GPUs (before anything starts)."""
+    """Refuse what this machine or this build cannot run, before anything starts."""
+    if cfg.trainer.backend is TrainerBackend.torch and cfg.model.family is not ModelFamily.qwen3_moe:
+        raise HardwareMissingError(
+            f"model={cfg.model.name} (model.family={cfg.model.family.value}) with trainer=torch: the native "
+            "trainer builds qwen3_moe models only. Use trainer=megatron on a GPU cluster, or add dry_run=true "
+            "to print the plan."
+        )
     if cfg.topology.device is Device.cpu:
+        from skyq.quant.plan import build_plan
+
+        params = build_plan(cfg.model, cfg.precision).bf16_bytes / 2
+        if params > EMBEDDED_MAX_PARAMS:
+            raise HardwareMissingError(
+                f"model={cfg.model.name} has {params / 1e9:.1f}B parameters; topology=cpu runs the embedded "
+                f"trainer and engine on this machine's CPU (meant for models up to {EMBEDDED_MAX_PARAMS / 1e9:.0f}B, "
+                "e.g. model=tiny_moe). Pick a GPU topology, or add dry_run=true to print the plan."
+            )
         return
     import torch
 

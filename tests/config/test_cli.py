@@ -67,3 +67,10 @@ def test_config_ls_show_validate(tmp_path):
     recipe.write_text(recipe.read_text().replace("int4_group_size: 128", "int4_group_size: 100"))
     bad = _run("-m", "skyq.config", "validate", str(recipe))
     assert bad.returncode == 2 and "precision.int4_group_size" in bad.stderr
+
+
+def test_a_big_model_on_the_cpu_topology_is_refused_before_anything_starts(tmp_path):
+    out = _run("-m", "skyq.train", "model=qwen3_30b", f"output_root={tmp_path}")
+    assert out.returncode == 2 and "30.5B parameters" in out.stderr and "dry_run=true" in out.stderr
+    kimi = _run("-m", "skyq.train", "model=kimi_k26", "topology=1gpu", f"output_root={tmp_path}")
+    assert kimi.returncode == 2 and "qwen3_moe models only" in kimi.stderr
