@@ -2,7 +2,8 @@
 
 Accepted inputs: `quant_method: fp8` with `weight_block_size` (DeepSeek-V3 / Qwen-FP8 blockwise,
 `X.weight_scale_inv`), `quant_method: fp8` without it (per-tensor `X.weight_scale`), and
-compressed-tensors `float-quantized` (per-channel or per-tensor `X.weight_scale`). Any other
+compressed-tensors `float-quantized` (per-channel or per-tensor `X.weight_scale`) and compressed-tensors
+`mxfp8-quantized` (uint8 E8M0 `X.weight_scale` [N, K/32], skyq.quant.mxfp8). Any other
 `quant_method` is refused. A weight without its scale, a scale without its weight, a scale of the
 wrong shape or dtype, non-finite or non-positive scales and NaN codes are refused naming the tensor.
 """
@@ -19,7 +20,7 @@ from skyq.checkpoint.errors import CheckpointError
 from skyq.checkpoint.hf_config import text_config_of
 from skyq.checkpoint.pipeline import ShardTransform, tensorwise_transform
 from skyq.checkpoint.reader import ShardedCheckpoint, TensorInfo
-from skyq.quant import fp8_blockwise
+from skyq.quant import fp8_blockwise, mxfp8
 
 FP8_DTYPE = "F8_E4M3"
 
@@ -30,6 +31,12 @@ class Fp8Layout:
 
     scale_suffix: str  # "_scale_inv" (blockwise) or "_scale"
     block_size: tuple[int, int] | None  # None: one scale per row ([N,1]) or per tensor ([1] / [])
+    e8m0: bool = False
+    """MXFP8: uint8 E8M0 exponents (`2^(s - 127)`) in 1 x 32 blocks instead of fp32 scales."""
+
+    @property
+    def scale_dtype(self) -> str:
+        return "U8" if self.e8m0 else "F32"
 
 
 def find_quantization_config(hf_json: dict[str, Any]) -> dict[str, Any] | None:
@@ -56,9 +63,11 @@ def fp8_layout_from_config(config: dict[str, Any], where: str) -> Fp8Layout:
         return Fp8Layout("_scale_inv", (size[0], size[1]))
     if method == "compressed-tensors" and block.get("format") == "float-quantized":
         return Fp8Layout("_scale", None)
+    if method == "compressed-tensors" and block.get("format") == "mxfp8-quantized":
+        return Fp8Layout("_scale", (1, mxfp8.BLOCK), e8m0=True)
     raise CheckpointError(
         f"{where}: quant_method {method!r} (format {block.get('format')!r}) is not an FP8 layout this tool "
-        "reads; expected 'fp8' or compressed-tensors 'float-quantized' (INT4 checkpoints: convert_moe_int4_to_bf16)"
+        "reads; expected 'fp8' or compressed-tensors 'float-quantized' / 'mxfp8-quantized' (INT4 checkpoints: convert_moe_int4_to_bf16)"
     )
 
 
@@ -87,8 +96,8 @@ def pair_fp8_weights(tensors: dict[str, TensorInfo], layout: Fp8Layout) -> dict[
                 "is corrupt (a weight without its scale is never kept as is) - re-download or re-convert it"
             )
         s = tensors[scale]
-        if s.dtype != "F32":
-            raise CheckpointError(f"scale {scale!r} in {s.shard} is {s.dtype}, expected F32")
+        if s.dtype != layout.scale_dtype:
+            raise CheckpointError(f"scale {scale!r} in {s.shard} is {s.dtype}, expected {layout.scale_dtype}")
         want = expected_scale_shape(info.shape, layout, s.shape)
         if s.shape != want:
             raise CheckpointError(
@@ -113,6 +122,8 @@ def make_fp8_dequant_transform(
     scales = set(pairs.values())
 
     def dequantize(q: torch.Tensor, scale: torch.Tensor, name: str) -> torch.Tensor:
+        if layout.e8m0:  # every byte but 0xFF (refused there) is a valid power of two
+            return mxfp8.dequantize(q, scale, name=name)
         if not bool((scale > 0).all()):
             raise CheckpointError(f"scale of {name!r}: {int((scale <= 0).sum())} non-positive value(s)")
         if layout.block_size is not None:

@@ -1,8 +1,8 @@
 """What a checkpoint is and whether it is sound: the engine of `python -m skyq.tools.inspect`.
 
-Reports the format (bf16, fp8 blockwise / per-channel / per-tensor, int4 W4A16), quantized and
-kept tensors by role, scale sanity (finite, positive, powers of two where `scale_fmt: ue8m0`
-claims so), index and config consistency (total_size in bytes, quantized tensors <=> config
+Reports the format (bf16, fp8 blockwise / per-channel / per-tensor, mxfp8, int4 W4A16), quantized
+and kept tensors by role, scale sanity (finite, positive, powers of two where `scale_fmt: ue8m0`
+claims so; no 0xFF byte in E8M0 scales), index and config consistency (total_size in bytes, quantized tensors <=> config
 block, skip/ignore lists <=> tensors) and bytes. `verify=True` also reads every tensor (finite
 values, no e4m3 NaN codes) and checks every file against `skyq_manifest.json`.
 """
@@ -27,8 +27,8 @@ from skyq.checkpoint.int4_convert import matches_ignore_rule
 from skyq.checkpoint.int4_dequant import group_packed_weights, packed_layout_from_block
 from skyq.checkpoint.manifest import MANIFEST_NAME, read_manifest, verify_files
 from skyq.checkpoint.reader import INDEX_NAME, ShardedCheckpoint, load_json
-from skyq.quant import fp8_blockwise
-from skyq.quant.layouts import LayoutError, get_layout
+from skyq.quant import fp8_blockwise, mxfp8
+from skyq.quant.layouts import LINEAR_ROLES, LayoutError, get_layout
 
 
 @dataclass
@@ -87,16 +87,20 @@ def _check_format(
             report.lines.append(f"format: int4 W4A16 pack-quantized, group {layout.group_size}, {kind}")
             units = group_packed_weights(source.tensors, layout)
             _check_scales(source, [m["weight_scale"] for m in units.values()], pow2=False, report=report)
-            _check_skip_list(block.get("ignore") or [], source, set(units), report)
+            _check_skip_list(block.get("ignore") or [], source, set(units), config, report)
             return {n: n.removesuffix("_packed") for n in units}
         layout = fp8_layout_from_config(config, where)
         pairs = pair_fp8_weights(source.tensors, layout)
-        pow2 = block.get("scale_fmt") == "ue8m0"
-        grain = f"blockwise {list(layout.block_size)}" if layout.block_size else "per-channel/per-tensor"
-        report.lines.append(f"format: fp8 e4m3 {grain}" + (", ue8m0 scales" if pow2 else ""))
-        _check_scales(source, list(pairs.values()), pow2=pow2, report=report)
+        if layout.e8m0:
+            report.lines.append("format: mxfp8 e4m3, 1 x 32 blocks, E8M0 uint8 scales (mxfp8-quantized)")
+            _check_e8m0_scales(source, list(pairs.values()), report)
+        else:
+            pow2 = block.get("scale_fmt") == "ue8m0"
+            grain = f"blockwise {list(layout.block_size)}" if layout.block_size else "per-channel/per-tensor"
+            report.lines.append(f"format: fp8 e4m3 {grain}" + (", ue8m0 scales" if pow2 else ""))
+            _check_scales(source, list(pairs.values()), pow2=pow2, report=report)
         skip = block.get("modules_to_not_convert") or block.get("ignore") or []
-        _check_skip_list(skip, source, set(pairs), report)
+        _check_skip_list(skip, source, set(pairs), config, report)
         return {n: n for n in pairs}
     except CheckpointError as e:
         report.problems.append(str(e))
@@ -118,18 +122,49 @@ def _check_scales(source: ShardedCheckpoint, names: list[str], *, pow2: bool, re
     report.lines.append(f"scales: {len(names)} checked, {bad} bad")
 
 
+def _check_e8m0_scales(source: ShardedCheckpoint, names: list[str], report: InspectReport) -> None:
+    """E8M0 bytes are powers of two by construction; 0xFF is the format's NaN and is never written."""
+    bad = 0
+    for name in names:
+        n_nan = int((source.read_tensor(name) == mxfp8.E8M0_NAN).sum())
+        if n_nan:
+            report.problems.append(
+                f"scale {name!r} in {source.tensors[name].shard}: {n_nan} E8M0 NaN byte(s) (0xFF)"
+            )
+            bad += 1
+    report.lines.append(f"scales: {len(names)} checked, {bad} bad")
+
+
+def _not_linear(source: ShardedCheckpoint, config: dict) -> set[str]:
+    """Weights the layout says belong to no linear layer (embeddings): no skip list needs them.
+    Empty when the roles are unknown, so every 2-D weight is then expected in the list."""
+    try:
+        model_cfg = model_config_from_hf(config)
+    except ValueError:
+        return set()
+    layout, out = get_layout(model_cfg.family), set()
+    for name in source.tensors:
+        try:
+            if name.endswith(".weight") and layout.role(name, model_cfg) not in LINEAR_ROLES:
+                out.add(name)
+        except LayoutError:
+            continue  # reported by the role count
+    return out
+
+
 def _check_skip_list(
-    rules: list[str], source: ShardedCheckpoint, quantized: set[str], report: InspectReport
+    rules: list[str], source: ShardedCheckpoint, quantized: set[str], config: dict, report: InspectReport
 ) -> None:
-    """Quantized modules must not be skipped; every unquantized 2-D weight's module must be."""
+    """Quantized modules must not be skipped; every unquantized linear weight's module must be."""
     for name in sorted(quantized):
         module = name.rsplit(".", 1)[0]
         if any(matches_ignore_rule(module, r) for r in rules):
             report.problems.append(f"{module}: quantized, yet the config's skip/ignore list names it")
+    not_linear = _not_linear(source, config)
     plain = sorted(
         n
         for n, i in source.tensors.items()
-        if n.endswith(".weight") and len(i.shape) == 2 and i.dtype != FP8_DTYPE
+        if n.endswith(".weight") and len(i.shape) == 2 and i.dtype != FP8_DTYPE and n not in not_linear
     )
     unlisted = [n for n in plain if not any(matches_ignore_rule(n.removesuffix(".weight"), r) for r in rules)]
     if unlisted:

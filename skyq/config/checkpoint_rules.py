@@ -14,7 +14,8 @@ from skyq.config.schema import CheckpointConfig, PrecisionConfig
 _CONVERT = {
     Precision.fp8_blockwise: "python -m skyq.tools.convert_hf_to_fp8 --model-dir <bf16 dir> --save-dir <fp8 dir> "
     "--block-size {bn} {bk}",
-    Precision.mxfp8: "(an MXFP8 compressed-tensors checkpoint, format mxfp8-quantized)",
+    Precision.mxfp8: "python -m skyq.tools.convert_hf_to_mxfp8 --model-dir <bf16 dir> --save-dir <mxfp8 dir> "
+    "--targets {targets}",
     Precision.int4_qat: "python -m skyq.tools.convert_hf_to_int4 --model-dir <bf16 dir> --save-dir <int4 dir> "
     "--group-size {g} --grid {grid}",
 }
@@ -31,6 +32,7 @@ def checkpoint_errors(
         bk=precision.block_size[-1],
         g=precision.int4_group_size,
         grid=precision.int4_grid.value,
+        targets=precision.mxfp8_targets.value,
     )
     for key in ("hf_checkpoint", "ref_load"):
         path = getattr(checkpoint, key)
@@ -91,7 +93,7 @@ def _rollout_errors(precision: PrecisionConfig, info: CheckpointQuantization, co
         if info.ct_format != "mxfp8-quantized":
             return [
                 f"{key} has quant_method={info.quant_method}, format={info.ct_format}; precision=mxfp8 needs a "
-                "compressed-tensors mxfp8-quantized checkpoint."
+                f"compressed-tensors mxfp8-quantized checkpoint. Fix: {convert}"
             ]
         return []
     return _int4_errors(precision, info, key, convert)

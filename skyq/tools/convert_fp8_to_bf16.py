@@ -1,4 +1,4 @@
-"""FP8 e4m3 HF checkpoint -> BF16 (blockwise, per-channel or per-tensor scales, from config.json).
+"""FP8 e4m3 HF checkpoint -> BF16 (blockwise, per-channel, per-tensor or MXFP8 scales, from config.json).
 
     python -m skyq.tools.convert_fp8_to_bf16 --model-dir D --save-dir S [--max-workers N] [--overwrite]
 

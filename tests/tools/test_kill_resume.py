@@ -15,12 +15,19 @@ from checkpoint.tiny_checkpoints import dir_bytes
 
 from skyq.checkpoint.atomic import TEMP_MARKER
 from skyq.checkpoint.output import DONE_LOG_NAME
-from skyq.tools import convert_fp8_to_bf16, convert_hf_to_fp8, convert_hf_to_int4, convert_moe_int4_to_bf16
+from skyq.tools import (
+    convert_fp8_to_bf16,
+    convert_hf_to_fp8,
+    convert_hf_to_int4,
+    convert_hf_to_mxfp8,
+    convert_moe_int4_to_bf16,
+)
 
 # tool module -> (source fixture, output flag, its main)
 CASES = {
     "convert_hf_to_fp8": ("qwen_bf16", "--save-dir", convert_hf_to_fp8.main),
     "convert_hf_to_int4": ("kimi_bf16", "--save-dir", convert_hf_to_int4.main),
+    "convert_hf_to_mxfp8": ("kimi_bf16", "--save-dir", convert_hf_to_mxfp8.main),
     "convert_fp8_to_bf16": ("kimi_fp8_split", "--save-dir", convert_fp8_to_bf16.main),
     "convert_moe_int4_to_bf16": ("kimi_int4_release", "--output-dir", convert_moe_int4_to_bf16.main),
 }
