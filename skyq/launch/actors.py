@@ -86,12 +86,16 @@ class TrainerWorker:
         )
 
     def send_weights(self, version: int, bucket_bytes: int) -> dict[str, float]:
-        """Serialize the current weights and send them as `version`; returns the sync metrics."""
+        """Serialize the current weights and send them as `version`; returns the sync metrics.
+
+        Routed experts go as one stack per projection (one quantizer call each); the wire is
+        bit-identical to serializing every expert's tensor on its own (`serialized_digest`)."""
         sender = WeightSender(self._channel, serialize=self.serialize, bucket_bytes=bucket_bytes)
-        return sender.sync(self.trainer.hf_weights(), version).as_metrics()
+        return sender.sync(self.trainer.hf_weight_items(), version).as_metrics()
 
     def serialized_digest(self) -> WireDigest:
-        """Digest of what the strategy serializes from the current weights (what a sync would send)."""
+        """Digest of what the strategy serializes from the current weights (what a sync would send),
+        one tensor at a time: the reference the stacked sync is checked against."""
         wire = {n: t for name, w in self.trainer.hf_weights() for n, t in self.serialize(name, w).items()}
         return wire_digest(wire)
 

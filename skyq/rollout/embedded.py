@@ -23,7 +23,7 @@ from skyq.config.schema import ModelConfig, PrecisionConfig
 from skyq.quant.errors import QuantizationError
 from skyq.quant.fake_quant import activation_fake_quant
 from skyq.quant.layouts import get_layout
-from skyq.quant.plan import build_plan
+from skyq.quant.plan import ParamPlan, build_plan
 from skyq.quant.strategies import WireSpec, get_strategy
 from skyq.rl.batch import FinishReason, Sample
 from skyq.rl.tokenizer import EOS_ID
@@ -31,6 +31,8 @@ from skyq.rollout.quantized_linear import ExpertMLP, WireExperts, WireLinear, pl
 from skyq.rollout.sampling import check_sampling_args, sample_tokens
 
 NO_WEIGHTS = -1
+_SHARED_SUFFIXES = frozenset({"weight_shape"})
+"""Wire tensors that describe a matrix rather than hold it (int4's [N, K]): one per stack, not stacked."""
 
 
 def sampling_seed(engine_seed: int, call_seed: int) -> int:
@@ -70,8 +72,10 @@ class EmbeddedEngine:
         self.expected: dict[str, WireSpec] = {w.name: w for p in self.plan for w in p.wire}
         self.model = self._build_model().to(self.device).eval()
         self._version = NO_WEIGHTS
-        held = {name: (tuple(t.shape), t.dtype) for name, t in self.model.state_dict().items()}
+        self._held = self.model.state_dict()  # the live tensors load_weights copies into
+        held = {name: (tuple(t.shape), t.dtype) for name, t in self._held.items()}
         assert held == {n: (w.shape, w.dtype) for n, w in self.expected.items()}, "engine model != plan"
+        self._stack_groups = self._stack_groups_of_plan()
 
     # construction -------------------------------------------------------------------------------
 
@@ -146,7 +150,47 @@ class EmbeddedEngine:
                 )
         return problems
 
-    def _check_values(self, wire: dict[str, Tensor]) -> None:
+    def _stack_groups_of_plan(self) -> list[list[ParamPlan]]:
+        """Quantized plan entries that dequantize as one stack: same role, same wire shapes and
+        dtypes (one projection's routed experts, attention projections of equal shape)."""
+        groups: dict[tuple, list[ParamPlan]] = {}
+        for entry in self.plan:
+            if entry.quantized:
+                stem = entry.name.removesuffix("weight")
+                key = (entry.role, tuple((w.name.removeprefix(stem), w.shape, w.dtype) for w in entry.wire))
+                groups.setdefault(key, []).append(entry)
+        return list(groups.values())
+
+    def _values_pass(self, wire: dict[str, Tensor]) -> bool:
+        """True only if every unit passes `_check_values_each`: each stack group dequantized in one
+        call (the formats check and decode each [N, K] matrix of a stack on its own) and tested
+        finite, the unquantized floats tested per dtype in one reduction. False may be a false alarm
+        (e.g. int4 weight_shape rows that differ), which the per-unit checks then settle."""
+        for group in self._stack_groups:
+            first = group[0].name.removesuffix("weight")
+            unit: dict[str, Tensor] = {}
+            for w in group[0].wire:
+                suffix = w.name.removeprefix(first)
+                members = [wire[e.name.removesuffix("weight") + suffix] for e in group]
+                if suffix in _SHARED_SUFFIXES:  # describes the matrix, passed once when all agree
+                    if not all(torch.equal(m, members[0]) for m in members[1:]):
+                        return False
+                    unit[w.name] = members[0]
+                else:
+                    unit[w.name] = members[0] if len(members) == 1 else torch.stack(members)
+            try:
+                value = self.strategy.deserialize(group[0].name, unit, role=group[0].role)
+            except (QuantizationError, RuntimeError):  # let the per-unit checks name the problem
+                return False
+            if not bool(torch.isfinite(value).all()):
+                return False
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for entry in self.plan:
+            if not entry.quantized and wire[entry.name].is_floating_point():
+                by_dtype.setdefault(wire[entry.name].dtype, []).append(wire[entry.name].reshape(-1))
+        return all(bool(torch.isfinite(torch.cat(flat)).all()) for flat in by_dtype.values())
+
+    def _check_values_each(self, wire: dict[str, Tensor]) -> None:
         """Dequantize every unit once (it refuses NaN codes and bad scales) and check bf16 tensors are finite."""
         for entry in self.plan:
             unit = {w.name: wire[w.name] for w in entry.wire}
@@ -160,6 +204,12 @@ class EmbeddedEngine:
                 raise WeightLoadError(f"weight version rejected: {exc}") from exc
             if value.is_floating_point() and not bool(torch.isfinite(value).all()):
                 raise WeightLoadError(f"{entry.name}: non-finite values; weight version rejected")
+
+    def _check_values(self, wire: dict[str, Tensor]) -> None:
+        """The per-unit checks, run only when the batched pass does not clear every unit: the same
+        acceptance, the same error naming the first bad unit, one quantizer call per stack."""
+        if not self._values_pass(wire):
+            self._check_values_each(wire)
 
     def load_weights(self, wire: dict[str, Tensor], version: int) -> None:
         """Replace all weights with `wire` (every wire tensor of the plan) and set the version.
@@ -180,7 +230,7 @@ class EmbeddedEngine:
             )
         self._check_values(wire)
         with torch.no_grad():
-            for name, held in self.model.state_dict().items():
+            for name, held in self._held.items():
                 held.copy_(wire[name])
         self._version = version
 

@@ -13,8 +13,9 @@ import torch
 from skyq.launch.actors import EngineWorker, TrainerWorker
 from skyq.sync.errors import SyncError, SyncRefused
 from skyq.sync.in_process import in_process_pair
+from skyq.sync.plan_wire import wire_digest
 from skyq.sync.receiver import WeightReceiver
-from skyq.sync.sender import WeightSender
+from skyq.sync.sender import WeightSender, build_units
 
 from .run_helpers import compose_config
 
@@ -70,13 +71,27 @@ def sync(trainer, engine, version, *, serialize=None, weights=None, corrupt_buck
     thread.start()
     try:
         WeightSender(send_end, serialize=serialize or trainer.serialize, bucket_bytes=4096).sync(
-            weights if weights is not None else trainer.trainer.hf_weights(), version
+            weights if weights is not None else trainer.trainer.hf_weight_items(), version
         )
     except SyncError as exc:
         errors["send"] = exc
     thread.join(timeout=30)
     assert not thread.is_alive()
     return errors.get("send"), errors.get("recv")
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_stacked_expert_items_put_the_same_wire_as_one_tensor_at_a_time(base_overrides, precision):
+    trainer, _ = build_workers([*base_overrides, f"precision={precision}"])
+    stacked, _, _ = build_units(trainer.trainer.hf_weight_items(), trainer.serialize, 1)
+    single, _, _ = build_units(trainer.trainer.hf_weights(), trainer.serialize, 1)
+    assert any(not isinstance(n, str) for n, _ in trainer.trainer.hf_weight_items())
+
+    def wire_of(units):
+        return {u.source: wire_digest(u.tensors) for u in units}
+
+    assert wire_of(stacked) == wire_of(single)
+    assert len(stacked) == len(single)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

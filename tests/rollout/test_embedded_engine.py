@@ -139,3 +139,38 @@ def test_trainer_scores_at_the_sampling_temperature(run_cfg, tiny_checkpoint, ma
         for name, t in (("matched", at_temperature), ("unmatched", at_one))
     }
     assert scored["matched"] < 0.02 < scored["unmatched"]
+
+
+def _corrupt_one_expert(wire: dict[str, torch.Tensor], precision: str) -> dict[str, torch.Tensor]:
+    """A bad value in expert 2 of a stack the engine checks in one call (the others stay good)."""
+    wire, stem = dict(wire), "model.layers.1.mlp.experts.2.down_proj."
+    if precision == "bf16":
+        bad = wire[stem + "weight"].clone()
+        bad[3, 5] = float("inf")
+        wire[stem + "weight"] = bad
+    elif precision == "int4_qat":
+        wire[stem + "weight_shape"] = wire[stem + "weight_shape"] + 1
+    elif precision == "mxfp8":
+        scale = wire[stem + "weight_scale"].clone()
+        scale[0, 0] = 0xFF  # the E8M0 NaN byte
+        wire[stem + "weight_scale"] = scale
+    else:
+        codes = wire[stem + "weight"].clone()
+        codes.view(torch.uint8)[4, 4] = 0x7F  # an e4m3 NaN code
+        wire[stem + "weight"] = codes
+    return wire
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_bad_value_inside_an_expert_stack_is_refused_naming_that_expert(
+    make_trainer, make_engine, serialize, precision
+):
+    trainer, engine = make_trainer(precision), make_engine(precision)
+    good = serialize(trainer)
+    engine.load_weights(good, version=1)
+    before = engine.wire_state()
+    with pytest.raises(WeightLoadError, match=r"model\.layers\.1\.mlp\.experts\.2\.down_proj\.weight"):
+        engine.load_weights(_corrupt_one_expert(good, precision), version=2)
+    assert engine.weight_version == 1
+    after = engine.wire_state()
+    assert all(torch.equal(_bits(after[n]), _bits(before[n])) for n in before)

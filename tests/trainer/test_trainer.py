@@ -39,6 +39,29 @@ def test_hf_weights_follow_the_layout_in_bf16(make_trainer):
     )
 
 
+def test_hf_weight_items_hold_the_hf_weights_with_experts_stacked_per_projection(make_trainer):
+    trainer = make_trainer()
+    cfg = trainer.model_cfg
+    flat, stacks = {}, []
+    for name, tensor in trainer.hf_weight_items():
+        if isinstance(name, str):
+            flat[name] = tensor
+            continue
+        stacks.append(name)
+        assert tensor.shape[0] == len(name) == cfg.num_experts and tensor.is_contiguous()
+        flat.update(zip(name, tensor.unbind(0)))
+    projections = ("gate_proj", "up_proj", "down_proj")
+    assert sorted(stacks) == sorted(
+        tuple(f"model.layers.{layer}.mlp.experts.{e}.{p}.weight" for e in range(cfg.num_experts))
+        for layer in range(cfg.num_layers)
+        for p in projections
+    )
+    weights = dict(trainer.hf_weights())
+    assert list(flat) == list(dict.fromkeys(flat)) and set(flat) == set(weights)
+    for name, tensor in weights.items():
+        assert flat[name].dtype == tensor.dtype and torch.equal(flat[name], tensor), name
+
+
 def test_logprobs_are_token_aligned_log_softmax(make_trainer):
     trainer = make_trainer("bf16")
     batch = _batch()

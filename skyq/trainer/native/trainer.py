@@ -18,10 +18,12 @@ from torch import Tensor
 
 from skyq.config.enums import ISCorrection
 from skyq.config.schema import AlgorithmConfig, ModelConfig, OptimizerConfig, PrecisionConfig
+from skyq.quant.layouts import experts as expert_layout
 from skyq.quant.layouts import get_layout
 from skyq.quant.strategies import get_strategy
 from skyq.rl.batch import RolloutBatch
 from skyq.rl.grpo import mismatch_metrics, policy_loss
+from skyq.sync.sender import WeightItem
 from skyq.trainer.native.model import load_model, write_hf_checkpoint
 from skyq.trainer.native.precision import effective_parameters, quantize_activations
 
@@ -139,6 +141,32 @@ class NativeTrainer:
         tensors = self._hf_tensors()
         for spec in self.layout.hf_parameters(self.model_cfg):
             yield spec.name, tensors[spec.name].contiguous()
+
+    def hf_weight_items(self) -> Iterator[WeightItem]:
+        """The same tensors as `hf_weights()`, routed experts held together: `(HF name, tensor)` for
+        every other parameter and `(HF names, stack)` per projection of each fused experts tensor,
+        where `stack[e]` is expert e's tensor (gate and up rows as separate stacks).
+
+        A quantizer then takes one projection's experts in one call (the sender's stacked items);
+        the values are exactly those `hf_weights()` yields. Order: the layout's, a stack where
+        its first expert would be.
+        """
+        items: dict[str, WeightItem] = {}  # keyed by the item's first HF name
+        for trainer_name, param in self.model.named_parameters():
+            tensor = param.detach().to(torch.bfloat16)
+            fused = expert_layout.parse_fused_name(trainer_name)
+            if fused is None:
+                (hf_name,) = self.layout.trainer_to_hf_names(trainer_name, self.model_cfg)
+                items[hf_name] = (hf_name, tensor.contiguous())
+                continue
+            module = self.model_cfg.text_prefix + fused[0]
+            for projection, stack in expert_layout.projection_stacks(trainer_name, tensor, self.model_cfg):
+                names = tuple(f"{module}.{e}.{projection}.weight" for e in range(stack.shape[0]))
+                items[names[0]] = (names, stack.contiguous())
+        for spec in self.layout.hf_parameters(self.model_cfg):
+            if spec.name in items:
+                yield items.pop(spec.name)
+        assert not items, f"trainer tensors outside the layout: {sorted(items)[:5]}"
 
     def save_hf(self, directory: str | Path) -> Path:
         """Write the current weights as a bf16 HF safetensors checkpoint."""
