@@ -95,56 +95,72 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 20 / (a.elapsed_time(b) / 1e3)
 
 
-def per_shape(gen: torch.Generator, batches: list[int]) -> None:
-    """Each projection alone: bf16 cuBLAS vs the FP8 kernel, achieved weight bytes/s."""
-    from triton.testing import do_bench
+PER_SHAPE = {"attn 2048x2048": (2048, 2048), "gate_up 6144x2048": (6144, 2048),
+             "down 2048x6144": (2048, 6144), "expert 768x2048": (768, 2048),
+             "lm_head 151936x2048": (151936, 2048)}  # fmt: skip
 
-    print("\nper projection, alone (median us; GB/s of weight bytes; weights <= 24 MB may sit in L2)")
+
+def rotated(n: int, k: int, gen: torch.Generator) -> tuple[list, list]:
+    """Enough (bf16, fp8) copies of one weight shape that a pass over them (>= 256 MB of fp8)
+    cannot be served from the 50 MB L2, as each layer's weights are not in real decode."""
+    copies = max(1, min(64, (256 << 20) // (n * k)))
+    w = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16).cuda()
+    ws = [w.clone() for _ in range(copies)]
+    return ws, [dispatch.quantize_fp8_blockwise(wi) for wi in ws]
+
+
+def time_per_call(fns: list, replays: int = 10) -> float:
+    """Seconds per call of a CUDA graph that makes every call in `fns` once (launch gaps out)."""
+    g = graphed(lambda _: [f() for f in fns], torch.empty(0))
+    return statistics.median(time_graph(g, replays, 5)) / len(fns)
+
+
+def per_shape(gen: torch.Generator, batches: list[int]) -> None:
+    """Each projection alone: bf16 torch.matmul vs the FP8 kernel, achieved weight-read TB/s."""
+    print("\nper projection, graphed over rotating weight copies (us per call; weight-read TB/s)")
     print(
-        f"{'shape':>12} {'M':>3} {'bf16 us':>8} {'fp8 us':>8} {'bf16 GB/s':>9} {'fp8 GB/s':>9} {'speedup':>7}"
+        f"{'shape':>22} {'M':>3} {'bf16 us':>8} {'fp8 us':>8} {'bf16 TB/s':>9} {'fp8 TB/s':>9} {'speedup':>7}"
     )
-    for name, (n, k) in SHAPES.items():
-        if name in ("v", "up"):
-            continue
-        w = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16).cuda()
-        q, s = dispatch.quantize_fp8_blockwise(w)
+    for label, (n, k) in PER_SHAPE.items():
+        ws, qs = rotated(n, k, gen)
         for m in batches:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
-            tb = do_bench(lambda x=x, w=w: F.linear(x, w), warmup=25, rep=100, return_mode="median")
-            tf = do_bench(
-                lambda x=x, q=q, s=s: dispatch.fp8_weight_only_linear(x, q, s),
-                warmup=25,
-                rep=100,
-                return_mode="median",
+            tb = time_per_call([lambda w=w, x=x: torch.matmul(x, w.T) for w in ws])
+            tf = time_per_call(
+                [lambda q=q, s=s, x=x: dispatch.fp8_weight_only_linear(x, q, s) for q, s in qs]
             )
-            print(f"{n:>5}x{k:<6} {m:>3} {tb * 1e3:8.1f} {tf * 1e3:8.1f} {2 * n * k / tb / 1e6:9.0f} "
-                  f"{n * k / tf / 1e6:9.0f} {tb / tf:7.2f}")  # fmt: skip
+            fp8_bytes = n * k + qs[0][1].numel() * 4
+            print(f"{label:>22} {m:>3} {tb * 1e6:8.1f} {tf * 1e6:8.1f} {2 * n * k / tb / 1e12:9.2f} "
+                  f"{fp8_bytes / tf / 1e12:9.2f} {tb / tf:7.2f}", flush=True)  # fmt: skip
+        del ws, qs
 
 
-def sweep(gen: torch.Generator) -> None:
-    """Tilings of the kernel on the two largest projections (BM, BN, TK, split) x warps."""
-    from triton.testing import do_bench
+def sweep(gen: torch.Generator, batches: list[int]) -> None:
+    """Kernel variants (pipeline stages, BN, split) per shape and batch, graphed like per_shape."""
+    from skyq.quant.kernels import triton_fp8_gemv as kern
 
-    from skyq.quant.kernels import triton_fp8_gemv
-
-    print("\nsweep (fp8 kernel median us)")
-    for n, k in ((Q_OUT, HIDDEN), (HIDDEN, MLP)):
-        w = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16).cuda()
-        q, s = dispatch.quantize_fp8_blockwise(w)
-        for m in (16, 64):
+    print("\nsweep: fp8 kernel TB/s of weight bytes, best 5 per shape/batch (stages/BN/split)")
+    for label, (n, k) in PER_SHAPE.items():
+        ws, qs = rotated(n, k, gen)
+        for m in batches:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
-            auto = triton_fp8_gemv.tiling(m, n, k, 128, triton_fp8_gemv.sm_count(x.device))
+            bm, *_, auto_split = kern.tiling(m, n, k, 128, kern.sm_count(x.device))
             cells = []
-            for bn in (32, 64, 128):
-                for split in (1, 4):
-                    cfg = (min(64, max(16, m)), bn, 128, split)
-                    t = do_bench(
-                        lambda x=x, q=q, s=s, cfg=cfg: triton_fp8_gemv.linear(x, q, s, block_size=(128, 128), config=cfg),
-                        warmup=10, rep=40, return_mode="median",
-                    )  # fmt: skip
-                    cells.append((t * 1e3, f"bn{bn}/s{split}"))
-            best = sorted(cells)[:4]
-            print(f"{n}x{k} M={m} auto={auto}: " + ", ".join(f"{lab} {t:.1f}" for t, lab in best))
+            for stages in (3, 4, 5):
+                for bn in (64, 128):
+                    for split in (1, 2, 4, 8):
+                        if stages != 4 and split != auto_split:
+                            continue
+                        cfg = (bm, bn, 128, split)
+                        fns = [lambda q=q, s=s, x=x, cfg=cfg, st=stages: kern.linear(x, q, s, block_size=(128, 128),
+                                                                           config=cfg, num_stages=st)
+                               for q, s in qs]  # fmt: skip
+                        t = time_per_call(fns)
+                        cells.append((n * k / t / 1e12, f"st{stages}/bn{bn}/s{split}"))
+            best = sorted(cells, reverse=True)[:5]
+            print(f"{label} M={m} auto split={auto_split}: " + ", ".join(f"{lab} {tb:.2f}" for tb, lab in best),
+                  flush=True)  # fmt: skip
+        del ws, qs
 
 
 def main() -> None:
@@ -154,11 +170,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--only", choices=["model", "per-shape", "sweep"], default=None)
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     device = torch.cuda.get_device_name()
     print(f"device {device}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
     print(f"copy bandwidth (read+write) {copy_bandwidth() / 1e12:.2f} TB/s")
+    if args.only in ("per-shape", "sweep"):
+        (per_shape if args.only == "per-shape" else sweep)(gen, args.batches)
+        return
     layers = make_layers(args.layers, gen)
     fp8 = [{name: dispatch.quantize_fp8_blockwise(w) for name, w in layer.items()} for layer in layers]
     n_params = sum(w.numel() for layer in layers for w in layer.values())
@@ -193,9 +213,9 @@ def main() -> None:
         print(f"{m:>5}  {mb * 1e6:8.1f} [{b0 * 1e6:.1f}-{b1 * 1e6:.1f}]   {mf * 1e6:8.1f} [{f0 * 1e6:.1f}-{f1 * 1e6:.1f}]"
               f"   {fp8_bytes / mf / 1e9:8.0f}   {rel:.2e}")  # fmt: skip
     table(rows, device)  # printed before the diagnostics too, in case a time limit cuts them
-    if not args.no_sweep:
+    if not args.no_sweep and args.only is None:
         per_shape(gen, args.batches)
-        sweep(gen)
+        sweep(gen, args.batches)
         table(rows, device)
 
 

@@ -111,7 +111,10 @@ def test_mxfp8_extreme_magnitudes_and_padding(gen, exponent):
     assert_same_bits(dispatch.dequantize_mxfp8(q_ref, s_ref), mxfp8.dequantize(q_ref, s_ref))
 
 
-@pytest.mark.parametrize("shape", [(1, 128), (7, 256), (129, 512), (300, 2048), (1000, 4096), (3, 130, 256)])
+@pytest.mark.parametrize(
+    "shape",
+    [(1, 128), (7, 256), (129, 512), (300, 2048), (1000, 4096), (3, 130, 256), (33, 384), (5, 17, 640)],
+)
 @pytest.mark.parametrize("group_size", [32, 128])
 @pytest.mark.parametrize("grid", ["kimi", "rtn"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -203,3 +206,21 @@ def test_weight_operands_match_reference_with_padded_scales(make_weight, shape):
     assert_same_bits(s_fwd[..., :nk, :].transpose(-1, -2).contiguous(), s_ref)
     assert_same_bits(s_bwd[..., :nn_, :].contiguous(), s_ref)
     assert bool((s_fwd[..., nk:, :] == 1).all()) and bool((s_bwd[..., nn_:, :] == 1).all())
+
+
+@pytest.mark.parametrize("grid", ["kimi", "rtn"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_int4_codes_on_and_next_to_rounding_ties_match_reference(gen, grid, dtype):
+    """The kernel's division-free quotient must round exactly like the reference's IEEE division
+    where it matters: x / s on a half-integer, and (fp32) one or two ulps beside one."""
+    divisor = {"kimi": 7.0, "rtn": 7.5}[grid]
+    n, k, g = 64, 512, 32
+    scale = (torch.rand(n, k // g, 1, generator=gen) + 0.5).to(torch.bfloat16).float()
+    w = (torch.randint(-8, 8, (n, k // g, g), generator=gen).float() + 0.5) * scale
+    w = w * (1 + torch.randint(-2, 3, w.shape, generator=gen).float() * 2.0**-24)
+    w[..., 0] = scale[..., 0] * divisor  # the group max, so the scale is `scale`
+    w = w.reshape(n, k).to(dtype).cuda()
+    codes, scale_k = dispatch.quantize_int4(w, group_size=g, grid=grid)
+    codes_ref, scale_ref = int4.quantize(w, group_size=g, grid=grid)
+    assert_same_bits(codes, codes_ref)
+    assert_same_bits(scale_k, scale_ref)

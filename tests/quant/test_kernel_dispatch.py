@@ -103,7 +103,8 @@ def test_kernels_match_the_reference_under_the_triton_interpreter():
 def _exact_interpreter_casts() -> None:
     """Triton 3.6's interpreter casts fp32 to e4m3/bf16 with a hand-written rounding that neither
     carries into the exponent nor breaks ties to even (126.2 -> e4m3 gives 64, not 128). The GPU
-    uses the hardware's round-to-nearest-even casts; give the interpreter torch's, which match."""
+    uses the hardware's round-to-nearest-even casts; give the interpreter torch's, which match.
+    Its fma also rounds twice (the GPU's rounds once), and a runtime loop bound fails under NumPy 2."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
@@ -131,6 +132,20 @@ def _exact_interpreter_casts() -> None:
         return raw.to(torch_of[dst]).view(torch_bits).numpy().view(np_bits).reshape(data.shape)
 
     interpreter._convert_float = convert
+
+    def fma(self, x, y, z):  # numpy's x * y + z rounds twice; the GPU's fma once (float64 is exact here)
+        exact = x.data.astype(np.float64) * y.data.astype(np.float64) + z.data.astype(np.float64)
+        return interpreter.TensorHandle(exact.astype(x.data.dtype), z.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_fma = fma
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_with_index(tensor, scope):  # int() of a 1-element array fails under NumPy 2
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch_with_index
 
 
 def _interpreter_main() -> None:

@@ -109,8 +109,9 @@ def test_gemv_kernel_matches_the_reference_under_the_triton_interpreter():
 
 
 def _bf16_interpreter_dot() -> None:
-    """Triton 3.6's interpreter stores bf16 as uint16 and multiplies those integers in `tl.dot`;
-    widen bf16 operands to fp32 first (exact), as the GPU's bf16 MMA with fp32 accumulation does."""
+    """Triton 3.6's interpreter stores bf16 as uint16 and multiplies those integers in `tl.dot`, and
+    accumulates fp16 operands in fp16; widen both to fp32 first (exact), as the GPU's MMA with fp32
+    accumulation does."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
@@ -118,6 +119,8 @@ def _bf16_interpreter_dot() -> None:
     integer_dot = interpreter.InterpreterBuilder.create_dot
 
     def widened(handle):
+        if handle.dtype.scalar == tl.float16:
+            return interpreter.TensorHandle(handle.data.astype(np.float32), tl.float32)
         if handle.dtype.scalar != tl.bfloat16:
             return handle
         raw = torch.from_numpy(np.ascontiguousarray(handle.data).view(np.int16).copy()).view(torch.bfloat16)
@@ -146,10 +149,14 @@ def _interpreter_main() -> None:
         (17, 130, 384, (128, 128), (32, 64, 128, 3)),
         (64, 96, 200, (64, 32), (64, 32, 32, 4)),
         (40, 33, 129, (128, 128), (64, 64, 128, 1)),
+        (3, 150, 1024, (128, 128), (16, 128, 128, 8)),
     ]
     for m, n, k, block, config in cases:
         q, s = _quantized_weight(gen, n, k, block)
-        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+        # activations with outlier rows and columns, 10 decades apart
+        x = torch.randn(m, k, generator=gen) * 10.0 ** (torch.rand(m, 1, generator=gen) * 6 - 3)
+        x[:, :: max(1, k // 7)] *= 1e4
+        x = x.to(torch.bfloat16)
         got = triton_fp8_gemv.linear(x, q, s, block_size=block, config=config)
         if got.shape != (m, n) or not within_tolerance(got, x, q, s, block):
             failures.append((m, n, k, block, config))

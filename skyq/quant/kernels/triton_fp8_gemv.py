@@ -2,18 +2,21 @@
 
 Decode multiplies a few rows of activations (M <= 64) by the whole weight, so it is bound by the
 weight bytes: reading 1 B per weight instead of bf16's 2 B is what makes it up to 2x faster. The
-weight is dequantized in registers, never written out: each program loads a BN x TK tile of e4m3
-codes, widens it to bf16 (exact: every e4m3 value is a bf16 value), multiplies it with the bf16
-activations on the tensor cores with fp32 accumulation (bf16 x bf16 products are exact in fp32),
-and applies the fp32 block scale to that partial sum before adding it to the accumulator.
+weight is dequantized in registers, never written out. The product is computed as y^T = W x^T
+("swap-AB"): a BN x TK tile of e4m3 codes, widened to bf16 (exact: every e4m3 value is a bf16
+value, converted through fp32, see the kernel), is the MMA's first operand straight from registers, and the few activation rows are its
+second (N = 16..64), so a batch of one wastes no weight bytes and no tile goes back through shared
+memory. Products are exact in fp32 and accumulate in fp32; each TK = block_k slice's partial sum
+is multiplied by its block scale before it joins the accumulator.
 
 That is the reference `x.float() @ dequantize(q, s, float32).T` reassociated: per block,
 `sum(x * q) * s` instead of `sum(x * (q * s))`, an fp32 rounding difference (~1e-7 relative per
 block), far below the final rounding to x's dtype. The GPU test bounds it.
 
-When too few output tiles exist to fill the GPU (N / BN below ~2 programs per SM), K is split
-across programs; each writes an fp32 partial and a second kernel sums them in a fixed order, so
-results are deterministic (no atomics).
+When too few output tiles exist to fill the GPU, K is split across programs. Each writes an fp32
+partial and bumps a per-tile arrival counter; the last program to arrive sums the partials in
+split order (deterministic: the same bits whichever program is last), writes y and resets the
+counter, so there is one launch per linear and no memset (see `_arrival_counters`).
 """
 
 from __future__ import annotations
@@ -30,50 +33,54 @@ from skyq.quant.kernels._common import cdiv
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, q_ptr, s_ptr, y_ptr,
-    M, N, K,
-    sxm, sxk, sqn, sqk, ssn, ssk, sys, sym, syn,
+    x_ptr, q_ptr, s_ptr, y_ptr, p_ptr, cnt_ptr,
+    M, N, K, k_per_split,
+    sxm, sxk, sqn, sqk, ssn, ssk, sym, syn,
     BLK_N: tl.constexpr, BLK_K: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, TK: tl.constexpr, KT: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, TK: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
-    """y[split, m, n] = sum over this split's KT tiles of TK columns of x[m, k] * q[n, k] *
-    s[n // BLK_N, k // BLK_K]. TK divides BLK_K, so each K tile has one scale per row. KT is a
-    constexpr (a runtime trip count trips the Triton 3.6 interpreter); decode shapes give a few."""
+    """acc[n, m] = sum over this split's K range, in TK-column tiles, of q[n, k] * x[m, k] *
+    s[n // BLK_N, k // BLK_K] (TK divides BLK_K: one scale per row per tile). SPLIT == 1 writes
+    y[m, n]; else partial p[split, m, n] and the last program of the tile reduces."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
-    rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
-    m_ok = rm < M
+    rm = pid_m * BM + tl.arange(0, BM)
     n_ok = rn < N
-    k_lo = pid_s * (KT * TK)
-    x_rows = x_ptr + rm[:, None].to(tl.int64) * sxm
+    m_ok = rm < M
     q_rows = q_ptr + rn[:, None].to(tl.int64) * sqn
+    x_cols = x_ptr + rm[None, :].to(tl.int64) * sxm
     s_rows = s_ptr + (rn // BLK_N).to(tl.int64) * ssn
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for t in range(KT):  # the last split's tiles past K are fully masked
-        k0 = k_lo + t * TK
+    k_lo = pid_s * k_per_split
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    for t in range(0, k_per_split, TK):  # k_per_split % TK == 0; the last split's tail is masked
+        k0 = k_lo + t
         rk = k0 + tl.arange(0, TK)
-        k_ok = rk[None, :] < K
-        x = tl.load(x_rows + rk[None, :] * sxk, mask=m_ok[:, None] & k_ok, other=0.0)
-        codes = tl.load(q_rows + rk[None, :] * sqk, mask=n_ok[:, None] & k_ok, other=0.0)
-        w = codes.to(tl.bfloat16)
-        s = tl.load(s_rows + (k0 // BLK_K) * ssk, mask=n_ok & (k0 < K), other=0.0)
-        part = tl.dot(x.to(tl.bfloat16), tl.trans(w), out_dtype=tl.float32)
-        acc += part * s[None, :]
-    out = y_ptr + pid_s.to(tl.int64) * sys + rm[:, None].to(tl.int64) * sym + rn[None, :] * syn
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def _sum_splits_kernel(p_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    """y[i] = sum_s p[s, i] in split order (deterministic), cast to y's dtype."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < MN
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(SPLIT):
-        acc += tl.load(p_ptr + s * MN + offs, mask=ok, other=0.0)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+        k_ok = rk < K
+        codes = tl.load(q_rows + rk[None, :] * sqk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        s = tl.load(s_rows + (k0 // BLK_K) * ssk, mask=n_ok, other=0.0)
+        xt = tl.load(x_cols + rk[:, None] * sxk, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+        # e4m3 -> fp16 -> fp32 -> bf16: every step exact, and full-rate instructions; Triton's direct
+        # e4m3 -> bf16 goes through a slow fp16 -> bf16 conversion (0.7-0.9x in the H200 sweep)
+        w = codes.to(tl.float32).to(tl.bfloat16)
+        part = tl.dot(w, xt.to(tl.bfloat16), out_dtype=tl.float32)
+        acc += part * s[:, None]
+    out_mask = n_ok[:, None] & m_ok[None, :]
+    out_off = rm[None, :].to(tl.int64) * sym + rn[:, None] * syn
+    if SPLIT == 1:
+        tl.store(y_ptr + out_off, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        mn = M * N
+        tl.store(p_ptr + pid_s.to(tl.int64) * mn + out_off, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is stored before the release below
+        tile = pid_m * tl.num_programs(0) + pid_n
+        if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+            total = tl.zeros([BN, BM], dtype=tl.float32)
+            for i in range(SPLIT):
+                total += tl.load(p_ptr + i * mn + out_off, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + out_off, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
 
 
 @functools.cache
@@ -86,6 +93,23 @@ def sm_count(device: torch.device) -> int:
     return _sm_count(device.index or 0) if device.type == "cuda" else 132
 
 
+_counters: dict[torch.device, Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, tiles: int) -> Tensor:
+    """A zeroed int32 buffer of >= `tiles` counters, which every split launch leaves zeroed, one per
+    device: launches in stream order share it (decode runs on one stream; two split launches that
+    overlap on two streams would not). A CUDA-graph capture before any eager launch on the device
+    records its own zeroed buffer (a memset node), as the shared one is not yet initialised."""
+    buf = _counters.get(device)
+    if buf is not None and buf.numel() >= tiles:
+        return buf
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return torch.zeros(tiles, dtype=torch.int32, device=device)
+    buf = _counters[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return buf
+
+
 def supports(block_size: tuple[int, int]) -> bool:
     """Weight blocks the kernel tiles: any row count, a power-of-two column count >= 16."""
     bn, bk = block_size
@@ -93,15 +117,19 @@ def supports(block_size: tuple[int, int]) -> bool:
 
 
 def tiling(m: int, n: int, k: int, block_k: int, sms: int) -> tuple[int, int, int, int]:
-    """(BM, BN, TK, split): M padded to the dot's minimum of 16 (at most 64 per tile), 64-wide N
-    tiles, K split (up to 4 ways) until there are about two programs per SM."""
+    """(BM, BN, TK, split): the batch padded to the dot's minimum of 16 (at most 64 per tile), 64
+    weight rows per program (128 at 64 batch rows when tiles are plentiful), K split in powers of
+    two up to 8 while there are fewer than ~2 programs per SM (~1 at 64 rows, whose programs carry
+    4x the activations) and each split keeps >= 2 K tiles. From the H200 sweep in
+    benchmarks/decode.py (docs/benchmarks.md, M4)."""
     bm = min(64, max(16, triton.next_power_of_2(m)))
-    bn = 64  # H200 sweep (benchmarks/decode.py): 64-wide tiles split 4 ways won at M = 16 and 64
+    bn = 128 if bm >= 64 and cdiv(n, 64) >= 4 * sms else 64
     tk = min(128, block_k)
     tiles = cdiv(n, bn) * cdiv(m, bm)
     k_tiles = cdiv(k, tk)
+    target = 0.9 * sms * (1 if bm >= 64 else 2)
     split = 1
-    while split < 4 and tiles * split < 2 * sms and split * 2 * 2 <= k_tiles:
+    while split < 8 and tiles * split < target and k_tiles >= 2 * (2 * split):
         split *= 2
     return bm, bn, tk, split
 
@@ -114,7 +142,7 @@ def linear(
     block_size: tuple[int, int],
     config: tuple[int, int, int, int] | None = None,
     num_warps: int = 4,
-    num_stages: int = 3,
+    num_stages: int = 4,
 ) -> Tensor:
     """y [..., N] in x's dtype for x [..., K], q e4m3 [N, K], scale_inv fp32 [ceil(N/bn), ceil(K/bk)]
     (shapes checked by the caller). No host sync. `config`, `num_warps`, `num_stages`: sweeps."""
@@ -126,16 +154,17 @@ def linear(
     k_per_split = cdiv(cdiv(k, tk), split) * tk
     split = cdiv(k, k_per_split)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    part = y.unsqueeze(0) if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     grid = (cdiv(n, bn), cdiv(m, bm), split)
+    if split > 1:
+        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        counters = _arrival_counters(x.device, grid[0] * grid[1])
+    else:
+        part = counters = y
     _gemv_kernel[grid](
-        x2, q, scale_inv, part,
-        m, n, k,
-        *x2.stride(), *q.stride(), *scale_inv.stride(), *part.stride(),
-        BLK_N=blk_n, BLK_K=blk_k, BM=bm, BN=bn, TK=tk, KT=k_per_split // tk,
+        x2, q, scale_inv, y, part, counters,
+        m, n, k, k_per_split,
+        *x2.stride(), *q.stride(), *scale_inv.stride(), *y.stride(),
+        BLK_N=blk_n, BLK_K=blk_k, BM=bm, BN=bn, TK=tk, SPLIT=split,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    if split > 1:
-        block = 1024
-        _sum_splits_kernel[(cdiv(m * n, block),)](part, y, m * n, SPLIT=split, BLOCK=block, num_warps=4)
     return y.reshape(*x.shape[:-1], n)

@@ -2,8 +2,9 @@
 unpack + dequantize.
 
 A program loads [TN, TK/G, G] (one group per middle index), computes the bf16-rounded group
-scale, the codes with IEEE division and round-half-even, and packs eight nibbles per int32 in
-registers: 2 B read, 0.5 B + scales written per element, no int8 intermediate in HBM.
+scale, the codes as the IEEE quotient rounded half-even (division-free, see the kernel), and
+packs eight nibbles per int32 in registers: 2 B read, 0.5 B + scales written per element, no int8
+intermediate in HBM.
 """
 
 from __future__ import annotations
@@ -19,9 +20,16 @@ from skyq.quant.kernels._common import as_3d, cdiv, new_flag, raise_if_flagged
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 _AMAX_FLOOR = tl.constexpr(1e-10)  # the reference's fp32(1e-10)
-# Adding then subtracting 1.5 * 2^23 rounds an fp32 |y| < 2^22 to an integer, ties to even: the
-# same result as torch.round, without libdevice (which the Triton CPU interpreter lacks).
+# q + 1.5 * 2^23 rounds an fp32 |q| < 2^22 to an integer, ties to even (as torch.round), and that
+# integer sits in the low mantissa bits: bits(q + magic) - bits(magic) is the int32 code, with no
+# float-to-int conversion (a quarter-rate instruction) and no libdevice (the interpreter lacks it).
 _ROUND_MAGIC = tl.constexpr(12582912.0)
+_ROUND_MAGIC_BITS = tl.constexpr(0x4B400000)
+
+
+@triton.jit
+def _max_propagating_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -34,7 +42,14 @@ def _quant_pack_kernel(
     WRITE_PACKED: tl.constexpr, WRITE_CODES: tl.constexpr,
 ):  # fmt: skip
     """x [B, N, K] (K % G == 0) -> packed int32 [B, N, K/8] and/or codes int8 [B, N, K], and
-    scale [B, N, K/G] in the scale pointer's dtype (bf16)."""
+    scale [B, N, K/G] in the scale pointer's dtype (bf16). Sets flag[0] = 1 when a group holds
+    NaN or inf (the group amax propagates NaN, so the finiteness check costs no extra pass).
+
+    The quotient fl(x / s) is the reference's IEEE division, computed per element with one
+    multiply and two FMAs instead of a division: with r = fl(1 / s) (one division per group) and
+    q0 = fl(x * r) (within 1 ulp of x / s), rem = x - q0 * s is exact in an FMA and
+    fl(q0 + rem * r) is the correctly rounded x / s (Markstein's theorem; no operand here is
+    subnormal where it matters: |x / s| <= 8.5 and s >= 1e-10 / 7.5)."""
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pid_n = pid // n_tiles_k
@@ -44,20 +59,24 @@ def _quant_pack_kernel(
     rk = rg * G + tl.arange(0, G)[None, None, :]
     mask = (rn < N) & (rk < K)
     x = tl.load(x_ptr + b * sxb + rn * sxn + rk * sxk, mask=mask, other=0.0).to(tl.float32)
-    ax = tl.abs(x)
-    bad = tl.max(tl.max(tl.max(tl.where(ax <= _FLT_MAX, 0, 1), axis=2), axis=1), axis=0)
-    if bad > 0:
-        tl.atomic_add(flag_ptr, 1)
-    amax = tl.maximum(tl.max(ax, axis=2, keep_dims=True), _AMAX_FLOOR)
+    amax_or_nan = tl.reduce(tl.abs(x), 2, _max_propagating_nan, keep_dims=True)
+    group_ok = (rn < N) & (rg < K // G)
+    bad = group_ok & ~(amax_or_nan <= _FLT_MAX)
+    tl.store(flag_ptr + tl.zeros([TN, TK // G, 1], dtype=tl.int32), 1, mask=bad)
+    amax = tl.maximum(amax_or_nan, _AMAX_FLOOR)
     scale = tl.math.div_rn(amax, tl.zeros_like(amax) + DIVISOR).to(scale_ptr.dtype.element_ty)
-    y = tl.clamp(tl.math.div_rn(x, scale.to(tl.float32)), QMIN - 1.0, QMAX + 1.0)
-    codes = tl.clamp((y + _ROUND_MAGIC) - _ROUND_MAGIC, QMIN, QMAX).to(tl.int32)
+    s = scale.to(tl.float32)
+    r = tl.math.div_rn(tl.zeros_like(s) + 1.0, s)
+    q0 = x * r
+    q = tl.fma(tl.fma(-q0, s, x), r, q0)
+    z = tl.clamp(q, QMIN, QMAX) + _ROUND_MAGIC  # clamp then round == round then clamp: integer bounds
+    biased = z.to(tl.int32, bitcast=True) - (_ROUND_MAGIC_BITS - 8)  # code + 8, in [0, 15]
     n_groups = K // G
-    tl.store(scale_ptr + b * N * n_groups + rn * n_groups + rg, scale, mask=(rn < N) & (rg < n_groups))
+    tl.store(scale_ptr + b * N * n_groups + rn * n_groups + rg, scale, mask=group_ok)
     if WRITE_CODES:
-        tl.store(codes_ptr + b * N * K + rn * K + rk, codes.to(tl.int8), mask=mask)
+        tl.store(codes_ptr + b * N * K + rn * K + rk, (biased - 8).to(tl.int8), mask=mask)
     if WRITE_PACKED:
-        nibbles = tl.reshape(codes + 8, (TN, TK // 8, 8))
+        nibbles = tl.reshape(biased, (TN, TK // 8, 8))
         words = tl.sum(nibbles << (tl.arange(0, 8) * 4)[None, None, :], axis=2)
         rw = (pid_k * (TK // 8) + tl.arange(0, TK // 8))[None, :]
         rn2 = pid_n.to(tl.int64) * TN + tl.arange(0, TN)[:, None]
@@ -105,8 +124,8 @@ def launch_quantize(
     grid: Int4Grid | str,
     codes: bool,
     packed: bool,
-    num_warps: int = 8,
-    tile_elements: int = 8192,
+    num_warps: int = 4,
+    tile_elements: int = 4096,
 ) -> tuple[Tensor | None, Tensor | None, Tensor, Tensor]:
     """One launch, no host sync: `(codes [B, N, K] | None, packed [B, N, K/8] | None,
     scale [B, N, K/G], flag)`."""
