@@ -7,8 +7,8 @@ packing alignment each GPU generation would resolve to (the driver never guesses
 
 from __future__ import annotations
 
-from skyq.config.enums import Device, Precision
-from skyq.config.resolve import ResolutionError, packing_alignment, resolve_worker
+from skyq.config.enums import Device, Precision, RolloutBackend
+from skyq.config.resolve import packing_alignment, resolve_worker
 from skyq.config.schema import TrainConfig
 from skyq.config.validate import ValidationReport, num_engines, trainer_dp
 from skyq.quant.layouts import Role
@@ -39,10 +39,14 @@ def render_plan(cfg: TrainConfig, report: ValidationReport) -> str:
 
 def _placement(cfg: TrainConfig) -> str:
     t, p, r = cfg.topology, cfg.topology.parallel, cfg.rollout
-    if t.device is Device.cpu:
-        return (
-            "placement: CPU; trainer and one embedded engine as separate Ray actors, weights synced over gloo"
-        )
+    if r.backend is RolloutBackend.embedded:
+        from skyq.launch.placement import describe, placement_for
+
+        where = describe(placement_for(t, r.weight_sync.transport))
+        if t.device is Device.cpu:
+            return f"placement: CPU; {where}"
+    else:
+        where = f"weights to the {r.backend.value} engines (transport {r.weight_sync.transport.value})"
     engine_tp = r.tp_size or r.gpus_per_engine
     lines = [
         f"placement: {t.num_nodes} node(s) x {t.gpus_per_node} GPUs, {t.placement.value}",
@@ -50,6 +54,7 @@ def _placement(cfg: TrainConfig) -> str:
         + (f" (first/last stage layers {p.first_stage_layers}/{p.last_stage_layers})" if p.pp > 1 else ""),
         f"  rollout: {num_engines(cfg)} engine(s) x {r.gpus_per_engine} GPUs  TP{engine_tp} DP{r.dp_size} "
         f"EP{r.ep_size}, memory fraction {r.gpu_memory_fraction}",
+        f"  sync: {where}",
     ]
     return "\n".join(lines)
 
@@ -107,10 +112,10 @@ def _resolution(cfg: TrainConfig) -> str:
     for label, cap in CAPABILITIES.items():
         try:
             res = resolve_worker(cfg.precision, cap)
-        except ResolutionError as exc:
+            env = strategy.env_vars(res.fp8_recipe)
+        except ValueError as exc:  # ResolutionError, or the strategy refusing the resolved recipe
             lines.append(f"  {label}: refused: {exc}")
             continue
-        env = strategy.env_vars(res.fp8_recipe)
         align = packing_alignment(cfg.precision, res, tp=p.tp, cp=p.cp)
         recipe = res.fp8_recipe.value if cfg.precision.name is not Precision.bf16 else "-"
         lines.append(

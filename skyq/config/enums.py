@@ -106,8 +106,9 @@ class WeightSyncMode(_Choice):
 
 
 class TransportKind(_Choice):
-    """How weight buckets move: same process, torch.distributed broadcast, or CUDA IPC."""
+    """How weight buckets move: same process, torch.distributed broadcast, or CUDA IPC (auto: by placement)."""
 
+    auto = "auto"
     in_process = "in_process"
     broadcast = "broadcast"
     cuda_ipc = "cuda_ipc"

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-from skyq.config.enums import Fp8Recipe, Precision, ScaleFormat
-from skyq.config.schema import PrecisionConfig
+from skyq.config.enums import Device, Fp8Recipe, Precision, ScaleFormat, TransportKind
+from skyq.config.schema import PrecisionConfig, TopologyConfig
 
 Capability = Optional[tuple[int, int]]
 """CUDA compute capability (major, minor), or None for a CPU-only process."""
@@ -95,3 +95,30 @@ def packing_alignment(precision: PrecisionConfig, resolved: WorkerResolution, *,
     if resolved.fp8_recipe is Fp8Recipe.mxfp8:
         return 32 * tp * cp
     return 128 * tp * cp if tp > 1 else 16 * cp
+
+
+# driver-level: the sync transport is a fact of the placement, the same on every worker
+
+
+def total_gpus(topology: TopologyConfig) -> int:
+    return 0 if Device(topology.device) is Device.cpu else topology.num_nodes * topology.gpus_per_node
+
+
+def resolve_transport(topology: TopologyConfig, transport: TransportKind) -> TransportKind:
+    """`auto` -> in_process on exactly one GPU, broadcast otherwise; refuse what cannot work here."""
+    transport = TransportKind(transport)
+    gpus = total_gpus(topology)
+    if transport is TransportKind.auto:
+        return TransportKind.in_process if gpus == 1 else TransportKind.broadcast
+    if transport is TransportKind.cuda_ipc:
+        raise ValueError(
+            "rollout.weight_sync.transport=cuda_ipc: the embedded run does not use CUDA IPC (its trainer and "
+            "engine share one process on one GPU, or sit on separate devices). Use auto."
+        )
+    if transport is TransportKind.in_process and gpus > 1:
+        raise ValueError(
+            f"rollout.weight_sync.transport=in_process puts the trainer and the engine in one process on one "
+            f"device, but topology={topology.name} has {gpus} GPUs (one worker per GPU, synced over NCCL). "
+            "Use transport=auto or broadcast, or topology=1gpu."
+        )
+    return transport

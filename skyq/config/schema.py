@@ -174,8 +174,8 @@ class TopologyConfig:
 class WeightSyncConfig:
     mode: WeightSyncMode = WeightSyncMode.full
     """Full sync every step, or incremental (delta; bf16 only)."""
-    transport: TransportKind = TransportKind.broadcast
-    """How buckets move: in_process, broadcast (gloo/NCCL), cuda_ipc."""
+    transport: TransportKind = TransportKind.auto
+    """How buckets move: auto (in_process when trainer and engine share one GPU, else broadcast), in_process, broadcast (gloo/NCCL), cuda_ipc."""
     bucket_bytes: int = 64 * 1024 * 1024
     """Target bytes per bucket."""
     timeout_s: float = 120.0

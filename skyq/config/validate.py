@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from skyq.config.checkpoint_rules import checkpoint_errors
 from skyq.config.enums import Device, Placement, Precision, RolloutBackend, TrainerBackend, WeightSyncMode
+from skyq.config.resolve import resolve_transport
 from skyq.config.schema import TrainConfig
 from skyq.config.shard_rules import ShardCheck, shard_checks, shard_errors
 
@@ -53,6 +54,7 @@ def validate(cfg: TrainConfig) -> ValidationReport:
     errors += _topology_errors(cfg)
     errors += _length_errors(cfg)
     errors += _algorithm_errors(cfg)
+    errors += _transport_errors(cfg)
     gpu = cfg.topology.device is Device.cuda
     report.shard_checks = shard_checks(
         model=cfg.model, precision=cfg.precision, parallel=cfg.topology.parallel, rollout=cfg.rollout, gpu=gpu
@@ -63,6 +65,17 @@ def validate(cfg: TrainConfig) -> ValidationReport:
     if errors:
         raise ConfigValidationError(errors)
     return report
+
+
+def _transport_errors(cfg: TrainConfig) -> list[str]:
+    """The embedded engine's sync transport must fit the placement (`auto` always does)."""
+    if cfg.rollout.backend is not RolloutBackend.embedded:
+        return []
+    try:
+        resolve_transport(cfg.topology, cfg.rollout.weight_sync.transport)
+    except ValueError as exc:
+        return [str(exc)]
+    return []
 
 
 def _precision_errors(cfg: TrainConfig) -> list[str]:

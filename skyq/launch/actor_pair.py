@@ -6,49 +6,28 @@ by `rollout.weight_sync.timeout_s` inside the actors, and the driver adds a back
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import ray
 
-from skyq.config.enums import Device
 from skyq.config.resolve import agree
 from skyq.config.schema import (
     AlgorithmConfig,
     ModelConfig,
     PrecisionConfig,
     RolloutConfig,
-    TopologyConfig,
     TrainerConfig,
 )
-from skyq.launch.actors import EngineActor, TrainerActor
-from skyq.launch.checkpointing import TRAINER_STATE, RunState, save_run_checkpoint
-from skyq.rl.batch import RolloutBatch, Sample
+from skyq.launch.actors import EngineWorker, TrainerWorker
+from skyq.launch.pair import WorkerPair, describe_error
+from skyq.launch.placement import Placement
 from skyq.sync.errors import SyncError
 
 ACTOR_START_TIMEOUT_S = 600.0
 """Backstop for building an actor (imports, model load): a wedged worker fails the run."""
 
-
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """Where the two actors compute and how sync frames move between them."""
-
-    device: str
-    trainer_gpus: float
-    engine_gpus: float
-    sync_device: str
-
-
-def placement_for(topology: TopologyConfig) -> Placement:
-    """CPU: both on CPU, gloo. Two GPUs or more: one each, NCCL. One GPU: shared, frames staged
-    through host memory over gloo (NCCL refuses two ranks on one device)."""
-    if Device(topology.device) is Device.cpu:
-        return Placement(device="cpu", trainer_gpus=0, engine_gpus=0, sync_device="cpu")
-    if topology.gpus_per_node >= 2:
-        return Placement(device="cuda", trainer_gpus=1, engine_gpus=1, sync_device="cuda")
-    return Placement(device="cuda", trainer_gpus=0.5, engine_gpus=0.5, sync_device="cpu")
+TrainerActor = ray.remote(TrainerWorker)
+EngineActor = ray.remote(EngineWorker)
 
 
 def _actor_options(num_gpus: float, env: dict[str, str]) -> dict[str, Any]:
@@ -58,8 +37,8 @@ def _actor_options(num_gpus: float, env: dict[str, str]) -> dict[str, Any]:
     return options
 
 
-class ActorPair:
-    """Builds both actors and their sync group; `shutdown` (or the context manager) ends them."""
+class ActorPair(WorkerPair):
+    """Builds both Ray actors and their sync group; `shutdown` ends them."""
 
     def __init__(
         self,
@@ -126,39 +105,9 @@ class ActorPair:
             raise SyncError(f"engine committed version {engine_stats['version']}, the trainer sent {version}")
         return metrics
 
-    def verify_engine_matches_trainer(self) -> None:
-        """Compare the engine's wire tensors with what the trainer's weights serialize to, bit for bit."""
-        want, held = ray.get(
-            [self.trainer.serialized_digest.remote(), self.engine.wire_digest.remote()], timeout=600
-        )
-        differing = sorted(n for n in want.keys() | held.keys() if want.get(n) != held.get(n))
-        if differing:
-            raise SyncError(
-                f"after the sync the engine's weights differ from the trainer's in {len(differing)} tensors "
-                f"(first: {differing[:3]}); the engine is not serving the trainer's weights"
-            )
-
-    def generate(self, prompts: list[list[int]], **sampling: Any) -> list[Sample]:
-        return ray.get(self.engine.generate.remote(prompts, **sampling))
-
-    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
-        return ray.get(self.trainer.train_step.remote(batch))
-
-    def save_checkpoint(self, root: Path, *, next_step: int, seed: int) -> Path:
-        return save_run_checkpoint(
-            root,
-            next_step=next_step,
-            seed=seed,
-            write_trainer=lambda path: ray.get(self.trainer.save_state.remote(str(path))),
-        )
-
-    def restore(self, checkpoint_dir: Path, state: RunState) -> None:
-        """Load the trainer state of a verified checkpoint (the engine is re-synced by the next sync)."""
-        trainer_step = ray.get(self.trainer.load_state.remote(str(checkpoint_dir / TRAINER_STATE)))
-        if trainer_step != state.next_step:
-            raise SyncError(
-                f"{checkpoint_dir}: trainer state is at step {trainer_step}, the run state says {state.next_step}"
-            )
+    def _call(self, side: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        actor = self.trainer if side == "trainer" else self.engine
+        return ray.get(getattr(actor, method).remote(*args, **kwargs))
 
     def shutdown(self) -> None:
         for actor in (self.trainer, self.engine):
@@ -169,8 +118,7 @@ def _describe(exc: BaseException) -> str:
     """One line for an error raised inside an actor (its original exception) or by Ray itself."""
     if isinstance(exc, ray.exceptions.RayTaskError) and exc.cause is not None:
         exc = exc.cause
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    return describe_error(exc)
 
 
 def _outcome(ref: ray.ObjectRef, timeout_s: float) -> str:

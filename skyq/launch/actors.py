@@ -1,8 +1,10 @@
-"""The trainer and the rollout engine as Ray actors, and the weight-sync group between them.
+"""The trainer and the rollout engine workers, and the weight-sync channel between them.
 
-`TrainerWorker` and `EngineWorker` are plain classes (usable in-process); `TrainerActor` and
-`EngineActor` are their Ray actor classes. Weights reach the engine only through the sync group
-(gloo on CPU, NCCL between distinct GPUs): never as Ray arguments, which would pickle fp8 tensors.
+`TrainerWorker` and `EngineWorker` are plain classes: `skyq.launch.actor_pair` runs them as Ray
+actors joined by a torch.distributed group (gloo on CPU, NCCL between distinct GPUs), and
+`skyq.launch.local_pair` runs both in the driver process joined by an in-process channel. Weights
+reach the engine only through the sync channel: never as Ray arguments, which would pickle fp8
+tensors.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import io
 from pathlib import Path
 from typing import Any
 
-import ray
 import torch
 
 from skyq.checkpoint.atomic import atomic_write_bytes
@@ -22,6 +23,7 @@ from skyq.quant.plan import build_plan
 from skyq.quant.strategies import get_strategy
 from skyq.rl.batch import RolloutBatch, Sample
 from skyq.rollout.embedded import EmbeddedEngine
+from skyq.sync.channel import Channel
 from skyq.sync.plan_wire import WireDigest, expected_units, plan_serializer, wire_digest
 from skyq.sync.receiver import WeightReceiver
 from skyq.sync.sender import WeightSender
@@ -69,7 +71,7 @@ class TrainerWorker:
         self.serialize = plan_serializer(get_strategy(precision_cfg), self.plan)
         self.resolution = resolve_on_device(precision_cfg, device)
         self._store = None
-        self._channel: TorchDistChannel | None = None
+        self._channel: Channel | None = None
 
     def report_resolution(self) -> WorkerResolution:
         return self.resolution
@@ -84,6 +86,10 @@ class TrainerWorker:
         self._channel = TorchDistChannel(
             self._store, rank=SENDER_RANK, timeout_s=self._timeout_s, device=torch.device(sync_device)
         )
+
+    def use_channel(self, channel: Channel) -> None:
+        """Send over `channel` (an in-process pair's sender end) instead of a torch.distributed group."""
+        self._channel = channel
 
     def send_weights(self, version: int, bucket_bytes: int) -> dict[str, float]:
         """Serialize the current weights and send them as `version`; returns the sync metrics.
@@ -134,10 +140,14 @@ class EngineWorker:
         )
         self.expected = expected_units(build_plan(model_cfg, precision_cfg))
         self.resolution = resolve_on_device(precision_cfg, device)
-        self._channel: TorchDistChannel | None = None
+        self._channel: Channel | None = None
 
     def report_resolution(self) -> WorkerResolution:
         return self.resolution
+
+    def use_channel(self, channel: Channel) -> None:
+        """Receive over `channel` (an in-process pair's receiver end)."""
+        self._channel = channel
 
     def join_sync_group(self, port: int, timeout_s: float, sync_device: str) -> None:
         store = connect_store(port, timeout_s)
@@ -163,7 +173,3 @@ class EngineWorker:
     def close(self) -> None:
         if self._channel is not None:
             self._channel.close()
-
-
-TrainerActor = ray.remote(TrainerWorker)
-EngineActor = ray.remote(EngineWorker)

@@ -1,4 +1,5 @@
-"""`run_embedded`: the RL loop of skyq's embedded run (trainer and engine as local Ray actors).
+"""`run_embedded`: the RL loop of skyq's embedded run (trainer and engine as local Ray actors, or
+both in this process when they share one GPU: see `skyq.launch.placement`).
 
 Per step s: sync the trainer's weights to the engine as version s+1 -> sample
 `global_batch_size / group_size` prompts x `group_size` responses -> rewards -> group advantages ->
@@ -11,14 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import ray
-
-from skyq.config.enums import RolloutBackend, TrainerBackend, TransportKind, WeightSyncMode
+from skyq.config.enums import RolloutBackend, TrainerBackend, WeightSyncMode
 from skyq.config.schema import (
     AlgorithmConfig,
     CheckpointConfig,
@@ -30,9 +30,10 @@ from skyq.config.schema import (
     TopologyConfig,
     TrainerConfig,
 )
-from skyq.launch.actor_pair import ActorPair, placement_for
 from skyq.launch.checkpointing import checkpoint_root, latest_checkpoint
 from skyq.launch.metrics import MetricsLogger, keep_rows_before, read_metrics
+from skyq.launch.pair import WorkerPair
+from skyq.launch.placement import Placement, describe, placement_for
 from skyq.launch.plot import plot_run
 from skyq.launch.redaction import redact
 from skyq.launch.rundir import (
@@ -75,13 +76,6 @@ def check_supported(*, rollout: RolloutConfig, trainer: TrainerConfig, algorithm
             f"rollout.backend={rollout.backend.value}, trainer.backend={trainer.backend.value}: "
             "the embedded run needs rollout=embedded trainer=torch"
         )
-    transport = TransportKind(rollout.weight_sync.transport)
-    if transport is not TransportKind.broadcast:
-        raise ValueError(
-            f"rollout.weight_sync.transport={transport.value}: the embedded run's trainer and engine are "
-            "separate Ray actors, so weights move by torch.distributed broadcast "
-            "(in_process serves unit tests, cuda_ipc needs colocated GPU workers); set it to broadcast"
-        )
     if WeightSyncMode(rollout.weight_sync.mode) is not WeightSyncMode.full:
         raise ValueError("rollout.weight_sync.mode=delta is not implemented by the embedded run; use full")
     if algorithm.global_batch_size % algorithm.group_size:
@@ -99,6 +93,8 @@ def rollout_seed(seed: int, step: int) -> int:
 @contextmanager
 def local_ray():
     """Start a local Ray for the run unless the caller already has one (tests, a sweep); stop what we start."""
+    import ray
+
     if ray.is_initialized():
         yield
         return
@@ -109,8 +105,30 @@ def local_ray():
         ray.shutdown()
 
 
+@contextmanager
+def worker_pair(placement: Placement, **workers: Any) -> Iterator[WorkerPair]:
+    """Build the trainer/engine pair where `placement` puts it; always shut it down."""
+    if placement.in_process:
+        from skyq.launch.local_pair import LocalPair
+
+        pair: WorkerPair = LocalPair(placement=placement, **workers)
+        try:
+            yield pair
+        finally:
+            pair.shutdown()
+        return
+    with local_ray():
+        from skyq.launch.actor_pair import ActorPair
+
+        pair = ActorPair(placement=placement, **workers)
+        try:
+            yield pair
+        finally:
+            pair.shutdown()
+
+
 def run_step(
-    pair: ActorPair,
+    pair: WorkerPair,
     task: Task,
     step: int,
     *,
@@ -192,6 +210,7 @@ def run_embedded(
         resume: continue `run_dir` from its newest checkpoint.
     """
     check_supported(rollout=rollout, trainer=trainer, algorithm=algorithm)
+    placement = placement_for(topology, rollout.weight_sync.transport)
     started = time.perf_counter()
     run_dir = Path(run_dir).expanduser().resolve()
     ckpt_root = checkpoint_root(run_dir, checkpoint.save)
@@ -214,17 +233,17 @@ def run_embedded(
         # On resume this records the (compatible) config the run continues with, e.g. more steps.
         save_resolved_config(run_dir, config_container)
         task_obj = build_task(task, seed=seed)
-        with local_ray():
-            pair = ActorPair(
-                model=model,
-                precision=precision,
-                algorithm=algorithm,
-                trainer=trainer,
-                rollout=rollout,
-                placement=placement_for(topology),
-                checkpoint_path=_starting_checkpoint(model, task, checkpoint),
-                seed=seed,
-            )
+        print(describe(placement))
+        with worker_pair(
+            placement,
+            model=model,
+            precision=precision,
+            algorithm=algorithm,
+            trainer=trainer,
+            rollout=rollout,
+            checkpoint_path=_starting_checkpoint(model, task, checkpoint, placement.device),
+            seed=seed,
+        ) as pair:
             res = pair.resolution
             print(
                 f"workers agree: fp8 recipe {res.fp8_recipe.value}, scales {res.scale_format.value}"
@@ -234,14 +253,11 @@ def run_embedded(
                     else f" on SM{res.capability[0]}{res.capability[1]}"
                 )
             )
-            try:
-                if resume:
-                    pair.restore(ckpt_dir, state)
-                _loop(pair, task_obj, run_dir, ckpt_root, start_step,
-                      algorithm=algorithm, task_cfg=task, rollout=rollout, logger=logger,
-                      checkpoint=checkpoint, seed=seed, wandb_config=redact(config_container))  # fmt: skip
-            finally:
-                pair.shutdown()
+            if resume:
+                pair.restore(ckpt_dir, state)
+            _loop(pair, task_obj, run_dir, ckpt_root, start_step,
+                  algorithm=algorithm, task_cfg=task, rollout=rollout, logger=logger,
+                  checkpoint=checkpoint, seed=seed, wandb_config=redact(config_container))  # fmt: skip
     finally:
         release_run_dir(run_dir)
     rows = read_metrics(run_dir / METRICS_FILE)
@@ -259,16 +275,18 @@ def run_embedded(
     )
 
 
-def _starting_checkpoint(model: ModelConfig, task: TaskConfig, checkpoint: CheckpointConfig) -> str:
+def _starting_checkpoint(
+    model: ModelConfig, task: TaskConfig, checkpoint: CheckpointConfig, device: str
+) -> str:
     if checkpoint.hf_checkpoint is not None:
         return checkpoint.hf_checkpoint
     from skyq.trainer.native.tiny_checkpoint import ensure_tiny_checkpoint
 
-    return str(ensure_tiny_checkpoint(model, task, cache_dir=checkpoint.cache_dir))
+    return str(ensure_tiny_checkpoint(model, task, cache_dir=checkpoint.cache_dir, device=device))
 
 
 def _loop(
-    pair: ActorPair,
+    pair: WorkerPair,
     task: Task,
     run_dir: Path,
     ckpt_root: Path,

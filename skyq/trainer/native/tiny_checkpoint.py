@@ -43,14 +43,23 @@ def _plain(value: object) -> object:
     return value
 
 
-def checkpoint_key(model_cfg: ModelConfig, task_cfg: TaskConfig) -> str:
-    """Hash of everything that determines the checkpoint's bytes (model.init_seed included)."""
+def sft_lr(model_cfg: ModelConfig) -> float:
+    """The warm-up's learning rate: SFT_LR at the tiny width (64), scaled down as 1/width above it
+    (Adam's update size per weight does not shrink with width; the function's sensitivity grows)."""
+    return SFT_LR * min(1.0, 64 / model_cfg.hidden_size)
+
+
+def checkpoint_key(model_cfg: ModelConfig, task_cfg: TaskConfig, device: str = "cpu") -> str:
+    """Hash of everything that determines the checkpoint's bytes (model.init_seed included, and the
+    device type of the build when it is not the CPU: a GPU warm-up rounds differently)."""
     payload = {
         "recipe": RECIPE_VERSION,
-        "sft": {"batch_size": SFT_BATCH_SIZE, "lr": SFT_LR},
+        "sft": {"batch_size": SFT_BATCH_SIZE, "lr": sft_lr(model_cfg)},
         "model": _plain(dataclasses.asdict(model_cfg)),
         "task": _plain({k: v for k, v in dataclasses.asdict(task_cfg).items() if k != "eval"}),
     }
+    if torch.device(device).type != "cpu":
+        payload["device"] = torch.device(device).type
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -70,15 +79,19 @@ def _sft_batch(
     return input_ids, attention_mask, labels
 
 
-def supervised_warmup(model: torch.nn.Module, task: Task, *, steps: int, seed: int) -> list[float]:
+def supervised_warmup(
+    model: torch.nn.Module, task: Task, *, steps: int, seed: int, lr: float = SFT_LR
+) -> list[float]:
     """`steps` AdamW steps of next-token cross-entropy on the task's answers; returns the losses."""
     rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    device = next(model.parameters()).device
     pad_id = task.tokenizer.eos_token_id
     losses = []
     model.train()
     for _ in range(steps):
-        input_ids, attention_mask, labels = _sft_batch(task.supervised_examples(SFT_BATCH_SIZE, rng), pad_id)
+        batch = _sft_batch(task.supervised_examples(SFT_BATCH_SIZE, rng), pad_id)
+        input_ids, attention_mask, labels = (t.to(device) for t in batch)
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
         optimizer.zero_grad(set_to_none=True)
@@ -89,20 +102,23 @@ def supervised_warmup(model: torch.nn.Module, task: Task, *, steps: int, seed: i
     return losses
 
 
-def ensure_tiny_checkpoint(model_cfg: ModelConfig, task_cfg: TaskConfig, *, cache_dir: str | Path) -> Path:
-    """The cached checkpoint directory for (model_cfg, task_cfg), building it on first use.
+def ensure_tiny_checkpoint(
+    model_cfg: ModelConfig, task_cfg: TaskConfig, *, cache_dir: str | Path, device: str = "cpu"
+) -> Path:
+    """The cached checkpoint directory for (model_cfg, task_cfg), building it on first use (the
+    warm-up runs on `device`: a model of a few hundred million parameters warms up on its GPU).
 
     The build happens in a private temp directory renamed into place, so concurrent runs never see
     a half-written checkpoint (the loser of a race discards its copy).
     """
     cache = Path(cache_dir).expanduser().resolve()
-    final = cache / f"tiny_{model_cfg.name}_{checkpoint_key(model_cfg, task_cfg)}"
+    final = cache / f"tiny_{model_cfg.name}_{checkpoint_key(model_cfg, task_cfg, device)}"
     if (final / "config.json").is_file():
         return final
     cache.mkdir(parents=True, exist_ok=True)
     staging = cache / f".building-{final.name}-{random.SystemRandom().getrandbits(48):012x}"
     try:
-        _build(staging, model_cfg, task_cfg)
+        _build(staging, model_cfg, task_cfg, device)
         try:
             staging.rename(final)
         except OSError:
@@ -114,17 +130,19 @@ def ensure_tiny_checkpoint(model_cfg: ModelConfig, task_cfg: TaskConfig, *, cach
     return final
 
 
-def _build(directory: Path, model_cfg: ModelConfig, task_cfg: TaskConfig) -> None:
+def _build(directory: Path, model_cfg: ModelConfig, task_cfg: TaskConfig, device: str) -> None:
     task = build_task(task_cfg, seed=model_cfg.init_seed)
-    model = build_model(model_cfg, seed=model_cfg.init_seed)
+    model = build_model(model_cfg, seed=model_cfg.init_seed).to(device)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(model_cfg.init_seed)
-        losses = supervised_warmup(model, task, steps=model_cfg.init_sft_steps, seed=model_cfg.init_seed)
+        losses = supervised_warmup(
+            model, task, steps=model_cfg.init_sft_steps, seed=model_cfg.init_seed, lr=sft_lr(model_cfg)
+        )
     layout = get_layout(model_cfg.family)
-    state = {name: p.detach().to(torch.bfloat16) for name, p in model.named_parameters()}
+    state = {name: p.detach().to(device="cpu", dtype=torch.bfloat16) for name, p in model.named_parameters()}
     write_hf_checkpoint(directory, layout.split_experts(state, model_cfg), model_cfg)
     info = {
-        "key": checkpoint_key(model_cfg, task_cfg),
+        "key": checkpoint_key(model_cfg, task_cfg, device),
         "init_seed": model_cfg.init_seed,
         "sft_steps": model_cfg.init_sft_steps,
         "sft_first_loss": losses[0] if losses else None,

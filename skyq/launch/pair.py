@@ -1,0 +1,77 @@
+"""What the RL loop drives: a trainer worker and an engine worker joined by a weight-sync channel.
+
+Two implementations: `ActorPair` (two Ray actors; CPU runs and one worker per GPU) and `LocalPair`
+(both workers in the driver process sharing one GPU). The loop sees only this interface; the
+checks that do not depend on where the workers live are written once, here.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any
+
+from skyq.config.resolve import WorkerResolution
+from skyq.config.schema import WeightSyncConfig
+from skyq.launch.checkpointing import TRAINER_STATE, RunState, save_run_checkpoint
+from skyq.rl.batch import RolloutBatch, Sample
+from skyq.sync.errors import SyncError
+
+
+class WorkerPair(ABC):
+    """A trainer worker and an engine worker (`skyq.launch.actors`), wherever they live."""
+
+    sync_cfg: WeightSyncConfig
+    resolution: WorkerResolution
+    """The precision resolution both workers reported and agreed on."""
+
+    @abstractmethod
+    def _call(self, side: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call `method` on the "trainer" or "engine" worker and return its result."""
+
+    @abstractmethod
+    def sync(self, version: int) -> dict[str, float]:
+        """One full weight sync as `version`; raises `SyncError` (with both sides' story) on failure."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """End both workers and their sync channel."""
+
+    def verify_engine_matches_trainer(self) -> None:
+        """Compare the engine's wire tensors with what the trainer's weights serialize to, bit for bit."""
+        want = self._call("trainer", "serialized_digest")
+        held = self._call("engine", "wire_digest")
+        differing = sorted(n for n in want.keys() | held.keys() if want.get(n) != held.get(n))
+        if differing:
+            raise SyncError(
+                f"after the sync the engine's weights differ from the trainer's in {len(differing)} tensors "
+                f"(first: {differing[:3]}); the engine is not serving the trainer's weights"
+            )
+
+    def generate(self, prompts: list[list[int]], **sampling: Any) -> list[Sample]:
+        return self._call("engine", "generate", prompts, **sampling)
+
+    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
+        return self._call("trainer", "train_step", batch)
+
+    def save_checkpoint(self, root: Path, *, next_step: int, seed: int) -> Path:
+        return save_run_checkpoint(
+            root,
+            next_step=next_step,
+            seed=seed,
+            write_trainer=lambda path: self._call("trainer", "save_state", str(path)),
+        )
+
+    def restore(self, checkpoint_dir: Path, state: RunState) -> None:
+        """Load the trainer state of a verified checkpoint (the engine is re-synced by the next sync)."""
+        trainer_step = self._call("trainer", "load_state", str(checkpoint_dir / TRAINER_STATE))
+        if trainer_step != state.next_step:
+            raise SyncError(
+                f"{checkpoint_dir}: trainer state is at step {trainer_step}, the run state says {state.next_step}"
+            )
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line for an error: its type and the first line of its message."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"

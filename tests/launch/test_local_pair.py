@@ -1,0 +1,118 @@
+"""The one-process placement (`LocalPair`): trainer and engine in the driver process, weights through
+the in-process channel. On the GPU box this is `topology=1gpu`; here it runs on the CPU with
+`rollout.weight_sync.transport=in_process`, the same code path minus the device."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import pytest
+import torch
+
+from skyq.config.enums import TransportKind
+from skyq.launch.checkpointing import latest_checkpoint
+from skyq.launch.local_pair import LocalPair, merged_worker_env
+from skyq.launch.metrics import read_metrics
+from skyq.launch.placement import placement_for, resolve_transport
+from skyq.launch.rundir import METRICS_FILE
+from skyq.sync.errors import SyncError
+
+from .run_helpers import compose_config, run
+
+IN_PROCESS = "rollout.weight_sync.transport=in_process"
+
+
+@pytest.mark.parametrize(
+    ("topology", "transport", "want", "sync_device", "gpus"),
+    [
+        ("cpu", "auto", TransportKind.broadcast, "cpu", 0),
+        ("cpu", "in_process", TransportKind.in_process, "cpu", 0),
+        ("1gpu", "auto", TransportKind.in_process, "cuda", 1),
+        ("1gpu", "broadcast", TransportKind.broadcast, "cpu", 0.5),
+        ("8gpu", "auto", TransportKind.broadcast, "cuda", 1),
+    ],
+)
+def test_auto_transport_follows_the_placement(topology, transport, want, sync_device, gpus):
+    cfg, _ = compose_config([f"topology={topology}", f"rollout.weight_sync.transport={transport}"])
+    assert cfg.rollout.weight_sync.transport is TransportKind(transport)
+    placement = placement_for(cfg.topology, cfg.rollout.weight_sync.transport)
+    assert placement.transport is want
+    assert placement.sync_device == sync_device
+    assert placement.trainer_gpus == placement.engine_gpus == gpus
+
+
+@pytest.mark.parametrize(
+    ("topology", "transport", "needle"),
+    [("8gpu", "in_process", "has 8 GPUs"), ("cpu", "cuda_ipc", "transport=cuda_ipc")],
+)
+def test_a_transport_that_cannot_work_is_refused_naming_the_key(topology, transport, needle):
+    cfg, _ = compose_config([f"topology={topology}", f"rollout.weight_sync.transport={transport}"])
+    with pytest.raises(ValueError, match="rollout.weight_sync.transport") as info:
+        resolve_transport(cfg.topology, cfg.rollout.weight_sync.transport)
+    assert needle in str(info.value)
+
+
+def test_conflicting_worker_env_in_one_process_is_refused():
+    assert merged_worker_env({"A": "1"}, {"A": "1", "B": "2"}) == {"A": "1", "B": "2"}
+    with pytest.raises(ValueError, match=r"trainer.env.A='1' but rollout.env.A='2'"):
+        merged_worker_env({"A": "1"}, {"A": "2"})
+
+
+def test_in_process_run_learns_checkpoints_and_resumes_without_ray(tmp_path, base_overrides):
+    """A real run through LocalPair: rewards logged, the first sync verified bit for bit, checkpoints,
+    and a resume continuing at the saved step. Ray is never started (the device box has no Ray)."""
+    ray_before = "ray" in sys.modules and sys.modules["ray"].is_initialized()
+    overrides = [*base_overrides, IN_PROCESS, "algorithm.num_steps=4", "checkpoint.save_interval=2"]
+    first = run(overrides, tmp_path / "run")
+    assert (first.start_step, first.num_steps, first.weight_version) == (0, 4, 4)
+    rows = read_metrics(tmp_path / "run" / METRICS_FILE)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert all(r["sync/bytes"] > 0 and 0 <= r["reward"] <= 1 for r in rows)
+    ckpt, state = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    assert state.next_step == 4
+    resumed = run([*overrides[:-2], "algorithm.num_steps=6", "checkpoint.save_interval=2"],
+                  tmp_path / "run", resume=True)  # fmt: skip
+    assert (resumed.start_step, resumed.weight_version) == (4, 6)
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / METRICS_FILE)] == list(range(6))
+    ray_after = "ray" in sys.modules and sys.modules["ray"].is_initialized()
+    assert ray_after == ray_before
+
+
+def _pair(overrides):
+    from skyq.trainer.native.tiny_checkpoint import ensure_tiny_checkpoint
+
+    cfg, _ = compose_config(overrides)
+    return LocalPair(
+        model=cfg.model,
+        precision=cfg.precision,
+        algorithm=cfg.algorithm,
+        trainer=cfg.trainer,
+        rollout=cfg.rollout,
+        placement=placement_for(cfg.topology, cfg.rollout.weight_sync.transport),
+        checkpoint_path=str(ensure_tiny_checkpoint(cfg.model, cfg.task, cache_dir=cfg.checkpoint.cache_dir)),
+        seed=cfg.seed,
+    )
+
+
+def test_failed_local_sync_names_both_sides_and_keeps_the_engine(base_overrides, monkeypatch):
+    """A NaN in the trainer's weights stops the sync at the sender; the engine thread gives up at its
+    deadline and keeps serving the last good version."""
+    monkeypatch.delenv("SKYQ_TEST_ENV", raising=False)
+    pair = _pair([*base_overrides, IN_PROCESS, "rollout.weight_sync.timeout_s=2",
+                  "+trainer.env.SKYQ_TEST_ENV=on"])  # fmt: skip
+    try:
+        assert os.environ["SKYQ_TEST_ENV"] == "on"
+        pair.sync(1)
+        pair.verify_engine_matches_trainer()
+        name, param = next((n, p) for n, p in pair.trainer.trainer.model.named_parameters() if p.dim() == 2)
+        with torch.no_grad():
+            param[0, 0] = float("nan")
+        with pytest.raises(SyncError, match=r"version 2 failed\. trainer: .*engine: ") as info:
+            pair.sync(2)
+        assert re.search(r"no answer|SyncTimeout|waited", str(info.value))
+        assert pair.engine.weight_version() == 1
+    finally:
+        pair.shutdown()
+    assert "SKYQ_TEST_ENV" not in os.environ
