@@ -31,7 +31,7 @@ def quantize_by_rows(
     blockwise scales: per block row), which is what makes the slabs independent.
     """
     rows = slab_rows(tuple(w.shape), multiple)
-    if w.ndim != 2 or w.shape[0] <= rows:
+    if w.ndim != 2 or w.shape[0] <= rows or w.is_cuda:  # a GPU has no cache to fit: one call
         return quantize(w)
     parts = [quantize(w[i : i + rows]) for i in range(0, w.shape[0], rows)]
     return tuple(_cat(list(outputs)) for outputs in zip(*parts))

@@ -5,7 +5,9 @@ Strategies (seed-compatible names):
   `weight_block_size` (DeepSeek-V3 layout); `pow2` scales add `scale_fmt: ue8m0`.
 - `channel`: `X.weight_scale` fp32 [N, 1], compressed-tensors `float-quantized`.
 - `tensor`: `X.weight_scale` fp32 [1], `quant_method: fp8` without a block size.
-All arithmetic is skyq.quant.fp8_blockwise, the same functions the trainer and the sync use.
+All arithmetic is skyq.quant.fp8_blockwise, the same functions the trainer and the sync use; on a
+GPU through skyq.quant's kernel dispatch, and for BF16 blockwise on the CPU through
+`fp8_cpu_kernel`, both bit-identical to it.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from typing import Any
 
 import torch
 
+from skyq.checkpoint import fp8_cpu_kernel
 from skyq.checkpoint.chunking import quantize_by_rows
 from skyq.checkpoint.errors import CheckpointError
 from skyq.checkpoint.pipeline import ShardTransform, tensorwise_transform
 from skyq.quant import fp8_blockwise
+from skyq.quant.kernels import dispatch
 
 
 class Fp8Strategy(str, Enum):
@@ -52,6 +56,16 @@ def make_fp8_transform(quantized: frozenset[str], opts: Fp8Options) -> ShardTran
     if opts.strategy is Fp8Strategy.block:
 
         def quantize(w: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+            if w.is_cuda:
+                return dispatch.quantize_fp8_blockwise(
+                    w, block_size=opts.block_size, pow2_scale=opts.pow2_scales, name=name
+                )
+            fast = fp8_cpu_kernel.quantize_blockwise(
+                w, block_size=opts.block_size, pow2_scale=opts.pow2_scales
+            )
+            if fast is not None:
+                return fast
+
             def blockwise(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                 return fp8_blockwise.quantize(
                     rows, block_size=opts.block_size, pow2_scale=opts.pow2_scales, name=name

@@ -21,6 +21,7 @@ from skyq.checkpoint.hf_config import text_config_of
 from skyq.checkpoint.pipeline import ShardTransform, tensorwise_transform
 from skyq.checkpoint.reader import ShardedCheckpoint, TensorInfo
 from skyq.quant import fp8_blockwise, mxfp8
+from skyq.quant.kernels import dispatch
 
 FP8_DTYPE = "F8_E4M3"
 
@@ -123,11 +124,11 @@ def make_fp8_dequant_transform(
 
     def dequantize(q: torch.Tensor, scale: torch.Tensor, name: str) -> torch.Tensor:
         if layout.e8m0:  # every byte but 0xFF (refused there) is a valid power of two
-            return mxfp8.dequantize(q, scale, name=name)
+            return dispatch.dequantize_mxfp8(q, scale, name=name)
         if not bool((scale > 0).all()):
             raise CheckpointError(f"scale of {name!r}: {int((scale <= 0).sum())} non-positive value(s)")
         if layout.block_size is not None:
-            return fp8_blockwise.dequantize(q, scale, block_size=layout.block_size, name=name)
+            return dispatch.dequantize_fp8_blockwise(q, scale, block_size=layout.block_size, name=name)
         if scale.numel() == 1:
             return fp8_blockwise.dequantize_per_tensor(q, scale, name=name)
         return fp8_blockwise.dequantize_per_channel(q, scale, name=name)
@@ -136,6 +137,7 @@ def make_fp8_dequant_transform(
         scale_name = pairs[name]
         # The index finds a scale that another shard holds.
         scale = tensors[scale_name] if scale_name in tensors else source.read_tensor(scale_name)
+        scale = scale.to(tensors[name].device)  # a scale read from another shard is on the CPU
         if not torch.isfinite(scale).all():
             raise CheckpointError(f"scale {scale_name!r} in {source.tensors[scale_name].shard}: NaN or inf")
         return {name: dequantize(tensors[name], scale, name)}

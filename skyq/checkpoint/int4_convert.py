@@ -20,6 +20,7 @@ from skyq.checkpoint.pipeline import ShardTransform, tensorwise_transform
 from skyq.checkpoint.reader import TensorInfo
 from skyq.config.enums import Int4Grid
 from skyq.quant import int4
+from skyq.quant.kernels import dispatch
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,10 @@ def make_int4_transform(quantized: frozenset[str], opts: Int4Options) -> ShardTr
         if opts.symmetric:
 
             def symmetric(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                if rows.is_cuda:
+                    return dispatch.quantize_int4_packed(
+                        rows, group_size=opts.group_size, grid=opts.grid, name=name
+                    )
                 return int4.quantize_packed(rows, group_size=opts.group_size, grid=opts.grid, name=name)
 
             packed, scale = quantize_by_rows(w, symmetric, multiple=1)

@@ -20,6 +20,7 @@ from skyq.checkpoint.errors import CheckpointError
 from skyq.checkpoint.pipeline import ShardTransform, tensorwise_transform
 from skyq.checkpoint.reader import ShardedCheckpoint, TensorInfo
 from skyq.quant import int4
+from skyq.quant.kernels import dispatch
 
 MEMBERS = ("weight_scale", "weight_shape", "weight_zero_point")
 
@@ -113,7 +114,8 @@ def make_int4_dequant_transform(
         return tensors[name] if name in tensors else source.read_tensor(name)
 
     def dequantize(name: str, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        m = {key: fetch(n, tensors) for key, n in units[name].items()}
+        device = tensors[name].device  # a member read from another shard is on the CPU
+        m = {key: fetch(n, tensors).to(device) for key, n in units[name].items()}
         shape = [int(v) for v in m["weight_shape"].tolist()]
         if len(shape) != 2 or shape[1] % layout.group_size:
             raise CheckpointError(
@@ -121,7 +123,7 @@ def make_int4_dequant_transform(
             )
         base = name.removesuffix(".weight_packed")
         if layout.symmetric:
-            return int4.dequantize_packed(
+            return dispatch.dequantize_int4_packed(
                 tensors[name], m["weight_scale"], shape, group_size=layout.group_size, name=base
             )
         return int4.dequantize_asymmetric(

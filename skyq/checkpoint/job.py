@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from skyq.checkpoint.atomic import TEMP_MARKER
+from skyq.checkpoint.device import resolve_device
 from skyq.checkpoint.manifest import MANIFEST_NAME
 from skyq.checkpoint.output import DONE_LOG_NAME, ConversionOutput
 from skyq.checkpoint.pipeline import ConversionStats, ShardTransform, run_conversion
@@ -37,6 +38,8 @@ class ConversionJob:
     """Convert only these shards (None: all); the index and config are written once all are done."""
     max_workers: int = 1
     overwrite: bool = False
+    device: str | None = None
+    """Where the arithmetic runs (`cpu`, `cuda[:N]`; None: cuda if available); never changes the output."""
 
 
 def files_to_copy(model_dir: Path, skip: set[str]) -> list[str]:
@@ -55,6 +58,7 @@ def files_to_copy(model_dir: Path, skip: set[str]) -> list[str]:
 def run_job(job: ConversionJob) -> ConversionStats:
     """Run `job`; prints a summary line. Returns the statistics."""
     source = job.source
+    device = resolve_device(job.device)
     source.verify_checksums()
     all_shards = source.shard_names
     sources = {s: source.shard_bytes(s) for s in all_shards}
@@ -65,7 +69,7 @@ def run_job(job: ConversionJob) -> ConversionStats:
     selected = all_shards if job.shards is None else [s for s in all_shards if s in set(job.shards)]
     stats = run_conversion(
         source=source, output=output, shards=selected, transform=job.transform, max_workers=job.max_workers,
-        tool=job.tool,
+        tool=job.tool, device=device,
     )  # fmt: skip
     missing = [s for s in all_shards if s not in output.done]
     if missing:

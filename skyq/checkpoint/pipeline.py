@@ -6,6 +6,8 @@ is done. So both converter threads work on the same shard while the writer write
 one, and the end of a run waits for one shard's tensors shared out, not for a whole shard on one
 thread (with ~5 shards and 2 threads that tail was a third of the run). Torch kernels, file I/O
 and hashing release the GIL. Memory: at most `max_workers + 1` shards are read and not yet written.
+On a GPU (`device`, see `skyq.checkpoint.device`) the reader also uploads each shard, the converter
+threads quantize on their own CUDA streams and copy the results back for the writer.
 The first error in any stage stops the others and is re-raised in the caller; whatever shard was
 being written is left only as a temp file, which the next run deletes.
 """
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
+from skyq.checkpoint.device import DeviceStage
 from skyq.checkpoint.output import ConversionOutput
 from skyq.checkpoint.reader import ShardedCheckpoint
 from skyq.quant.errors import check_finite
@@ -96,6 +99,7 @@ class ConversionStats:
 
 
 _DONE = object()
+_CPU = torch.device("cpu")
 
 
 @dataclass
@@ -105,6 +109,8 @@ class _ShardWork:
     shard: str
     tensors: dict[str, torch.Tensor]
     pending: int
+    ready: object | None = None
+    """CUDA event of the shard's upload (None on the CPU)."""
     result: ShardResult = field(default_factory=lambda: ShardResult(tensors={}))
 
 
@@ -120,13 +126,15 @@ def _get(q: queue.Queue, stop: threading.Event) -> object:
 
 def run_conversion(
     *, source: ShardedCheckpoint, output: ConversionOutput, shards: list[str], transform: ShardTransform,
-    max_workers: int = 1, tool: str,
+    max_workers: int = 1, tool: str, device: torch.device = _CPU,
 ) -> ConversionStats:  # fmt: skip
-    """Convert every shard of `shards` not already done in `output`; returns the run's statistics."""
+    """Convert every shard of `shards` not already done in `output` on `device`; returns the run's
+    statistics."""
     stats = ConversionStats()
     todo = [s for s in shards if s not in output.done]
     stats.shards_resumed = len(shards) - len(todo)
     workers = max(1, max_workers)
+    stage = DeviceStage(device)
     stop, lock = threading.Event(), threading.Lock()
     in_flight = threading.Semaphore(workers + 1)  # shards read and not yet written
     tasks: queue.Queue = queue.Queue()  # (shard work, tensor name); bounded by `in_flight`
@@ -152,8 +160,8 @@ def run_conversion(
             while not in_flight.acquire(timeout=0.05):
                 if stop.is_set():
                     return
-            tensors = source.read_shard(shard)
-            work = _ShardWork(shard, tensors, pending=len(tensors))
+            tensors, ready = stage.upload(source.read_shard(shard))
+            work = _ShardWork(shard, tensors, pending=len(tensors), ready=ready)
             if not tensors:
                 to_write.put(work)
             for name in sorted(tensors):
@@ -164,7 +172,9 @@ def run_conversion(
     def convert() -> None:
         while (item := _get(tasks, stop)) is not _DONE:
             work, name = item
-            part = transform(work.shard, work.tensors, [name])
+            with stage.converting(work.ready):
+                part = transform(work.shard, work.tensors, [name])
+                part.tensors = stage.download(part.tensors)
             with lock:
                 work.result.tensors.update(part.tensors)
                 work.result.converted += part.converted

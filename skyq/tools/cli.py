@@ -39,6 +39,14 @@ def add_max_workers(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-workers", type=int, default=1, help="converter threads (memory: ~1 shard each)")
 
 
+def add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device", default=None, metavar="DEVICE",
+        help="where the arithmetic runs: cpu or cuda[:N] (default: cuda if a GPU is visible, else cpu); "
+        "the output bytes are the same",
+    )  # fmt: skip
+
+
 def add_overwrite(
     p: argparse.ArgumentParser, *, help: str = "replace checkpoint files already in --save-dir"
 ) -> None:

@@ -20,7 +20,14 @@ from skyq.checkpoint.fp8_dequant import (
 )
 from skyq.checkpoint.job import ConversionJob, run_job
 from skyq.checkpoint.reader import CONFIG_NAME, ShardedCheckpoint
-from skyq.tools.cli import add_max_workers, add_overwrite, add_save_dir, converter_parser, run_tool
+from skyq.tools.cli import (
+    add_device,
+    add_max_workers,
+    add_overwrite,
+    add_save_dir,
+    converter_parser,
+    run_tool,
+)
 
 TOOL = "convert_fp8_to_bf16"
 
@@ -29,6 +36,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = converter_parser(TOOL, __doc__, model_dir_help="FP8 HF checkpoint to read")
     add_save_dir(p)
     add_max_workers(p)
+    add_device(p)
     add_overwrite(p)
     return p.parse_args(argv)
 
@@ -48,6 +56,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         transform=make_fp8_dequant_transform(source, pairs, layout),
         config=config,
         max_workers=args.max_workers,
+        device=args.device,
         overwrite=args.overwrite,
     )
     run_job(job)

@@ -27,6 +27,7 @@ from skyq.checkpoint.selection import select
 from skyq.config.enums import Precision
 from skyq.config.schema import PrecisionConfig
 from skyq.tools.cli import (
+    add_device,
     add_max_workers,
     add_overwrite,
     add_save_dir,
@@ -44,6 +45,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--strategy", choices=[s.value for s in Fp8Strategy], default="block")
     p.add_argument("--block-size", nargs=2, type=int, default=[128, 128], metavar=("BN", "BK"))
     add_max_workers(p)
+    add_device(p)
     p.add_argument("--scale-fmt", choices=["ue8m0"], default=None, help="power-of-two scales (block only)")
     add_overwrite(p)
     return p.parse_args(argv)
@@ -75,6 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         transform=make_fp8_transform(selection.quantized, opts),
         config=config,
         max_workers=args.max_workers,
+        device=args.device,
         overwrite=args.overwrite,
     )
     run_job(job)

@@ -30,6 +30,7 @@ from skyq.config.enums import Int4Grid, Precision
 from skyq.config.schema import PrecisionConfig
 from skyq.quant.layouts import get_layout
 from skyq.tools.cli import (
+    add_device,
     add_max_workers,
     add_overwrite,
     add_save_dir,
@@ -62,6 +63,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--ignore-rules", nargs="+", default=[], help="extra modules kept BF16 (re:<regex> or name)"
     )
     add_max_workers(p)
+    add_device(p)
     add_overwrite(p)
     args = p.parse_args(argv)
     if args.asymmetric and args.is_symmetric:
@@ -108,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         transform=make_int4_transform(frozenset(quantized), opts),
         config=config,
         max_workers=args.max_workers,
+        device=args.device,
         overwrite=args.overwrite,
     )
     run_job(job)

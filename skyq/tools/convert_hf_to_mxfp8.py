@@ -30,6 +30,7 @@ from skyq.config.enums import Precision, QuantScope
 from skyq.config.schema import PrecisionConfig
 from skyq.quant.strategies import get_strategy
 from skyq.tools.cli import (
+    add_device,
     add_max_workers,
     add_overwrite,
     add_save_dir,
@@ -51,6 +52,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="linears to quantize, as precision.mxfp8_targets (default: routed_experts)",
     )
     add_max_workers(p)
+    add_device(p)
     add_overwrite(p)
     return p.parse_args(argv)
 
@@ -76,6 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         transform=make_mxfp8_transform(selection, strategy),
         config=config,
         max_workers=args.max_workers,
+        device=args.device,
         overwrite=args.overwrite,
     )
     run_job(job)

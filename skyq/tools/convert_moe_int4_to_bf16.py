@@ -25,7 +25,7 @@ from skyq.checkpoint.int4_dequant import (
 )
 from skyq.checkpoint.job import ConversionJob, run_job
 from skyq.checkpoint.reader import CONFIG_NAME, ShardedCheckpoint, load_json
-from skyq.tools.cli import add_max_workers, add_overwrite, converter_parser, run_tool
+from skyq.tools.cli import add_device, add_max_workers, add_overwrite, converter_parser, run_tool
 
 TOOL = "convert_moe_int4_to_bf16"
 SIDECAR_NAME = "quantization_config.json"
@@ -43,6 +43,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--keep-quantization-config", action="store_true", help="leave the block in config.json too"
     )
     add_max_workers(p)
+    add_device(p)
     return p.parse_args(argv)
 
 
@@ -75,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra_json={SIDECAR_NAME: sidecar_block(block, source.tensors)},
         shards=args.files,
         max_workers=args.max_workers,
+        device=args.device,
         overwrite=args.overwrite,
     )
     run_job(job)
