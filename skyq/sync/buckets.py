@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from skyq.sync.byte_runs import BytePieces, interleave, unpack_views
+from skyq.sync.byte_runs import find_pieces, gather, interleave, unpack_views
 from skyq.sync.checksums import bucket_checksum, checksum_algorithm
 from skyq.sync.errors import SyncRefused
 from skyq.sync.manifest import BucketEntry, TensorEntry
@@ -59,18 +59,16 @@ def plan_buckets(units: Sequence[WireUnit], bucket_bytes: int) -> list[list[Wire
     return buckets
 
 
-def pack_bucket(index: int, units: Sequence[WireUnit]) -> tuple[Tensor, BucketEntry]:
-    """Lay the units' bytes into one flat uint8 buffer and describe where each tensor lies.
-
-    Tensors go in `interleave` order (every unit's weight, then every unit's scales), so views of
-    one batched output are one byte range; the buffer is one `torch.cat` of those ranges and the
-    zero padding between tensors."""
+def bucket_entries(units: Sequence[WireUnit]) -> tuple[tuple[TensorEntry, ...], list[tuple[int, int]], int]:
+    """Where each tensor of `units` lies in their bucket: (entries in byte order, the (unit,
+    position) of each, the bucket's bytes). Tensors go in `interleave` order (every unit's weight,
+    then every unit's scales), so views of one batched output are one byte range; each offset is
+    aligned to `ALIGN_BYTES`, the gaps are zero padding."""
     lists = [list(unit.tensors.items()) for unit in units]
-    device = next((ts[0][1].device for ts in lists if ts), torch.device("cpu"))
-    pieces = BytePieces(device)
+    order = interleave(lists)
     entries: list[TensorEntry] = []
-    offset = 0
-    for u, k in interleave(lists):
+    offset = end = 0
+    for u, k in order:
         name, t = lists[u][k]
         nbytes = t.numel() * t.element_size()
         entries.append(
@@ -83,14 +81,20 @@ def pack_bucket(index: int, units: Sequence[WireUnit]) -> tuple[Tensor, BucketEn
                 nbytes=nbytes,
             )
         )
-        pieces.pad_to(offset)
-        pieces.add(t)
+        end = offset + nbytes
         offset += _aligned(nbytes)
+    return tuple(entries), order, end
+
+
+def pack_bucket(index: int, units: Sequence[WireUnit]) -> tuple[Tensor, BucketEntry]:
+    """Lay the units' bytes into one flat uint8 buffer (`bucket_entries`, one `torch.cat` of byte
+    ranges and padding) and describe where each tensor lies."""
+    entries, order, nbytes = bucket_entries(units)
+    tensors = [list(units[u].tensors.values())[k] for u, k in order]
+    device = tensors[0].device if tensors else torch.device("cpu")
     # Padding is zeros, so the bytes (and hence the checksum) are deterministic.
-    buf = pieces.cat()
-    return buf, BucketEntry(
-        index=index, nbytes=buf.numel(), checksum=bucket_checksum(buf), tensors=tuple(entries)
-    )
+    buf = gather(tensors, find_pieces(tensors, [e.offset for e in entries], device), nbytes, device)
+    return buf, BucketEntry(index=index, nbytes=nbytes, checksum=bucket_checksum(buf), tensors=entries)
 
 
 def unpack_bucket(buf: Tensor, entry: BucketEntry, *, verify_checksum: bool) -> dict[str, Tensor]:

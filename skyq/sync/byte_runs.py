@@ -2,14 +2,16 @@
 
 A bucket holds hundreds of small wire tensors (one projection's experts, each with its scales). Per
 tensor Python and one kernel per tensor would make a sync cost per tensor, not per byte, so:
-the sender lays tensors that already sit back to back in memory (views of one batched quantizer
-output) as ONE byte range, and the receiver views each run of equal, back-to-back entries as one
-stacked tensor split with `unbind`. Neither changes a byte or what the manifest says.
+the sender copies tensors that lie back to back in one storage (views of one batched quantizer
+output) as ONE byte range (a `Piece`), and the receiver views each run of equal, back-to-back
+entries as one stacked tensor split with `unbind` (a `Run`). Neither changes a byte or what the
+manifest says. Pieces and runs are computed once per layout and reused while it holds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -25,67 +27,103 @@ def interleave(tensor_lists: Sequence[Sequence[object]]) -> list[tuple[int, int]
     return [(u, k) for k in range(longest) for u, ts in enumerate(tensor_lists) if k < len(ts)]
 
 
-class BytePieces:
-    """Collects byte ranges for one `torch.cat`, merging a tensor into the previous range when it
-    continues it in the same storage (no copy, no per-tensor piece)."""
+class Piece(NamedTuple):
+    """Bucket members [first, first + count) (in byte order), back to back in the bucket: one
+    byte range to copy when they are also back to back in one storage on the sender."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.pieces: list[Tensor] = []
-        self.written = 0
-        self._run: tuple[Tensor, int, int] | None = None  # (first tensor, storage byte offset, bytes)
-        self._run_len = 0
+    first: int
+    count: int
+    offset: int
+    """Bucket offset of the first member."""
+    nbytes: int
+    """Bytes of all members."""
 
-    def pad_to(self, offset: int) -> None:
-        if offset > self.written:
-            self._flush()
-            self.pieces.append(torch.zeros(offset - self.written, dtype=torch.uint8, device=self.device))
-            self.written = offset
 
-    def add(self, t: Tensor) -> None:
-        nbytes = t.numel() * t.element_size()
-        mergeable = t.device == self.device and t.is_contiguous() and nbytes > 0
-        start = t.storage_offset() * t.element_size() if mergeable else -1
-        run = self._run
-        if (
-            run is not None
-            and mergeable
-            and start == run[1] + run[2]
-            and t.untyped_storage().data_ptr() == run[0].untyped_storage().data_ptr()
-        ):
-            self._run = (run[0], run[1], run[2] + nbytes)
-            self._run_len += 1
+def _one_range(run: Sequence[Tensor], device: torch.device) -> Tensor | None:
+    """`run`'s bytes as one uint8 view when its tensors are contiguous and back to back in one
+    storage on `device`, else None."""
+    first = run[0]
+    if first.device != device:
+        return None
+    storage = first.untyped_storage()
+    base = storage.data_ptr()
+    addr = first.data_ptr()
+    for t in run:
+        if t.data_ptr() != addr or not t.is_contiguous() or t.untyped_storage().data_ptr() != base:
+            return None
+        addr += t.nbytes
+    start = first.data_ptr() - base
+    view = torch.empty(0, dtype=torch.uint8, device=device)
+    return view.set_(storage, start, (addr - first.data_ptr(),), (1,))
+
+
+def _continues(prev: Tensor, t: Tensor, device: torch.device) -> bool:
+    """True when `t` starts where `prev` ends, both contiguous in one storage on `device`."""
+    return (
+        t.nbytes > 0
+        and prev.nbytes > 0
+        and prev.device == device
+        and prev.is_contiguous()
+        and t.is_contiguous()
+        and t.data_ptr() == prev.data_ptr() + prev.nbytes
+        and t.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
+    )
+
+
+def find_pieces(tensors: Sequence[Tensor], offsets: Sequence[int], device: torch.device) -> tuple[Piece, ...]:
+    """Group the members (in byte order, at `offsets`) into pieces: a member joins the previous
+    piece when no padding separates them in the bucket and they continue each other in memory."""
+    pieces: list[Piece] = []
+    for i, (t, offset) in enumerate(zip(tensors, offsets)):
+        last = pieces[-1] if pieces else None
+        if last is not None and offset == last.offset + last.nbytes and _continues(tensors[i - 1], t, device):
+            pieces[-1] = last._replace(count=last.count + 1, nbytes=last.nbytes + t.nbytes)
         else:
-            self._flush()
-            if mergeable:
-                self._run, self._run_len = (t, start, nbytes), 1
-            else:
-                self.pieces.append(as_bytes(t).to(self.device))
-        self.written += nbytes
+            pieces.append(Piece(i, 1, offset, t.nbytes))
+    return tuple(pieces)
 
-    def _flush(self) -> None:
-        if self._run is None:
-            return
-        first, start, nbytes = self._run
-        if self._run_len == 1:
-            self.pieces.append(as_bytes(first))
+
+def gather(tensors: Sequence[Tensor], pieces: Sequence[Piece], nbytes: int, device: torch.device) -> Tensor:
+    """The bucket: `tensors`' bytes laid out as `pieces` say, zero padding between, as one
+    `torch.cat`. A piece whose members no longer lie back to back is copied member by member."""
+    parts: list[Tensor] = []
+    zeros: Tensor | None = None
+    written = 0
+    for first, count, offset, piece_bytes in pieces:
+        if offset > written:  # padding: less than the alignment
+            if zeros is None or zeros.numel() < offset - written:
+                zeros = torch.zeros(max(16, offset - written), dtype=torch.uint8, device=device)
+            parts.append(zeros[: offset - written])
+        members = tensors[first : first + count]
+        whole = _one_range(members, device) if count > 1 else None
+        if whole is not None:
+            parts.append(whole)
         else:
-            view = torch.empty(0, dtype=torch.uint8, device=self.device)
-            self.pieces.append(view.set_(first.untyped_storage(), start, (nbytes,), (1,)))
-        self._run, self._run_len = None, 0
-
-    def cat(self) -> Tensor:
-        self._flush()
-        if not self.pieces:
-            return torch.zeros(0, dtype=torch.uint8, device=self.device)
-        return torch.cat(self.pieces) if len(self.pieces) > 1 else self.pieces[0].clone()
+            parts.extend(as_bytes(t).to(device) for t in members)
+        written = offset + piece_bytes
+    if written != nbytes:
+        raise AssertionError(f"bucket packed to {written} bytes, its layout says {nbytes}")
+    if not parts:
+        return torch.zeros(0, dtype=torch.uint8, device=device)
+    return torch.cat(parts) if len(parts) > 1 else parts[0].clone()
 
 
-def unpack_views(buf: Tensor, entries: Sequence[TensorEntry]) -> dict[str, Tensor]:
-    """Every entry's tensor as a view into `buf` (a copy only where a view cannot be taken); runs
-    of back-to-back entries of one dtype and shape are viewed once and split with `unbind`."""
-    out: dict[str, Tensor] = {}
+class Run(NamedTuple):
+    """`count` back-to-back bucket entries of one dtype and shape, viewed once and unbound."""
+
+    offset: int
+    count: int
+    nbytes: int
+    """Bytes of one member."""
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+
+
+def find_runs(entries: Sequence[TensorEntry]) -> tuple[Run, ...]:
+    """The entries (any order) as runs, in byte order."""
     ordered = sorted(entries, key=lambda e: e.offset)
+    runs: list[Run] = []
     i = 0
     while i < len(ordered):
         first = ordered[i]
@@ -97,13 +135,27 @@ def unpack_views(buf: Tensor, entries: Sequence[TensorEntry]) -> dict[str, Tenso
             and ordered[j].offset == ordered[j - 1].offset + first.nbytes
         ):
             j += 1
-        dtype = dtype_from_name(first.dtype)
-        span = buf[first.offset : first.offset + (j - i) * first.nbytes]
-        if j - i > 1 and first.nbytes > 0 and dtype != torch.bool:
-            whole = view_bytes(span, dtype, (j - i, *first.shape))
-            out.update(zip((e.name for e in ordered[i:j]), whole.unbind(0)))
-        else:
-            for e in ordered[i:j]:
-                out[e.name] = view_bytes(buf[e.offset : e.offset + e.nbytes], dtype, e.shape)
+        names = tuple(e.name for e in ordered[i:j])
+        runs.append(Run(first.offset, j - i, first.nbytes, dtype_from_name(first.dtype), first.shape, names))
         i = j
-    return {e.name: out[e.name] for e in entries}
+    return tuple(runs)
+
+
+def view_runs(buf: Tensor, runs: Sequence[Run], out: dict[str, Tensor]) -> None:
+    """Put every run member's tensor into `out`: views into `buf` (a copy only where a view
+    cannot be taken: bool, misaligned bytes)."""
+    for offset, count, nbytes, dtype, shape, names in runs:
+        if count > 1 and nbytes > 0 and dtype != torch.bool:
+            whole = view_bytes(buf[offset : offset + count * nbytes], dtype, (count, *shape))
+            out.update(zip(names, whole.unbind(0)))
+        else:
+            for k, name in enumerate(names):
+                start = offset + k * nbytes
+                out[name] = view_bytes(buf[start : start + nbytes], dtype, shape)
+
+
+def unpack_views(buf: Tensor, entries: Sequence[TensorEntry]) -> dict[str, Tensor]:
+    """Every entry's tensor as a view into `buf` (see `view_runs`), in byte order."""
+    out: dict[str, Tensor] = {}
+    view_runs(buf, find_runs(entries), out)
+    return out

@@ -15,6 +15,7 @@ apart swapped go unnoticed) — it guards against transport and bookkeeping faul
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -31,32 +32,39 @@ def _blake2b(buf: Tensor) -> str:
     return hashlib.blake2b(buf.detach().cpu().numpy().data, digest_size=16).hexdigest()
 
 
-def wsum64(buf: Tensor, chunk_bytes: int = CHUNK_BYTES) -> str:
-    """The wsum64 digest of a flat uint8 buffer (independent of `chunk_bytes` and device).
+def _wsum64_sums(buf: Tensor, chunk_bytes: int) -> Tensor:
+    """(sum b_i, sum b_i * w_i) of a flat uint8 buffer as one int64 [2] tensor on its device.
 
     The weights repeat every 65521 bytes, so the buffer is read as rows of 65521 bytes: one column
     sum over the rows (exact in int64), then a dot with the weights 1..65521, plus the short tail
-    row. A few kernels and one host read per bucket; `chunk_bytes` bounds the rows per column sum."""
+    row; `chunk_bytes` bounds the rows per column sum. Sums wrap modulo 2^64 like the digest."""
     n = buf.numel()
     rows, tail = divmod(n, _MODULUS)
     weights = torch.arange(1, _MODULUS + 1, dtype=torch.int64, device=buf.device)
     rows_per_chunk = max(1, chunk_bytes // _MODULUS)
-    plain = torch.zeros((), dtype=torch.int64, device=buf.device)
-    weighted = torch.zeros((), dtype=torch.int64, device=buf.device)
+    sums = torch.zeros(2, dtype=torch.int64, device=buf.device)
     for first in range(0, rows, rows_per_chunk):
         last = min(rows, first + rows_per_chunk)
         cols = (
             buf[first * _MODULUS : last * _MODULUS].view(last - first, _MODULUS).sum(dim=0, dtype=torch.int64)
         )
-        plain += cols.sum()
-        weighted += (cols * weights).sum()
+        sums += torch.stack([cols.sum(), (cols * weights).sum()])
     if tail:
         rest = buf[rows * _MODULUS :].to(torch.int64)
-        plain += rest.sum()
-        weighted += (rest * weights[:tail]).sum()
-    plain_v, weighted_v = torch.stack([plain, weighted]).tolist()
+        sums += torch.stack([rest.sum(), (rest * weights[:tail]).sum()])
+    return sums
+
+
+def _wsum64_digest(n: int, plain: int, weighted: int) -> str:
     mask = (1 << 64) - 1
-    return f"{n:x}-{plain_v & mask:016x}{weighted_v & mask:016x}"
+    return f"{n:x}-{plain & mask:016x}{weighted & mask:016x}"
+
+
+def wsum64(buf: Tensor, chunk_bytes: int = CHUNK_BYTES) -> str:
+    """The wsum64 digest of a flat uint8 buffer (independent of `chunk_bytes` and device): a few
+    kernels and one host read."""
+    plain, weighted = _wsum64_sums(buf, chunk_bytes).tolist()
+    return _wsum64_digest(buf.numel(), plain, weighted)
 
 
 def bucket_checksum(buf: Tensor, algorithm: str | None = None) -> str:
@@ -76,3 +84,23 @@ def checksum_algorithm(checksum: str) -> str:
     if not sep or algorithm not in (BLAKE2B, WSUM64):
         raise SyncRefused(f"bucket checksum {checksum[:40]!r} names no known algorithm ({BLAKE2B}, {WSUM64})")
     return algorithm
+
+
+def bucket_checksums(bufs: Sequence[Tensor], algorithms: Sequence[str | None] | None = None) -> list[str]:
+    """`bucket_checksum` of every buffer, with the device-side sums of all wsum64 buffers read back
+    in one host transfer per device (not one per bucket: each read waits for the device)."""
+    algos = [None] * len(bufs) if algorithms is None else list(algorithms)
+    if len(algos) != len(bufs):
+        raise SyncRefused(f"{len(algos)} checksum algorithms for {len(bufs)} buckets")
+    out: list[str | None] = [None] * len(bufs)
+    pending: dict[torch.device, list[tuple[int, Tensor]]] = {}
+    for i, (buf, algorithm) in enumerate(zip(bufs, algos)):
+        if (algorithm or (BLAKE2B if buf.device.type == "cpu" else WSUM64)) == WSUM64:
+            pending.setdefault(buf.device, []).append((i, _wsum64_sums(buf, CHUNK_BYTES)))
+        else:
+            out[i] = bucket_checksum(buf, algorithm)
+    for sums in pending.values():
+        values = torch.stack([s for _, s in sums]).tolist()
+        for (i, _), (plain, weighted) in zip(sums, values):
+            out[i] = f"{WSUM64}:{_wsum64_digest(bufs[i].numel(), plain, weighted)}"
+    return [c for c in out if c is not None]

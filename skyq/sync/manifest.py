@@ -2,12 +2,15 @@
 
 It crosses the wire as JSON bytes (never pickle) and is parsed strictly: a missing or extra key, a
 wrong type, an overlapping byte range or a name listed twice is refused before any weight is read.
+Everything but the version and the checksums is the sync's *layout*; the manifest carries the
+layout's digest, so later syncs of the same layout can refer to it instead (`layout.SameLayout`).
 A *unit* is one source parameter: a weight together with its scales (FORMATS.md "a weight and its
 scale(s) are one unit"); all tensors of a unit sit in one bucket.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -15,8 +18,9 @@ from typing import Any
 from skyq.sync.errors import SyncRefused
 from skyq.sync.wire_dtypes import dtype_from_name, nbytes_of
 
-MANIFEST_FORMAT = "skyq-weight-sync/1"
-"""Format tag of the JSON manifest; a receiver refuses any other."""
+MANIFEST_FORMAT = "skyq-weight-sync/2"
+"""Format tag of the sync messages (full manifest, same-layout message); a receiver refuses any other.
+/2 added the layout digest and the same-layout message; checksums are unchanged from /1."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,26 +92,24 @@ class SyncManifest:
                         "a weight and its scales must travel in the same bucket"
                     )
 
-    def to_json_bytes(self) -> bytes:
+    def layout_digest(self) -> str:
+        """`sha256:<hex>` of the layout: every bucket's size and every tensor's name, unit, dtype,
+        shape, offset and bytes, in order (the version and the checksums left out)."""
+        layout = [[b.index, b.nbytes, [_tensor_json(t) for t in b.tensors]] for b in self.buckets]
+        return "sha256:" + hashlib.sha256(json.dumps(layout, separators=(",", ":")).encode()).hexdigest()
+
+    def to_json_bytes(self, layout_digest: str | None = None) -> bytes:
+        """The manifest as JSON; `layout_digest` is `self.layout_digest()`, when the caller has it."""
         payload = {
             "format": MANIFEST_FORMAT,
             "version": self.version,
+            "layout": layout_digest or self.layout_digest(),
             "buckets": [
                 {
                     "index": b.index,
                     "nbytes": b.nbytes,
                     "checksum": b.checksum,
-                    "tensors": [
-                        {
-                            "name": t.name,
-                            "unit": t.unit,
-                            "dtype": t.dtype,
-                            "shape": list(t.shape),
-                            "offset": t.offset,
-                            "nbytes": t.nbytes,
-                        }
-                        for t in b.tensors
-                    ],
+                    "tensors": [_tensor_json(t) for t in b.tensors],
                 }
                 for b in self.buckets
             ],
@@ -117,19 +119,48 @@ class SyncManifest:
     @classmethod
     def from_json_bytes(cls, raw: bytes) -> SyncManifest:
         """Parse and validate a manifest received from another process."""
-        try:
-            obj = json.loads(raw.decode())
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise SyncRefused(f"weight-sync manifest is not valid JSON: {exc}") from None
-        _expect_keys(obj, {"format", "version", "buckets"}, "manifest")
-        if obj["format"] != MANIFEST_FORMAT:
-            raise SyncRefused(
-                f"manifest format {obj['format']!r}, expected {MANIFEST_FORMAT!r} (skyq versions differ?)"
-            )
-        buckets = tuple(_parse_bucket(b) for b in _expect(obj["buckets"], list, "manifest.buckets"))
-        manifest = cls(version=_expect(obj["version"], int, "manifest.version"), buckets=buckets)
+        return cls.from_json(parse_message_json(raw, "manifest"))
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> SyncManifest:
+        """Validate a parsed manifest, its layout digest included (`parse_message_json` checked the format)."""
+        expect_keys(obj, {"format", "version", "layout", "buckets"}, "manifest")
+        buckets = tuple(_parse_bucket(b) for b in expect_value(obj["buckets"], list, "manifest.buckets"))
+        manifest = cls(version=expect_value(obj["version"], int, "manifest.version"), buckets=buckets)
         manifest.validate()
+        digest = manifest.layout_digest()
+        if obj["layout"] != digest:
+            raise SyncRefused(
+                f"manifest of version {manifest.version} says layout {obj['layout']!r}, its contents digest "
+                f"to {digest!r} (skyq versions differ?)"
+            )
         return manifest
+
+
+def parse_message_json(raw: bytes, what: str) -> dict[str, Any]:
+    """A sync message's JSON object, its format tag checked."""
+    try:
+        obj = json.loads(raw.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SyncRefused(f"weight-sync {what} is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict) or "format" not in obj:
+        raise SyncRefused(f"weight-sync {what} must be a JSON object with a `format` key")
+    if obj["format"] != MANIFEST_FORMAT:
+        raise SyncRefused(
+            f"weight-sync {what} format {obj['format']!r}, expected {MANIFEST_FORMAT!r} (skyq versions differ?)"
+        )
+    return obj
+
+
+def _tensor_json(t: TensorEntry) -> dict[str, Any]:
+    return {
+        "name": t.name,
+        "unit": t.unit,
+        "dtype": t.dtype,
+        "shape": list(t.shape),
+        "offset": t.offset,
+        "nbytes": t.nbytes,
+    }
 
 
 def _validate_entry(t: TensorEntry, bucket: BucketEntry) -> None:
@@ -146,37 +177,37 @@ def _validate_entry(t: TensorEntry, bucket: BucketEntry) -> None:
 
 
 def _parse_bucket(obj: Any) -> BucketEntry:
-    _expect_keys(obj, {"index", "nbytes", "checksum", "tensors"}, "manifest bucket")
+    expect_keys(obj, {"index", "nbytes", "checksum", "tensors"}, "manifest bucket")
     return BucketEntry(
-        index=_expect(obj["index"], int, "bucket.index"),
-        nbytes=_expect(obj["nbytes"], int, "bucket.nbytes"),
-        checksum=_expect(obj["checksum"], str, "bucket.checksum"),
-        tensors=tuple(_parse_tensor(t) for t in _expect(obj["tensors"], list, "bucket.tensors")),
+        index=expect_value(obj["index"], int, "bucket.index"),
+        nbytes=expect_value(obj["nbytes"], int, "bucket.nbytes"),
+        checksum=expect_value(obj["checksum"], str, "bucket.checksum"),
+        tensors=tuple(_parse_tensor(t) for t in expect_value(obj["tensors"], list, "bucket.tensors")),
     )
 
 
 def _parse_tensor(obj: Any) -> TensorEntry:
-    _expect_keys(obj, {"name", "unit", "dtype", "shape", "offset", "nbytes"}, "manifest tensor")
-    shape = _expect(obj["shape"], list, "tensor.shape")
+    expect_keys(obj, {"name", "unit", "dtype", "shape", "offset", "nbytes"}, "manifest tensor")
+    shape = expect_value(obj["shape"], list, "tensor.shape")
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise SyncRefused(f"manifest: `{obj['name']}` has shape {shape}; dims must be non-negative ints")
     return TensorEntry(
-        name=_expect(obj["name"], str, "tensor.name"),
-        unit=_expect(obj["unit"], str, "tensor.unit"),
-        dtype=_expect(obj["dtype"], str, "tensor.dtype"),
+        name=expect_value(obj["name"], str, "tensor.name"),
+        unit=expect_value(obj["unit"], str, "tensor.unit"),
+        dtype=expect_value(obj["dtype"], str, "tensor.dtype"),
         shape=tuple(shape),
-        offset=_expect(obj["offset"], int, "tensor.offset"),
-        nbytes=_expect(obj["nbytes"], int, "tensor.nbytes"),
+        offset=expect_value(obj["offset"], int, "tensor.offset"),
+        nbytes=expect_value(obj["nbytes"], int, "tensor.nbytes"),
     )
 
 
-def _expect_keys(obj: Any, keys: set[str], what: str) -> None:
+def expect_keys(obj: Any, keys: set[str], what: str) -> None:
     if not isinstance(obj, dict) or set(obj) != keys:
         got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
         raise SyncRefused(f"{what} must have exactly the keys {sorted(keys)}, got {got}")
 
 
-def _expect(value: Any, kind: type, what: str) -> Any:
+def expect_value(value: Any, kind: type, what: str) -> Any:
     # bool is an int subclass in Python; a JSON `true` is never a valid count or offset.
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise SyncRefused(f"{what} must be a {kind.__name__}, got {value!r}")

@@ -2,7 +2,8 @@
 
 Before any bucket is read, the manifest is checked against what the engine expects (the plan's wire
 tensors): the version must be newer than the one held, and every expected tensor must be announced
-with its shape and dtype, and nothing else. After the buckets arrive their checksums and values are
+with its shape and dtype, and nothing else. A same-layout message (layout.py) is accepted only if it
+names the layout of the last sync this receiver committed, which passed those checks then. After the buckets arrive their checksums and values are
 verified, and only then is `commit(wire, version)` called: it is the one place the engine's weights
 and version change. Any failure is acknowledged to the sender with the reason and re-raised here.
 """
@@ -16,11 +17,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from skyq.quant.errors import QuantizationError, check_finite, check_no_e4m3_nan
-from skyq.sync.buckets import unpack_bucket
 from skyq.sync.channel import Channel, recv_json_bytes, send_json
+from skyq.sync.checksums import bucket_checksums, checksum_algorithm
 from skyq.sync.errors import SyncError, SyncRefused
-from skyq.sync.manifest import SyncManifest
+from skyq.sync.layout import ReceiverLayout, SameLayout, no_layout_refusal
+from skyq.sync.manifest import SyncManifest, parse_message_json
+from skyq.sync.values import check_received_values, spans_look_valid
 from skyq.sync.wire_dtypes import dtype_name
 
 Commit = Callable[[dict[str, Tensor], int], None]
@@ -46,14 +48,19 @@ class ReceiveStats:
     load_s: float
 
 
-def check_accounting(manifest: SyncManifest, expected: Sequence[ExpectedUnit], current_version: int) -> None:
-    """Refuse a manifest whose version is not newer, or whose tensors differ from `expected`."""
-    if manifest.version <= current_version:
-        kind = "a duplicate" if manifest.version == current_version else "an older"
+def check_version(version: int, current_version: int) -> None:
+    """Refuse a version that is not newer than the one the engine holds."""
+    if version <= current_version:
+        kind = "a duplicate" if version == current_version else "an older"
         raise SyncRefused(
-            f"weight version {manifest.version} is {kind} version: the engine already holds version "
+            f"weight version {version} is {kind} version: the engine already holds version "
             f"{current_version}, and versions only move forward"
         )
+
+
+def check_accounting(manifest: SyncManifest, expected: Sequence[ExpectedUnit], current_version: int) -> None:
+    """Refuse a manifest whose version is not newer, or whose tensors differ from `expected`."""
+    check_version(manifest.version, current_version)
     announced = {t.name: t for t in manifest.tensors}
     expected_by_name = {name: (unit, spec) for unit in expected for name, spec in unit.tensors.items()}
     problems: list[str] = []
@@ -90,98 +97,60 @@ def check_accounting(manifest: SyncManifest, expected: Sequence[ExpectedUnit], c
         )
 
 
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-_GROUP_BYTES = 256 * 1024 * 1024
-"""Tensors are tested in groups of at most this many bytes (one concatenation, one reduction)."""
-
-
-def _groups(wire: dict[str, Tensor]) -> list[list[Tensor]]:
-    """The checked tensors grouped by (device, dtype), in order, each group at most `_GROUP_BYTES`."""
-    open_groups: dict[tuple[torch.device, torch.dtype], tuple[list[Tensor], list[int]]] = {}
-    done: list[list[Tensor]] = []
-    for t in wire.values():
-        if t.dtype not in _FLOATS and t.dtype != torch.float8_e4m3fn:
-            continue
-        members, size = open_groups.setdefault((t.device, t.dtype), ([], [0]))
-        nbytes = t.numel() * t.element_size()
-        if members and size[0] + nbytes > _GROUP_BYTES:
-            done.append(list(members))
-            members.clear()
-            size[0] = 0
-        members.append(t)
-        size[0] += nbytes
-    return done + [members for members, _ in open_groups.values() if members]
-
-
-def _values_look_valid(wire: dict[str, Tensor]) -> bool:
-    """A few device-side tests and one host read per device: True when no float sum is non-finite
-    and no e4m3 byte is a NaN code. Tensors of one dtype are concatenated and tested together.
-    False may be a false alarm (a sum of finite values that overflowed), which the exact
-    per-tensor checks then clear."""
-    flags: dict[torch.device, list[Tensor]] = {}
-    for group in _groups(wire):
-        e4m3 = group[0].dtype == torch.float8_e4m3fn
-        parts = [t.reshape(-1).view(torch.uint8) if e4m3 else t.reshape(-1) for t in group]
-        flat = parts[0] if len(parts) == 1 else torch.cat(parts)
-        if e4m3:
-            bad = ((flat & 0x7F) == 0x7F).any()
-        else:
-            acc = torch.float64 if flat.dtype == torch.float64 else torch.float32
-            bad = torch.isfinite(flat.sum(dtype=acc)).logical_not()
-        flags.setdefault(flat.device, []).append(bad.reshape(1))
-    return not any(bool(torch.cat(f).any()) for f in flags.values())
-
-
-def check_received_values(wire: dict[str, Tensor]) -> None:
-    """Refuse non-finite floats and NaN-coded e4m3 bytes that arrived intact (bad at the source)."""
-    if _values_look_valid(wire):
-        return
-    try:
-        for name, t in wire.items():
-            if t.dtype in _FLOATS:
-                check_finite(t, name)
-            elif t.dtype == torch.float8_e4m3fn:
-                check_no_e4m3_nan(t, name)
-    except QuantizationError as exc:
-        raise SyncRefused(f"received weights are unusable: {exc}") from exc
-
-
 class WeightReceiver:
-    """Receives full weight syncs over one channel and commits them through `commit`."""
+    """Receives weight syncs over one channel and commits them through `commit`.
+
+    Keep one receiver per channel: it remembers the layout of the last sync it committed
+    (`layout.ReceiverLayout`), which a later same-layout sync from the same sender refers to."""
 
     def __init__(self, channel: Channel, expected: Sequence[ExpectedUnit], *, verify_checksum: bool) -> None:
         self._channel = channel
         self._expected = list(expected)
         self._verify_checksum = verify_checksum
+        self._layout: ReceiverLayout | None = None
+        """The layout of the last committed sync: accounted for against `expected` already."""
 
     def receive(self, *, current_version: int, commit: Commit) -> ReceiveStats:
         """Run one sync; the engine holds `current_version` before it."""
         start = time.perf_counter()
         raw = recv_json_bytes(self._channel, "weight-sync manifest")
+        cached, self._layout = self._layout, None  # set again only once this sync committed
         version = -1
         try:
-            manifest = SyncManifest.from_json_bytes(raw)
-            version = manifest.version
-            check_accounting(manifest, self._expected, current_version)
+            obj = parse_message_json(raw, "manifest")
+            version = obj["version"] if isinstance(obj.get("version"), int) else -1
+            if "buckets" in obj:
+                manifest = SyncManifest.from_json(obj)
+                check_accounting(manifest, self._expected, current_version)
+                layout = ReceiverLayout.of(manifest, obj["layout"])  # checked by from_json
+                checksums = [b.checksum for b in manifest.buckets]
+            else:
+                message = SameLayout.from_json(obj)
+                check_version(message.version, current_version)
+                if cached is None:
+                    raise no_layout_refusal(message)
+                cached.check_same(message)
+                layout, checksums = cached, list(message.checksums)
         except SyncRefused as exc:
             # Answer the refusal so the sender stops instead of pushing buckets nobody will read.
             self._ack("manifest", version, error=str(exc))
             raise
         self._ack("manifest", version)
+        n = len(layout.bucket_nbytes)
         frames = [
-            self._channel.recv_frame(b.nbytes, f"bucket {b.index + 1}/{len(manifest.buckets)} of v{version}")
-            for b in manifest.buckets
+            self._channel.recv_frame(nbytes, f"bucket {i + 1}/{n} of v{version}")
+            for i, nbytes in enumerate(layout.bucket_nbytes)
         ]
         received = time.perf_counter()
         try:
-            wire: dict[str, Tensor] = {}
-            for frame, entry in zip(frames, manifest.buckets):
-                wire.update(unpack_bucket(frame, entry, verify_checksum=self._verify_checksum))
-            if len(wire) != len(manifest.tensors):
+            self._verify_frames(frames, layout, checksums, version)
+            wire = layout.unpack(frames)
+            if len(wire) != layout.num_tensors:
                 raise SyncError(
-                    f"weight version {version}: placed {len(wire)} of {len(manifest.tensors)} tensors"
+                    f"weight version {version}: placed {len(wire)} of {layout.num_tensors} tensors"
                 )
-            check_received_values(wire)
+            if not spans_look_valid(frames, layout.spans):
+                check_received_values(wire)
             commit(wire, version)
         except SyncError as exc:
             self._ack("commit", version, error=str(exc))
@@ -193,15 +162,37 @@ class WeightReceiver:
         except Exception as exc:
             self._ack("commit", version, error=f"{type(exc).__name__}: {exc}")
             raise
+        self._layout = layout
         load_s = time.perf_counter() - received
-        self._ack("commit", version, num_tensors=len(wire), nbytes=manifest.total_bytes, load_s=load_s)
+        self._ack("commit", version, num_tensors=len(wire), nbytes=layout.total_bytes, load_s=load_s)
         return ReceiveStats(
             version=version,
             num_tensors=len(wire),
-            bytes=manifest.total_bytes,
+            bytes=layout.total_bytes,
             recv_s=received - start,
             load_s=load_s,
         )
+
+    def _verify_frames(
+        self, frames: Sequence[Tensor], layout: ReceiverLayout, checksums: Sequence[str], version: int
+    ) -> None:
+        """Refuse a frame of the wrong size, or (when enabled) whose checksum differs."""
+        for i, (frame, nbytes) in enumerate(zip(frames, layout.bucket_nbytes)):
+            if frame.dtype != torch.uint8 or frame.ndim != 1 or frame.numel() != nbytes:
+                raise SyncRefused(
+                    f"weight version {version}, bucket {i}: received {frame.numel()} bytes ({frame.dtype}), "
+                    f"the layout says {nbytes}"
+                )
+        if not self._verify_checksum:
+            return
+        got = bucket_checksums(frames, [checksum_algorithm(c) for c in checksums])
+        for i, (have, want) in enumerate(zip(got, checksums)):
+            if have != want:
+                names = ", ".join(r.names[0] for r in layout.runs[i][:3])
+                raise SyncRefused(
+                    f"weight version {version}: bucket {i} (holding {names}, ...) arrived corrupted: "
+                    f"checksum {have} != manifest {want}"
+                )
 
     def _ack(
         self,

@@ -1,7 +1,8 @@
 """Trainer side of a weight sync: serialize -> bucket -> send -> wait for the engine's accounting.
 
 The whole sync is serialized and checked before the first byte leaves, so a non-finite weight is
-refused with nothing sent. The sender waits for two acknowledgements: the engine accepts the
+refused with nothing sent. A repeat sync of an unchanged layout sends a short `SameLayout` message
+in place of the full manifest (see layout.py). The sender waits for two acknowledgements: the engine accepts the
 manifest (version and names), then reports what it committed; a sync counts as done only when the
 committed tensor and byte counts equal the manifest's.
 """
@@ -21,10 +22,11 @@ from skyq.quant.kernels.dispatch import (
     check_finite_stack_deferred,
     deferred_finite_checks,
 )
-from skyq.sync.buckets import WireUnit, pack_bucket, plan_buckets
-from skyq.sync.channel import Channel, recv_json, send_bytes
+from skyq.sync.buckets import WireUnit
+from skyq.sync.channel import Channel, recv_json, send_bytes, send_json
+from skyq.sync.checksums import bucket_checksums
 from skyq.sync.errors import SyncError, SyncRefused
-from skyq.sync.manifest import SyncManifest
+from skyq.sync.layout import SameLayout, SenderLayout, unit_signature
 
 Serializer = Callable[[str, Tensor], dict[str, Tensor]]
 """`QuantizationStrategy.serialize`: one source tensor -> its wire tensors (weight and scales).
@@ -45,6 +47,8 @@ class SyncStats:
     num_tensors: int
     num_buckets: int
     bytes: int
+    full_manifest: bool
+    """True when the sync sent its full manifest, False when it reused the layout of an earlier one."""
     gather_s: float
     """Producing the trainer's full-precision tensors (the trainer's weight iterator)."""
     quantize_s: float
@@ -150,12 +154,18 @@ def _build_units(
 
 
 class WeightSender:
-    """Sends full weight syncs over one channel."""
+    """Sends full weight syncs over one channel.
+
+    Keep one sender per channel: after a sync the engine committed, the sender remembers its layout
+    (`layout.SenderLayout`), and a later sync with the same tensor names, dtypes and shapes sends a
+    `SameLayout` message instead of the full manifest and packs its buckets from the cached plan."""
 
     def __init__(self, channel: Channel, *, serialize: Serializer, bucket_bytes: int) -> None:
         self._channel = channel
         self._serialize = serialize
         self._bucket_bytes = bucket_bytes
+        self._layout: SenderLayout | None = None
+        """The layout the engine committed with the last successful sync, if any."""
 
     def sync(self, weights: Iterable[WeightItem], version: int) -> SyncStats:
         """Send `weights` (HF name, full-precision tensor; or names and a stack of them) as weight
@@ -163,29 +173,42 @@ class WeightSender:
         start = time.perf_counter()
         units, gather_s, quantize_s = build_units(weights, self._serialize, version)
         transfer_start = time.perf_counter()
-        packed = [pack_bucket(i, group) for i, group in enumerate(plan_buckets(units, self._bucket_bytes))]
-        manifest = SyncManifest(version=version, buckets=tuple(entry for _, entry in packed))
-        manifest.validate()
-        send_bytes(self._channel, manifest.to_json_bytes())
+        cached, self._layout = self._layout, None  # set again only once the engine committed
+        full = cached is None or cached.signature != unit_signature(units)
+        layout = (
+            SenderLayout.build(units, bucket_bytes=self._bucket_bytes, version=version) if full else cached
+        )
+        bufs = layout.pack(units)
+        checksums = bucket_checksums(bufs)
+        if full:
+            manifest = layout.manifest(version, checksums)
+            manifest.validate()
+            send_bytes(self._channel, manifest.to_json_bytes(layout.digest))
+        else:
+            send_json(
+                self._channel, SameLayout(version, layout.version, layout.digest, tuple(checksums)).to_json()
+            )
         self._expect_ack(
             recv_json(self._channel, f"engine's answer to manifest v{version}"), "manifest", version
         )
-        for buf, _ in packed:
+        for buf in bufs:
             self._channel.send_frame(buf)
         ack = recv_json(self._channel, f"engine's commit of v{version}")
         self._expect_ack(ack, "commit", version)
-        if ack["num_tensors"] != len(manifest.tensors) or ack["bytes"] != manifest.total_bytes:
+        if ack["num_tensors"] != layout.num_tensors or ack["bytes"] != layout.total_bytes:
             raise SyncError(
                 f"weight version {version}: the engine committed {ack['num_tensors']} tensors / {ack['bytes']} "
-                f"bytes but the manifest holds {len(manifest.tensors)} / {manifest.total_bytes}"
+                f"bytes but the manifest holds {layout.num_tensors} / {layout.total_bytes}"
             )
+        self._layout = layout
         end = time.perf_counter()
         load_s = float(ack["load_s"])
         return SyncStats(
             version=version,
-            num_tensors=len(manifest.tensors),
-            num_buckets=len(packed),
-            bytes=manifest.total_bytes,
+            num_tensors=layout.num_tensors,
+            num_buckets=len(bufs),
+            bytes=layout.total_bytes,
+            full_manifest=full,
             gather_s=gather_s,
             quantize_s=quantize_s,
             transfer_s=max(end - transfer_start - load_s, 0.0),

@@ -1,0 +1,199 @@
+"""A sync's layout, kept between syncs so a repeat sync costs per bucket, not per tensor.
+
+The layout is the manifest minus the version and the checksums: every bucket's size and every
+tensor's name, unit, dtype, shape and place. It does not change while the model and the precision
+do not, so the sender sends it in full once; after the engine committed that sync, a sync whose
+units have the same names, dtypes and shapes in the same order sends only a `SameLayout` message
+(version, "the layout of version N, digest D", the bucket checksums). The receiver uses the layout
+it committed with version N only if N and D match what it holds, and refuses the sync otherwise;
+either side drops its cached layout after a failed sync, so the next one goes in full.
+
+Both sides also keep what they derived from the layout: the sender which tensors it copies as one
+byte range (`Piece`s), the receiver the runs it views with one `unbind` and the byte spans it
+value-checks with one reduction each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from skyq.sync.buckets import WireUnit, bucket_entries, plan_buckets
+from skyq.sync.byte_runs import Piece, Run, find_pieces, find_runs, gather, view_runs
+from skyq.sync.checksums import checksum_algorithm
+from skyq.sync.errors import SyncRefused
+from skyq.sync.manifest import MANIFEST_FORMAT, BucketEntry, SyncManifest, expect_keys, expect_value
+from skyq.sync.values import Span, find_spans
+
+Signature = tuple[tuple[str, tuple[tuple[str, torch.dtype, torch.Size], ...]], ...]
+"""(unit source, ((wire name, dtype, shape), ...)) per unit, in order: what fixes the layout."""
+
+
+def unit_signature(units: Sequence[WireUnit]) -> Signature:
+    """The units' names, dtypes and shapes, in order (attribute reads only: no kernel, no copy)."""
+    return tuple((u.source, tuple((name, t.dtype, t.shape) for name, t in u.tensors.items())) for u in units)
+
+
+@dataclass(frozen=True, slots=True)
+class SameLayout:
+    """A sync that reuses the layout of an earlier one: only the version and the checksums travel."""
+
+    version: int
+    same_layout_as: int
+    """The version whose full manifest carried the layout."""
+    layout: str
+    """That layout's digest (`SyncManifest.layout_digest`)."""
+    checksums: tuple[str, ...]
+    """One per bucket, in order."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": MANIFEST_FORMAT,
+            "version": self.version,
+            "same_layout_as": self.same_layout_as,
+            "layout": self.layout,
+            "checksums": list(self.checksums),
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> SameLayout:
+        expect_keys(
+            obj, {"format", "version", "same_layout_as", "layout", "checksums"}, "same-layout message"
+        )
+        checksums = tuple(
+            expect_value(c, str, "checksum") for c in expect_value(obj["checksums"], list, "checksums")
+        )
+        for checksum in checksums:
+            checksum_algorithm(checksum)
+        return cls(
+            version=expect_value(obj["version"], int, "version"),
+            same_layout_as=expect_value(obj["same_layout_as"], int, "same_layout_as"),
+            layout=expect_value(obj["layout"], str, "layout"),
+            checksums=checksums,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SenderLayout:
+    """The sender's side of a layout: its manifest entries and how to pack units into buckets."""
+
+    version: int
+    """The version whose full manifest carries this layout."""
+    signature: Signature
+    buckets: tuple[BucketEntry, ...]
+    """Bucket entries with empty checksums."""
+    digest: str
+    members: tuple[tuple[tuple[int, int], ...], ...]
+    """Per bucket, (unit index, tensor position) of each tensor in byte order."""
+    pieces: tuple[tuple[Piece, ...], ...]
+    num_tensors: int
+    total_bytes: int
+
+    @classmethod
+    def build(cls, units: Sequence[WireUnit], *, bucket_bytes: int, version: int) -> SenderLayout:
+        """Plan buckets for `units` and lay them out (`buckets.bucket_entries`)."""
+        buckets, members, pieces = [], [], []
+        start = 0
+        for index, group in enumerate(plan_buckets(units, bucket_bytes)):
+            entries, order, nbytes = bucket_entries(group)
+            tensors = [_member(group, u, k) for u, k in order]
+            buckets.append(BucketEntry(index=index, nbytes=nbytes, checksum="", tensors=entries))
+            members.append(tuple((start + u, k) for u, k in order))
+            pieces.append(find_pieces(tensors, [e.offset for e in entries], _device(tensors)))
+            start += len(group)
+        manifest = SyncManifest(version=version, buckets=tuple(buckets))
+        return cls(
+            version=version,
+            signature=unit_signature(units),
+            buckets=manifest.buckets,
+            digest=manifest.layout_digest(),
+            members=tuple(members),
+            pieces=tuple(pieces),
+            num_tensors=sum(len(b.tensors) for b in buckets),
+            total_bytes=manifest.total_bytes,
+        )
+
+    def pack(self, units: Sequence[WireUnit]) -> list[Tensor]:
+        """The buckets' bytes for `units` (whose signature must be this layout's)."""
+        values = [list(u.tensors.values()) for u in units]
+        bufs = []
+        for bucket, members, pieces in zip(self.buckets, self.members, self.pieces):
+            tensors = [values[u][k] for u, k in members]
+            bufs.append(gather(tensors, pieces, bucket.nbytes, _device(tensors)))
+        return bufs
+
+    def manifest(self, version: int, checksums: Sequence[str]) -> SyncManifest:
+        buckets = tuple(
+            BucketEntry(index=b.index, nbytes=b.nbytes, checksum=c, tensors=b.tensors)
+            for b, c in zip(self.buckets, checksums, strict=True)
+        )
+        return SyncManifest(version=version, buckets=buckets)
+
+
+def _member(group: Sequence[WireUnit], u: int, k: int) -> Tensor:
+    return list(group[u].tensors.values())[k]
+
+
+def _device(tensors: Sequence[Tensor]) -> torch.device:
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiverLayout:
+    """The receiver's side of a layout: bucket sizes, runs to view, spans to value-check."""
+
+    version: int
+    digest: str
+    bucket_nbytes: tuple[int, ...]
+    runs: tuple[tuple[Run, ...], ...]
+    spans: tuple[tuple[Span, ...], ...]
+    num_tensors: int
+    total_bytes: int
+
+    @classmethod
+    def of(cls, manifest: SyncManifest, digest: str) -> ReceiverLayout:
+        """The layout of a validated manifest, whose `layout_digest()` is `digest`."""
+        runs = tuple(find_runs(b.tensors) for b in manifest.buckets)
+        return cls(
+            version=manifest.version,
+            digest=digest,
+            bucket_nbytes=tuple(b.nbytes for b in manifest.buckets),
+            runs=runs,
+            spans=tuple(find_spans(r) for r in runs),
+            num_tensors=sum(len(b.tensors) for b in manifest.buckets),
+            total_bytes=manifest.total_bytes,
+        )
+
+    def check_same(self, message: SameLayout) -> None:
+        """Refuse a same-layout message that names a layout other than this one."""
+        if message.same_layout_as != self.version or message.layout != self.digest:
+            raise SyncRefused(
+                f"weight version {message.version} refers to the layout of version {message.same_layout_as} "
+                f"(digest {message.layout[:23]}), but the engine holds the layout of version {self.version} "
+                f"(digest {self.digest[:23]}); nothing was committed, the next sync sends a full manifest"
+            )
+        if len(message.checksums) != len(self.bucket_nbytes):
+            raise SyncRefused(
+                f"weight version {message.version} carries {len(message.checksums)} checksums for a "
+                f"layout of {len(self.bucket_nbytes)} buckets"
+            )
+
+    def unpack(self, frames: Sequence[Tensor]) -> dict[str, Tensor]:
+        """Every tensor as a view into its bucket's frame, in byte order."""
+        out: dict[str, Tensor] = {}
+        for frame, runs in zip(frames, self.runs, strict=True):
+            view_runs(frame, runs, out)
+        return out
+
+
+def no_layout_refusal(message: SameLayout) -> SyncRefused:
+    """The refusal of a same-layout message by a receiver that holds no layout."""
+    return SyncRefused(
+        f"weight version {message.version} refers to the layout of version {message.same_layout_as} "
+        f"(digest {message.layout[:23]}), but the engine holds no layout (it committed no full manifest "
+        "on this receiver); nothing was committed, the next sync sends a full manifest"
+    )
