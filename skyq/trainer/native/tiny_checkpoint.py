@@ -44,9 +44,10 @@ def _plain(value: object) -> object:
 
 
 def sft_lr(model_cfg: ModelConfig) -> float:
-    """The warm-up's learning rate: SFT_LR at the tiny width (64), scaled down as 1/width above it
-    (Adam's update size per weight does not shrink with width; the function's sensitivity grows)."""
-    return SFT_LR * min(1.0, 64 / model_cfg.hidden_size)
+    """The warm-up's learning rate: SFT_LR at the tiny width (64), scaled down as width^-1.5 above it.
+    Measured on small_moe (width 1024, 16 steps, 2-core CPU): 1/width (6.3e-4) spikes the loss 3.5 -> 7.1
+    before settling at 1.16; 2e-4 falls smoothly to 1.08."""
+    return SFT_LR * min(1.0, 64 / model_cfg.hidden_size) ** 1.5
 
 
 def checkpoint_key(model_cfg: ModelConfig, task_cfg: TaskConfig, device: str = "cpu") -> str:
