@@ -178,3 +178,31 @@ def scales_apart(name: str) -> str | None:
     return (
         "zz-scales" if name.endswith(("_scale", "_scale_inv", "weight_shape", "weight_zero_point")) else None
     )
+
+
+def make_synthetic_qwen3_moe(
+    directory: Path, *, seed: int = 0, max_shard_bytes: int = 256 * 1024
+) -> list[str]:
+    """A Qwen3-MoE checkpoint built from skyq's layout alone (no transformers: runs on a GPU box
+    that lacks it). Dims are multiples of 128 so the GPU kernels, not their fallbacks, run; row
+    magnitudes spread over six decades, one expert weight is all zeros and one holds subnormals."""
+    from skyq.checkpoint.hf_config import model_config_from_hf
+    from skyq.quant.layouts import get_layout
+
+    config = {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "rms_norm_eps": 1e-6,
+        "torch_dtype": "bfloat16", **qwen3_moe_hf_config(),
+        "hidden_size": 256, "intermediate_size": 384, "num_attention_heads": 4, "num_key_value_heads": 2,
+    }  # fmt: skip
+    cfg = model_config_from_hf(config)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for spec in get_layout(cfg.family).hf_parameters(cfg):
+        t = torch.randn(spec.shape, generator=g)
+        if t.ndim == 2:
+            t = t * 10.0 ** (torch.rand((t.shape[0], 1), generator=g) * 6 - 4)
+        tensors[spec.name] = (t * 0.02).to(spec.dtype)
+    experts = sorted(n for n in tensors if ".experts." in n and n.endswith("down_proj.weight"))
+    tensors[experts[0]].zero_()
+    tensors[experts[1]][:5] = torch.randn(tensors[experts[1]][:5].shape, generator=g).mul(1e-39).bfloat16()
+    return write_sharded(tensors, directory, max_shard_bytes=max_shard_bytes, config=config)

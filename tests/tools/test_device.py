@@ -1,0 +1,93 @@
+"""Where the arithmetic runs never changes a converter's output: `--device cuda` writes the bytes
+`--device cpu` writes, and the compiled CPU FP8 kernel writes the bytes of the torch reference.
+
+The GPU test needs only torch, safetensors and numpy (the checkpoint is built from skyq's layout,
+not by transformers), so it runs on a GPU box without the training stack:
+    pytest -q -m gpu tests/tools/test_device.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoint.tiny_checkpoints import dir_bytes, make_synthetic_qwen3_moe, reshard, scales_apart
+
+from skyq.checkpoint import fp8_cpu_kernel
+from skyq.tools import (
+    convert_fp8_to_bf16,
+    convert_hf_to_fp8,
+    convert_hf_to_int4,
+    convert_hf_to_mxfp8,
+    convert_moe_int4_to_bf16,
+)
+from skyq.tools.cli import run_tool
+
+QUANTIZE = {
+    "fp8_block": (convert_hf_to_fp8, []),
+    "fp8_pow2_96x64": (convert_hf_to_fp8, ["--block-size", "96", "64", "--scale-fmt", "ue8m0"]),
+    "fp8_channel": (convert_hf_to_fp8, ["--strategy", "channel"]),
+    "fp8_tensor": (convert_hf_to_fp8, ["--strategy", "tensor"]),
+    "int4_g32": (convert_hf_to_int4, ["--group-size", "32"]),
+    "int4_asymmetric": (convert_hf_to_int4, ["--group-size", "128", "--asymmetric"]),
+    "mxfp8_all_linear": (convert_hf_to_mxfp8, ["--targets", "all_linear"]),
+}
+DEQUANTIZE = {  # input conversion -> tool that reads it back to BF16
+    "fp8_block": convert_fp8_to_bf16,
+    "fp8_channel": convert_fp8_to_bf16,
+    "mxfp8_all_linear": convert_fp8_to_bf16,
+    "int4_g32": convert_moe_int4_to_bf16,
+    "int4_asymmetric": convert_moe_int4_to_bf16,
+}
+
+
+def _run(tool, model_dir: Path, out: Path, args: list[str]) -> Path:
+    flag = "--output-dir" if tool is convert_moe_int4_to_bf16 else "--save-dir"
+    assert tool.main(["--model-dir", str(model_dir), flag, str(out), "--max-workers", "2", *args]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("synthetic") / "bf16"
+    make_synthetic_qwen3_moe(d)
+    return d
+
+
+def test_compiled_fp8_kernel_writes_the_reference_bytes(synthetic, tmp_path, monkeypatch):
+    if not fp8_cpu_kernel.available():
+        pytest.skip("no C compiler: the converter uses the reference only")
+    args = ["--device", "cpu"]
+    kernel = [_run(convert_hf_to_fp8, synthetic, tmp_path / f"k{i}", args + extra) for i, extra in
+              enumerate([[], ["--scale-fmt", "ue8m0"], ["--block-size", "96", "64"]])]  # fmt: skip
+    monkeypatch.setattr(fp8_cpu_kernel, "_library", lambda: None)
+    for i, extra in enumerate([[], ["--scale-fmt", "ue8m0"], ["--block-size", "96", "64"]]):
+        reference = _run(convert_hf_to_fp8, synthetic, tmp_path / f"r{i}", args + extra)
+        assert dir_bytes(kernel[i]) == dir_bytes(reference)
+
+
+def test_unusable_device_is_refused_before_writing(synthetic, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["--model-dir", str(synthetic), "--save-dir", str(out)]
+    assert run_tool(convert_hf_to_fp8.main, [*argv, "--device", "tpu"]) == 2
+    assert "cpu or cuda" in capsys.readouterr().err
+    many = torch.cuda.device_count() + 1 if torch.cuda.is_available() else 0
+    assert run_tool(convert_hf_to_fp8.main, [*argv, "--device", f"cuda:{many}"]) == 2
+    assert "--device cpu" in capsys.readouterr().err
+    assert not out.exists() or not any(out.glob("*.safetensors"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_conversion_is_byte_identical_to_cpu(synthetic, tmp_path):
+    for name, (tool, args) in QUANTIZE.items():
+        cpu = _run(tool, synthetic, tmp_path / name / "cpu", [*args, "--device", "cpu"])
+        cuda = _run(tool, synthetic, tmp_path / name / "cuda", [*args, "--device", "cuda"])
+        assert dir_bytes(cpu) == dir_bytes(cuda), name
+        if name in DEQUANTIZE:  # scales in other shards than their weights: read through the index
+            split = tmp_path / name / "split"
+            reshard(cpu, split, max_shard_bytes=64 * 1024, place=scales_apart)
+            back = {d: _run(DEQUANTIZE[name], split, tmp_path / name / f"bf16_{d}", ["--device", d])
+                    for d in ("cpu", "cuda")}  # fmt: skip
+            assert dir_bytes(back["cpu"]) == dir_bytes(back["cuda"]), f"{name} -> bf16"
