@@ -6,15 +6,22 @@ vocabulary (2048, so a few-layer stack is not dominated by embeddings that no fo
 The whole pipeline runs as a trainer would: the trainer's bf16 weights on the GPU (experts held
 stacked per projection and handed to the sender as one (names, stack) item per projection, which
 the strategy quantizes with one batched Triton call), `WeightSender` (finite checks, bucket packing
-with one cat per bucket, device-side wsum64 checksums), the in-process
-transport (frames stay on the GPU: a device clone per bucket), and `WeightReceiver` (checksum
-verification, unpacking to views, value checks, accounting) whose commit copies every wire tensor
-into preallocated engine buffers on the GPU (one `torch._foreach_copy_`). Bucket size and checksum verification are the
-`WeightSyncConfig` defaults. Each format: one warm-up sync (Triton compiles), then `--repeats`.
+with one cat per bucket, device-side wsum64 checksums), the in-process transport (frames stay on
+the GPU: a device clone per bucket), and `WeightReceiver` (checksum verification, unpacking to
+views, value checks, accounting) whose commit copies every wire tensor into preallocated engine
+buffers (one `torch._foreach_copy_`). Bucket size and checksum verification are the
+`WeightSyncConfig` defaults.
 
-    python benchmarks/sync.py [--layers 1] [--repeats 2]
+Per format: one warm-up sync (Triton compiles); `--repeats` *first* syncs, each by a fresh sender
+and receiver (full manifest, accounting against the plan); then `--repeats` *steady-state* syncs by
+the last pair, which keeps the layout (a same-layout message, cached bucket plan). The M2 ratio is
+the steady-state one (trainer and engine keep their pair for the run); the first-sync ratio is
+printed too. The table is printed last.
 
-Cost: about 35-40 s on the H200 for 1 layer and 4 repeats (results in docs/benchmarks.md, M2).
+    python benchmarks/sync.py [--layers 1] [--repeats 3]              # on the GPU
+    python benchmarks/sync.py --device cpu --hidden 512 --expert-width 32  # tensor-count overhead on CPU
+
+Cost: about a minute on the H200 for 2 layers and 5 repeats (results in docs/benchmarks.md, M2).
 """
 
 from __future__ import annotations
