@@ -1,13 +1,15 @@
 """M6: converter wall time vs just loading and saving the same shards (BENCHMARKS.md).
 
-    python benchmarks/convert.py [--gb 1.0] [--repeats 3] [--workers 2] [--dir /tmp/skyq_bench]
+    python benchmarks/convert.py [--gb 1.0] [--repeats 3] [--workers 2] [--device cpu|cuda] [--out DIR]
 
 Generates a synthetic BF16 Qwen3-MoE checkpoint of about `--gb` GB (real HF names and a real
-config.json, random weights, ~256 MB shards), then times, alternately and `--repeats` times:
+config.json, random weights, ~256 MB shards), runs everything once untimed (page cache, CUDA and
+Triton start-up, the CPU kernel's first build), then times, alternately and `--repeats` times:
 the baseline (safetensors load_file + save_file of every shard, one thread) and skyq's
-`convert_hf_to_fp8` (blockwise) and `convert_hf_to_int4`. Prints medians and a table last:
-metric, ours, baseline, ratio (= baseline time / our time; the bar is >= 0.5), machine.
-Needs torch, safetensors and skyq only.
+`convert_hf_to_fp8` (blockwise) and `convert_hf_to_int4` on `--device` (default: cuda if
+available). Prints every time, medians and spread, and a table last: metric, ours, baseline, ratio
+(= baseline time / our time; the bar is >= 0.5 on 2 CPU cores), device.
+Needs torch, safetensors and skyq only (no hydra, omegaconf, ray or pytest).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from skyq.checkpoint.device import resolve_device
 from skyq.config.enums import ModelFamily
 from skyq.config.schema import ModelConfig
 from skyq.quant.layouts import get_layout
@@ -106,40 +109,52 @@ def main() -> None:
     p.add_argument("--gb", type=float, default=1.0, help="approximate checkpoint size in GB")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--workers", type=int, default=2, help="--max-workers of the converters")
-    p.add_argument("--dir", type=Path, default=None, help="scratch directory (default: a temp dir)")
+    p.add_argument(
+        "--device", default=None, help="converters' --device (default: cuda if available, else cpu)"
+    )
+    p.add_argument(
+        "--out", "--dir", dest="dir", type=Path, default=None, help="scratch dir (default: a temp dir)"
+    )
     args = p.parse_args()
+    device = resolve_device(args.device)
     os.environ.setdefault("TQDM_DISABLE", "1")
     root = Path(tempfile.mkdtemp(prefix="skyq_bench_", dir=args.dir))
     try:
         model = root / "bf16"
         nbytes = generate(model, model_config_for(args.gb))
-        w = ["--max-workers", str(args.workers)]
+        w = ["--max-workers", str(args.workers), "--device", str(device)]
         runs = {
             "baseline load+save": lambda out: load_and_save(model, out),
             "convert_hf_to_fp8 block": lambda out: convert_hf_to_fp8.main(["--model-dir", str(model), "--save-dir", str(out), *w]),
             "convert_hf_to_int4 g128": lambda out: convert_hf_to_int4.main(
                 ["--model-dir", str(model), "--save-dir", str(out), "--group-size", "128", *w]),
         }  # fmt: skip
+        for fn in runs.values():
+            timed(fn, root / "out")
         times: dict[str, list[float]] = {k: [] for k in runs}
+        loads = []
         for _ in range(args.repeats):
             for name, fn in runs.items():
                 times[name].append(timed(fn, root / "out"))
+            loads.append(os.getloadavg()[0])
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    load = "/".join(f"{x:.1f}" for x in os.getloadavg())
-    machine = (
-        f"{platform.machine()} {os.cpu_count()} cpu, torch {torch.__version__} threads {torch.get_num_threads()}, "
-        f"load {load}"
+    gpu = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
+    print(
+        f"checkpoint: {nbytes / 1e9:.2f} GB bf16, repeats {args.repeats}, workers {args.workers}; "
+        f"{platform.machine()} {os.cpu_count()} cpu, torch {torch.__version__}; "
+        f"1-min load after each repeat {'/'.join(f'{x:.1f}' for x in loads)}"
     )
     base = statistics.median(times["baseline load+save"])
-    print(f"checkpoint: {nbytes / 1e9:.2f} GB bf16, repeats {args.repeats}, workers {args.workers}")
     for name, ts in times.items():
-        print(f"  {name:<26} median {statistics.median(ts):7.2f} s  (min {min(ts):.2f}, max {max(ts):.2f})  "
-              f"{nbytes / statistics.median(ts) / 1e9:.2f} GB/s")  # fmt: skip
-    print(f"\n{'metric':<34} {'ours s':>8} {'baseline s':>11} {'ratio':>6}  machine")
+        ratios = "" if name.startswith("baseline") else " ratio per repeat " + "/".join(
+            f"{b / t:.2f}" for b, t in zip(times["baseline load+save"], ts))  # fmt: skip
+        print(f"  {name:<26} {' '.join(f'{t:.2f}' for t in ts)} s: median {statistics.median(ts):.2f} "
+              f"(min {min(ts):.2f}, max {max(ts):.2f}), {nbytes / statistics.median(ts) / 1e9:.2f} GB/s{ratios}")  # fmt: skip
+    print(f"\n{'metric':<34} {'ours s':>8} {'baseline s':>11} {'ratio':>6}  device")
     for name in ("convert_hf_to_fp8 block", "convert_hf_to_int4 g128"):
         ours = statistics.median(times[name])
-        print(f"{'M6 ' + name:<34} {ours:8.2f} {base:11.2f} {base / ours:6.2f}  {machine}")
+        print(f"{'M6 ' + name:<34} {ours:8.2f} {base:11.2f} {base / ours:6.2f}  {device}{gpu}")
 
 
 if __name__ == "__main__":
