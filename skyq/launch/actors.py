@@ -72,6 +72,9 @@ class TrainerWorker:
         self.resolution = resolve_on_device(precision_cfg, device)
         self._store = None
         self._channel: Channel | None = None
+        self._sender: WeightSender | None = None
+        """One sender per channel and bucket size: it keeps the layout the engine committed, so a
+        same-layout sync sends a short reference instead of the full manifest."""
 
     def report_resolution(self) -> WorkerResolution:
         return self.resolution
@@ -86,18 +89,21 @@ class TrainerWorker:
         self._channel = TorchDistChannel(
             self._store, rank=SENDER_RANK, timeout_s=self._timeout_s, device=torch.device(sync_device)
         )
+        self._sender = None
 
     def use_channel(self, channel: Channel) -> None:
         """Send over `channel` (an in-process pair's sender end) instead of a torch.distributed group."""
-        self._channel = channel
+        self._channel, self._sender = channel, None
 
     def send_weights(self, version: int, bucket_bytes: int) -> dict[str, float]:
         """Serialize the current weights and send them as `version`; returns the sync metrics.
 
         Routed experts go as one stack per projection (one quantizer call each); the wire is
         bit-identical to serializing every expert's tensor on its own (`serialized_digest`)."""
-        sender = WeightSender(self._channel, serialize=self.serialize, bucket_bytes=bucket_bytes)
-        return sender.sync(self.trainer.hf_weight_items(), version).as_metrics()
+        if self._sender is None or self._sender_bucket_bytes != bucket_bytes:
+            self._sender = WeightSender(self._channel, serialize=self.serialize, bucket_bytes=bucket_bytes)
+            self._sender_bucket_bytes = bucket_bytes
+        return self._sender.sync(self.trainer.hf_weight_items(), version).as_metrics()
 
     def serialized_digest(self) -> WireDigest:
         """Digest of what the strategy serializes from the current weights (what a sync would send),
@@ -141,24 +147,31 @@ class EngineWorker:
         self.expected = expected_units(build_plan(model_cfg, precision_cfg))
         self.resolution = resolve_on_device(precision_cfg, device)
         self._channel: Channel | None = None
+        self._receiver: WeightReceiver | None = None
+        """One receiver per channel: it keeps the layout of the last committed sync."""
 
     def report_resolution(self) -> WorkerResolution:
         return self.resolution
 
     def use_channel(self, channel: Channel) -> None:
         """Receive over `channel` (an in-process pair's receiver end)."""
-        self._channel = channel
+        self._channel, self._receiver = channel, None
 
     def join_sync_group(self, port: int, timeout_s: float, sync_device: str) -> None:
         store = connect_store(port, timeout_s)
         self._channel = TorchDistChannel(
             store, rank=RECEIVER_RANK, timeout_s=timeout_s, device=torch.device(sync_device)
         )
+        self._receiver = None
 
     def receive_weights(self, verify_checksum: bool) -> dict[str, float]:
         """Take part in one sync; the engine's weights and version change only if it fully succeeds."""
-        receiver = WeightReceiver(self._channel, self.expected, verify_checksum=verify_checksum)
-        stats = receiver.receive(current_version=self.engine.weight_version, commit=self.engine.load_weights)
+        if self._receiver is None or self._receiver_verifies != verify_checksum:
+            self._receiver = WeightReceiver(self._channel, self.expected, verify_checksum=verify_checksum)
+            self._receiver_verifies = verify_checksum
+        stats = self._receiver.receive(
+            current_version=self.engine.weight_version, commit=self.engine.load_weights
+        )
         return {"version": stats.version, "recv_s": stats.recv_s, "load_s": stats.load_s}
 
     def generate(self, prompts: list[list[int]], **sampling: Any) -> list[Sample]:

@@ -9,6 +9,8 @@ Every row of metrics.jsonl is one training step. The keys the driver writes:
                                              trainer vs rollout-engine log-probs of the sampled tokens
     sync/bytes, sync/num_tensors, sync/num_buckets,
     sync/gather_s, sync/quantize_s, sync/transfer_s, sync/load_s, sync/total_s
+    sync/full_manifest                       1 when the sync sent the full manifest, 0 when it
+                                             referred to the layout the engine committed last time
     time/step_s, time/rollout_s, time/train_s
     train/<name>                             everything else the trainer reports
 """

@@ -13,7 +13,9 @@ no cached state can survive a weight update.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 
 import torch
 from torch import Tensor, nn
@@ -40,6 +42,17 @@ def sampling_seed(engine_seed: int, call_seed: int) -> int:
     seed still draw different samples, and a (engine seed, call seed) pair always draws the same."""
     digest = hashlib.sha256(f"skyq-engine:{engine_seed}:{call_seed}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+@functools.cache
+def _cache_kwarg(model_cls: type) -> str:
+    """The forward argument that takes the KV cache: `cache` in newer transformers, `past_key_values`
+    before (an unknown keyword would be swallowed by **kwargs and the cache silently unused)."""
+    params = inspect.signature(model_cls.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise RuntimeError(f"{model_cls.__name__}.forward takes neither `cache` nor `past_key_values`")
 
 
 class WeightLoadError(ValueError):
@@ -294,10 +307,18 @@ class EmbeddedEngine:
         lengths = torch.full((len(rows),), max_new_tokens, dtype=torch.long)
         finished = torch.zeros(len(rows), dtype=torch.bool)
         step_input = input_ids
+        cache_kwarg = _cache_kwarg(type(self.model))
         for step in range(max_new_tokens):
-            logits = self.model(input_ids=step_input, cache=cache, use_cache=True, logits_to_keep=1).logits[
-                :, -1
-            ]
+            logits = self.model(
+                input_ids=step_input, **{cache_kwarg: cache}, use_cache=True, logits_to_keep=1
+            ).logits[:, -1]
+            # A model that silently ignored the cache would decode every later token without context.
+            if cache.get_seq_length() != input_ids.shape[1] + step:
+                raise RuntimeError(
+                    f"the KV cache holds {cache.get_seq_length()} positions after decode step {step}, expected "
+                    f"{input_ids.shape[1] + step}: this transformers version does not take the cache as "
+                    f"`{cache_kwarg}`; the engine would sample without context"
+                )
             tokens, logprobs = sample_tokens(
                 logits.cpu(), temperature=temperature, top_p=top_p, generator=generator
             )

@@ -4,8 +4,10 @@
 (`weight` e4m3 + `weight_scale_inv`; `weight` e4m3 + `weight_scale` uint8; `weight_packed` int32 +
 `weight_scale` bf16 + `weight_shape`), so the model's state dict IS the wire state. Its forward asks
 the strategy to dequantize (the same `deserialize` the plan and tests use) and multiplies; no
-dequantized copy outlives the call. FP8 recipes quantize the input activations too, as the engine's
-W8A8 GEMM does. `WireExperts` is the routed-experts block over per-expert linears, one module per
+dequantized copy outlives the call. On CUDA, decode-sized inputs of an FP8 blockwise weight go to the
+weight-only Triton kernel instead (`dispatch.fp8_weight_only_linear`): the e4m3 codes are read and
+dequantized in registers, so decode never materializes a bf16 weight. FP8 recipes quantize the
+input activations too, as the engine's W8A8 GEMM does. `WireExperts` is the routed-experts block over per-expert linears, one module per
 HF tensor (`experts.{e}.{gate,up,down}_proj`).
 """
 
@@ -17,10 +19,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from skyq.config.enums import Precision
+from skyq.quant.kernels import dispatch
 from skyq.quant.layouts import Role
 from skyq.quant.strategies import QuantizationStrategy, WireSpec
 
 TensorFn = Callable[[Tensor], Tensor]
+
+DECODE_MAX_ROWS = 64
+"""Largest row count (tokens in one forward) sent to the FP8 weight-only decode kernel."""
 
 
 class WireLinear(nn.Module):
@@ -49,10 +56,25 @@ class WireLinear(nn.Module):
         return {self.stem + leaf: buffer for leaf, buffer in self._buffers.items()}
 
     def forward(self, x: Tensor) -> Tensor:
-        weight = self.strategy.deserialize(self.hf_name, self.wire(), role=self.role, dtype=x.dtype)
         if self.activation is not None:
             x = self.activation(x)
+        if self._decodes_from_fp8(x):
+            # e4m3 codes and block scales read and dequantized in registers: no dequantized weight
+            return dispatch.fp8_weight_only_linear(
+                x, self._buffers["weight"], self._buffers["weight_scale_inv"], self.strategy.block()
+            )
+        weight = self.strategy.deserialize(self.hf_name, self.wire(), role=self.role, dtype=x.dtype)
         return F.linear(x, weight)
+
+    def _decodes_from_fp8(self, x: Tensor) -> bool:
+        """Decode-sized bf16 inputs of an FP8 blockwise weight on CUDA take the weight-only kernel;
+        prefill (more than DECODE_MAX_ROWS rows) and CPU dequantize and use the regular GEMM."""
+        return (
+            x.is_cuda
+            and x.dtype == torch.bfloat16
+            and self.strategy.precision is Precision.fp8_blockwise
+            and x.numel() // max(x.shape[-1], 1) <= DECODE_MAX_ROWS
+        )
 
     def extra_repr(self) -> str:
         return ", ".join(f"{leaf}={tuple(b.shape)}:{b.dtype}" for leaf, b in self._buffers.items())

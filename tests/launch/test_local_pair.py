@@ -70,6 +70,8 @@ def test_in_process_run_learns_checkpoints_and_resumes_without_ray(tmp_path, bas
     rows = read_metrics(tmp_path / "run" / METRICS_FILE)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert all(r["sync/bytes"] > 0 and 0 <= r["reward"] <= 1 for r in rows)
+    # one sender/receiver per channel: only the first sync carries the full manifest
+    assert [r["sync/full_manifest"] for r in rows] == [1.0, 0.0, 0.0, 0.0]
     ckpt, state = latest_checkpoint(tmp_path / "run" / "checkpoints")
     assert state.next_step == 4
     resumed = run([*overrides[:-2], "algorithm.num_steps=6", "checkpoint.save_interval=2"],

@@ -174,3 +174,35 @@ def test_a_bad_value_inside_an_expert_stack_is_refused_naming_that_expert(
     assert engine.weight_version == 1
     after = engine.wire_state()
     assert all(torch.equal(_bits(after[n]), _bits(before[n])) for n in before)
+
+
+def test_cache_argument_name_follows_the_transformers_signature():
+    """transformers renamed the forward's `past_key_values` to `cache`; an unknown keyword would be
+    swallowed by **kwargs, so the engine looks the name up instead of guessing."""
+    from skyq.rollout.embedded import _cache_kwarg
+
+    class New:
+        def forward(self, input_ids=None, cache=None, **kwargs): ...
+
+    class Old:
+        def forward(self, input_ids=None, past_key_values=None, **kwargs): ...
+
+    class Neither:
+        def forward(self, input_ids=None, **kwargs): ...
+
+    assert _cache_kwarg(New) == "cache"
+    assert _cache_kwarg(Old) == "past_key_values"
+    with pytest.raises(RuntimeError, match="neither `cache` nor `past_key_values`"):
+        _cache_kwarg(Neither)
+
+
+def test_decoding_without_a_filled_kv_cache_is_refused(make_trainer, make_engine, serialize, monkeypatch):
+    """If the model ignored the cache, every token after the first would be sampled without its
+    context; the engine checks the cache length each step and stops loudly instead."""
+    from skyq.rollout import embedded
+
+    engine = make_engine()
+    engine.load_weights(serialize(make_trainer()), version=0)
+    monkeypatch.setattr(embedded, "_cache_kwarg", lambda cls: "kv_cache_under_a_wrong_name")
+    with pytest.raises(RuntimeError, match="the KV cache holds 0 positions after decode step 0"):
+        engine.generate([[1, 5, 13, 6, 18]], n=2, max_new_tokens=3, temperature=1.0, top_p=1.0, seed=0)
