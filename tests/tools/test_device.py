@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint.tiny_checkpoints import dir_bytes, make_synthetic_qwen3_moe, reshard, scales_apart
+from checkpoint.tiny_checkpoints import dir_bytes, load_all, make_synthetic_qwen3_moe, reshard, scales_apart
 
 from skyq.checkpoint import fp8_cpu_kernel
 from skyq.tools import (
@@ -48,6 +48,18 @@ def _run(tool, model_dir: Path, out: Path, args: list[str]) -> Path:
     return out
 
 
+def _assert_same_bytes(a: Path, b: Path, what: str) -> None:
+    """Byte identity of two outputs; on failure, names the first differing file and tensor."""
+    files_a, files_b = dir_bytes(a), dir_bytes(b)
+    if files_a == files_b:
+        return
+    differ = sorted(n for n in files_a.keys() | files_b.keys() if files_a.get(n) != files_b.get(n))
+    tensors_a, tensors_b = load_all(a), load_all(b)
+    bad = [n for n in sorted(tensors_a) if n not in tensors_b or not torch.equal(
+        tensors_a[n].view(torch.uint8), tensors_b[n].view(torch.uint8))]  # fmt: skip
+    raise AssertionError(f"{what}: {a.name} and {b.name} differ in files {differ[:3]}, tensors {bad[:3]}")
+
+
 @pytest.fixture(scope="module")
 def synthetic(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("synthetic") / "bf16"
@@ -80,14 +92,14 @@ def test_unusable_device_is_refused_before_writing(synthetic, tmp_path, capsys):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_conversion_is_byte_identical_to_cpu(synthetic, tmp_path):
-    for name, (tool, args) in QUANTIZE.items():
-        cpu = _run(tool, synthetic, tmp_path / name / "cpu", [*args, "--device", "cpu"])
-        cuda = _run(tool, synthetic, tmp_path / name / "cuda", [*args, "--device", "cuda"])
-        assert dir_bytes(cpu) == dir_bytes(cuda), name
-        if name in DEQUANTIZE:  # scales in other shards than their weights: read through the index
-            split = tmp_path / name / "split"
-            reshard(cpu, split, max_shard_bytes=64 * 1024, place=scales_apart)
-            back = {d: _run(DEQUANTIZE[name], split, tmp_path / name / f"bf16_{d}", ["--device", d])
-                    for d in ("cpu", "cuda")}  # fmt: skip
-            assert dir_bytes(back["cpu"]) == dir_bytes(back["cuda"]), f"{name} -> bf16"
+@pytest.mark.parametrize("name", sorted(QUANTIZE))
+def test_cuda_conversion_is_byte_identical_to_cpu(synthetic, tmp_path, name):
+    tool, args = QUANTIZE[name]
+    cpu = _run(tool, synthetic, tmp_path / "cpu", [*args, "--device", "cpu"])
+    cuda = _run(tool, synthetic, tmp_path / "cuda", [*args, "--device", "cuda"])
+    _assert_same_bytes(cpu, cuda, name)
+    if name in DEQUANTIZE:  # scales in other shards than their weights: read through the index
+        reshard(cpu, tmp_path / "split", max_shard_bytes=64 * 1024, place=scales_apart)
+        back = {d: _run(DEQUANTIZE[name], tmp_path / "split", tmp_path / f"bf16_{d}", ["--device", d])
+                for d in ("cpu", "cuda")}  # fmt: skip
+        _assert_same_bytes(back["cpu"], back["cuda"], f"{name} -> bf16")
