@@ -8,13 +8,15 @@ not by transformers), so it runs on a GPU box without the training stack:
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 from checkpoint.tiny_checkpoints import dir_bytes, load_all, make_synthetic_qwen3_moe, reshard, scales_apart
 
-from skyq.checkpoint import fp8_cpu_kernel
+from skyq.checkpoint import device, fp8_convert, fp8_cpu_kernel, pipeline
 from skyq.tools import (
     convert_fp8_to_bf16,
     convert_hf_to_fp8,
@@ -103,3 +105,79 @@ def test_cuda_conversion_is_byte_identical_to_cpu(synthetic, tmp_path, name):
         back = {d: _run(DEQUANTIZE[name], tmp_path / "split", tmp_path / f"bf16_{d}", ["--device", d])
                 for d in ("cpu", "cuda")}  # fmt: skip
         _assert_same_bytes(back["cpu"], back["cuda"], f"{name} -> bf16")
+
+
+class _FakeCuda:
+    """Stand-ins for torch.cuda's Stream / Event / stream(): they record the order of operations."""
+
+    def __init__(self) -> None:
+        self.current = threading.local()
+        self.log: list[tuple[str, object, object]] = []  # (what, stream, event)
+
+    def Stream(self, device=None):  # noqa: N802 - mirrors torch.cuda.Stream
+        fake = self
+
+        class Stream:
+            def wait_event(self, event):
+                assert event.recorded, "waited on an upload event that was never recorded"
+                fake.log.append(("wait", self, event))
+
+        return Stream()
+
+    def Event(self):  # noqa: N802 - mirrors torch.cuda.Event
+        class Event:
+            recorded = False
+
+            def record(self, stream):
+                self.recorded = True
+
+        return Event()
+
+    @contextlib.contextmanager
+    def stream(self, s):
+        previous = getattr(self.current, "stream", None)
+        self.current.stream = s
+        try:
+            yield
+        finally:
+            self.current.stream = previous
+
+
+def test_cuda_staging_waits_for_each_upload_on_the_thread_stream(synthetic, tmp_path, monkeypatch):
+    """The CUDA path's plumbing, run on the CPU with recording stand-ins for streams and events:
+    every transform runs on its converter thread's own stream, after that stream waited for the
+    upload event of the tensor's shard; the bytes equal a plain CPU run."""
+    fake = _FakeCuda()
+    for attr in ("Stream", "Event", "stream"):
+        monkeypatch.setattr(torch.cuda, attr, getattr(fake, attr))
+
+    class FakeCudaStage(device.DeviceStage):
+        def __init__(self, _device):
+            super().__init__(torch.device("cpu"))
+            self.cuda, self._upload_stream = True, torch.cuda.Stream()
+
+    monkeypatch.setattr(pipeline, "DeviceStage", FakeCudaStage)
+    transform = fp8_convert.make_fp8_transform
+    seen = []
+
+    def checked_transform(*args, **kwargs):
+        inner = transform(*args, **kwargs)
+
+        def run(shard, tensors, names):
+            stream = fake.current.stream
+            assert stream is not None and ("wait", stream) in {(w, s) for w, s, _ in fake.log}
+            seen.append((threading.get_ident(), id(stream)))
+            return inner(shard, tensors, names)
+
+        return run
+
+    monkeypatch.setattr(convert_hf_to_fp8, "make_fp8_transform", checked_transform)
+    staged = _run(convert_hf_to_fp8, synthetic, tmp_path / "staged", [])
+    monkeypatch.undo()
+    _assert_same_bytes(
+        _run(convert_hf_to_fp8, synthetic, tmp_path / "plain", ["--device", "cpu"]), staged, "fp8"
+    )
+    shards = len(list(synthetic.glob("*.safetensors")))
+    assert len({id(e) for _, _, e in fake.log}) == shards  # one upload event per shard, all waited on
+    threads = {t for t, _ in set(seen)}
+    assert len(set(seen)) == len(threads) == len({s for _, s in set(seen)})  # one stream per thread
