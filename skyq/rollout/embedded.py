@@ -24,6 +24,7 @@ from skyq.checkpoint.hf_config import hf_config
 from skyq.config.schema import ModelConfig, PrecisionConfig
 from skyq.quant.errors import QuantizationError
 from skyq.quant.fake_quant import activation_fake_quant
+from skyq.quant.kernels import dispatch
 from skyq.quant.layouts import get_layout
 from skyq.quant.plan import ParamPlan, build_plan
 from skyq.quant.strategies import WireSpec, get_strategy
@@ -280,12 +281,15 @@ class EmbeddedEngine:
             if not prompt:
                 raise ValueError(f"prompt {i} is empty")
             by_length.setdefault(len(prompt), []).append(i)
-        for length in sorted(by_length):
-            group = by_length[length]
-            rows = [prompts[i] for i in group for _ in range(n)]
-            samples = self._sample_rows(rows, max_new_tokens, temperature, top_p, generator)
-            for k, sample in enumerate(samples):
-                results[group[k // n] * n + k % n] = sample
+        # The quantizers' finite checks (activation codes, dequantized weights) are read once at the
+        # end instead of once per linear per token: a non-finite value still fails the whole call.
+        with dispatch.deferred_finite_checks():
+            for length in sorted(by_length):
+                group = by_length[length]
+                rows = [prompts[i] for i in group for _ in range(n)]
+                samples = self._sample_rows(rows, max_new_tokens, temperature, top_p, generator)
+                for k, sample in enumerate(samples):
+                    results[group[k // n] * n + k % n] = sample
         assert all(s is not None for s in results)
         return results  # type: ignore[return-value]
 

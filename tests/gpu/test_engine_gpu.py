@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from skyq.config.enums import Precision
 from skyq.config.schema import PrecisionConfig
 from skyq.quant.layouts import Role
 from skyq.quant.strategies import get_strategy
@@ -22,7 +23,7 @@ NAME = "model.layers.0.mlp.experts.0.down_proj.weight"
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 65, 300])
 def test_fp8_wire_linear_decodes_from_e4m3(make_weight, gen, rows, monkeypatch):
-    strategy = get_strategy(PrecisionConfig())
+    strategy = get_strategy(PrecisionConfig(name=Precision.fp8_blockwise))
     w = make_weight((768, 2048), torch.float32)
     layer = WireLinear(NAME, Role.routed_expert, strategy.wire_specs(NAME, (768, 2048), Role.routed_expert),
                        strategy, activation=None).cuda()  # fmt: skip

@@ -18,6 +18,7 @@ from torch import Tensor
 
 from skyq.config.enums import ISCorrection
 from skyq.config.schema import AlgorithmConfig, ModelConfig, OptimizerConfig, PrecisionConfig
+from skyq.quant.kernels import dispatch
 from skyq.quant.layouts import experts as expert_layout
 from skyq.quant.layouts import get_layout
 from skyq.quant.strategies import get_strategy
@@ -192,10 +193,11 @@ class NativeTrainer:
         self.model.eval()
         forward = self._forward(self.effective_parameters())
         rows = []
-        for start in range(0, input_ids.shape[0], self.micro_batch_size):
-            stop = start + self.micro_batch_size
-            ids, attn = input_ids[start:stop].to(self.device), attention_mask[start:stop].to(self.device)
-            rows.append(token_logprobs(forward, ids, attn, temperature=self.temperature))
+        with dispatch.deferred_finite_checks():  # one host read for all the quantizers' finite checks
+            for start in range(0, input_ids.shape[0], self.micro_batch_size):
+                stop = start + self.micro_batch_size
+                ids, attn = input_ids[start:stop].to(self.device), attention_mask[start:stop].to(self.device)
+                rows.append(token_logprobs(forward, ids, attn, temperature=self.temperature))
         return torch.cat(rows).cpu()
 
     def learning_rate(self, step: int) -> float:
@@ -212,18 +214,10 @@ class NativeTrainer:
             "is_high": a.is_high, "kl_coef": a.kl_coef,
         }  # fmt: skip
 
-    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
-        """One GRPO update on `batch`: accumulate over micro-batches, clip, AdamW step.
-
-        On-policy (one update per rollout batch), so the "old" policy is the current one and the
-        PPO ratio is 1; what the IS correction acts on is trainer vs rollout-engine probabilities.
-        """
-        self.model.train()
-        num_tokens = float(batch.response_mask.sum())
-        if num_tokens == 0:
-            raise ValueError("train_step got a batch with no response tokens (response_mask is all zero)")
-        self.optimizer.zero_grad(set_to_none=True)
-        old_rows, ref_rows = [], []
+    def _accumulate_gradients(
+        self, batch: RolloutBatch, num_tokens: float, old_rows: list[Tensor], ref_rows: list[Tensor]
+    ) -> None:
+        """Forward + backward of every micro-batch of `batch`; appends their log-probs to the lists."""
         for start in range(0, len(batch), self.micro_batch_size):
             micro = batch.slice(start, start + self.micro_batch_size)
             ids, attn = micro.input_ids.to(self.device), micro.attention_mask.to(self.device)
@@ -245,6 +239,23 @@ class NativeTrainer:
             )  # fmt: skip
             loss.backward()
             old_rows.append(logp.detach().cpu())
+
+    def train_step(self, batch: RolloutBatch) -> dict[str, float]:
+        """One GRPO update on `batch`: accumulate over micro-batches, clip, AdamW step.
+
+        On-policy (one update per rollout batch), so the "old" policy is the current one and the
+        PPO ratio is 1; what the IS correction acts on is trainer vs rollout-engine probabilities.
+        """
+        self.model.train()
+        num_tokens = float(batch.response_mask.sum())
+        if num_tokens == 0:
+            raise ValueError("train_step got a batch with no response tokens (response_mask is all zero)")
+        self.optimizer.zero_grad(set_to_none=True)
+        old_rows, ref_rows = [], []
+        # The quantizers' finite checks are read once, after all backward passes and BEFORE the
+        # optimizer step: a non-finite weight or activation still stops the update untouched.
+        with dispatch.deferred_finite_checks():
+            self._accumulate_gradients(batch, num_tokens, old_rows, ref_rows)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optimizer_cfg.grad_clip)
         lr = self.learning_rate(self.step)
         for group in self.optimizer.param_groups:
