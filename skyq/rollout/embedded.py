@@ -243,9 +243,13 @@ class EmbeddedEngine:
                 f"weight version {version} rejected, engine keeps version {self._version}: {shown}"
             )
         self._check_values(wire)
-        with torch.no_grad():
-            for name, held in self._held.items():
-                held.copy_(wire[name])
+        with torch.no_grad():  # one multi-tensor copy (per device and dtype) instead of one per tensor
+            names = list(self._held)
+            if all(wire[n].device == self._held[n].device for n in names):
+                torch._foreach_copy_([self._held[n] for n in names], [wire[n] for n in names])
+            else:  # frames staged through host memory
+                for n in names:
+                    self._held[n].copy_(wire[n])
         self._version = version
 
     # sampling -----------------------------------------------------------------------------------
