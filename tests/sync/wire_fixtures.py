@@ -42,13 +42,13 @@ def fp8_like_serialize(name: str, t: Tensor) -> dict[str, Tensor]:
         }
     if "down_proj" in name:
         q = (x.clamp(-7, 7).round().to(torch.int64) + 8).reshape(x.shape[0], -1, 8)
-        shifts = torch.arange(8, dtype=torch.int64) * 4
+        shifts = torch.arange(8, dtype=torch.int64, device=x.device) * 4
         packed = (q << shifts).sum(dim=-1)
         packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
         return {
             f"{base}.weight_packed": packed,
             f"{base}.weight_scale": x.abs().amax(dim=1, keepdim=True).to(torch.bfloat16),
-            f"{base}.weight_shape": torch.tensor(list(x.shape), dtype=torch.int64),
+            f"{base}.weight_shape": torch.tensor(list(x.shape), dtype=torch.int64, device=x.device),
         }
     return {name: t.to(torch.bfloat16)}
 
