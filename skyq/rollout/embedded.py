@@ -178,31 +178,44 @@ class EmbeddedEngine:
     def _values_pass(self, wire: dict[str, Tensor]) -> bool:
         """True only if every unit passes `_check_values_each`: each stack group dequantized in one
         call (the formats check and decode each [N, K] matrix of a stack on its own) and tested
-        finite, the unquantized floats tested per dtype in one reduction. False may be a false alarm
+        finite, the unquantized floats tested per dtype in one reduction. The results stay on the
+        device and are read once (the quantizers' own checks inside one deferred scope), so a GPU
+        pays one host sync per weight update, not several per group. False may be a false alarm
         (e.g. int4 weight_shape rows that differ), which the per-unit checks then settle."""
-        for group in self._stack_groups:
-            first = group[0].name.removesuffix("weight")
-            unit: dict[str, Tensor] = {}
-            for w in group[0].wire:
-                suffix = w.name.removeprefix(first)
-                members = [wire[e.name.removesuffix("weight") + suffix] for e in group]
-                if suffix in _SHARED_SUFFIXES:  # describes the matrix, passed once when all agree
-                    if not all(torch.equal(m, members[0]) for m in members[1:]):
+        flags: list[Tensor] = []
+        try:
+            with dispatch.deferred_finite_checks():
+                for group in self._stack_groups:
+                    unit = self._stacked_unit(group, wire)
+                    if unit is None:
                         return False
-                    unit[w.name] = members[0]
-                else:
-                    unit[w.name] = members[0] if len(members) == 1 else torch.stack(members)
-            try:
-                value = self.strategy.deserialize(group[0].name, unit, role=group[0].role)
-            except (QuantizationError, RuntimeError):  # let the per-unit checks name the problem
-                return False
-            if not bool(torch.isfinite(value).all()):
-                return False
-        by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for entry in self.plan:
-            if not entry.quantized and wire[entry.name].is_floating_point():
-                by_dtype.setdefault(wire[entry.name].dtype, []).append(wire[entry.name].reshape(-1))
-        return all(bool(torch.isfinite(torch.cat(flat)).all()) for flat in by_dtype.values())
+                    value = self.strategy.deserialize(group[0].name, unit, role=group[0].role)
+                    flags.append(torch.isfinite(value).all())
+                by_dtype: dict[torch.dtype, list[Tensor]] = {}
+                for entry in self.plan:
+                    if not entry.quantized and wire[entry.name].is_floating_point():
+                        by_dtype.setdefault(wire[entry.name].dtype, []).append(wire[entry.name].reshape(-1))
+                flags += [torch.isfinite(torch.cat(flat)).all() for flat in by_dtype.values()]
+        except (QuantizationError, RuntimeError):  # let the per-unit checks name the problem
+            return False
+        return not flags or bool(torch.stack([f.to(flags[0].device) for f in flags]).all())
+
+    @staticmethod
+    def _stacked_unit(group: list[ParamPlan], wire: dict[str, Tensor]) -> dict[str, Tensor] | None:
+        """The wire tensors of a stack group as one unit (members stacked), None if the members'
+        shared tensors (int4 weight_shape) differ."""
+        first = group[0].name.removesuffix("weight")
+        unit: dict[str, Tensor] = {}
+        for w in group[0].wire:
+            suffix = w.name.removeprefix(first)
+            members = [wire[e.name.removesuffix("weight") + suffix] for e in group]
+            if suffix in _SHARED_SUFFIXES:  # describes the matrix, passed once when all agree
+                if not all(torch.equal(m, members[0]) for m in members[1:]):
+                    return None
+                unit[w.name] = members[0]
+            else:
+                unit[w.name] = members[0] if len(members) == 1 else torch.stack(members)
+        return unit
 
     def _check_values_each(self, wire: dict[str, Tensor]) -> None:
         """Dequantize every unit once (it refuses NaN codes and bad scales) and check bf16 tensors are finite."""
