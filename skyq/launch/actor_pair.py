@@ -11,16 +11,8 @@ from typing import Any
 import ray
 
 from skyq.config.resolve import agree
-from skyq.config.schema import (
-    AlgorithmConfig,
-    ModelConfig,
-    PrecisionConfig,
-    RolloutConfig,
-    TrainerConfig,
-)
 from skyq.launch.actors import EngineWorker, TrainerWorker
-from skyq.launch.pair import WorkerPair, describe_error
-from skyq.launch.placement import Placement
+from skyq.launch.pair import PairSpec, WorkerPair, describe_error
 from skyq.sync.errors import SyncError
 
 ACTOR_START_TIMEOUT_S = 600.0
@@ -40,32 +32,14 @@ def _actor_options(num_gpus: float, env: dict[str, str]) -> dict[str, Any]:
 class ActorPair(WorkerPair):
     """Builds both Ray actors and their sync group; `shutdown` ends them."""
 
-    def __init__(
-        self,
-        *,
-        model: ModelConfig,
-        precision: PrecisionConfig,
-        algorithm: AlgorithmConfig,
-        trainer: TrainerConfig,
-        rollout: RolloutConfig,
-        placement: Placement,
-        checkpoint_path: str,
-        seed: int,
-    ) -> None:
-        self.sync_cfg = rollout.weight_sync
-        self.trainer = TrainerActor.options(**_actor_options(placement.trainer_gpus, trainer.env)).remote(
-            model_cfg=model,
-            precision_cfg=precision,
-            optimizer_cfg=trainer.optimizer,
-            algorithm_cfg=algorithm,
-            micro_batch_size=trainer.micro_batch_size,
-            checkpoint_path=checkpoint_path,
-            device=placement.device,
-            seed=seed,
-            temperature=rollout.temperature,
-        )
-        self.engine = EngineActor.options(**_actor_options(placement.engine_gpus, rollout.env)).remote(
-            model_cfg=model, precision_cfg=precision, device=placement.device, seed=seed
+    def __init__(self, spec: PairSpec) -> None:
+        placement = spec.placement
+        self.sync_cfg = spec.rollout.weight_sync
+        self.trainer = TrainerActor.options(
+            **_actor_options(placement.trainer_gpus, spec.trainer.env)
+        ).remote(**spec.trainer_kwargs())
+        self.engine = EngineActor.options(**_actor_options(placement.engine_gpus, spec.rollout.env)).remote(
+            **spec.engine_kwargs()
         )
         timeout_s = self.sync_cfg.timeout_s
         try:

@@ -32,8 +32,8 @@ from skyq.config.schema import (
 )
 from skyq.launch.checkpointing import checkpoint_root, latest_checkpoint
 from skyq.launch.metrics import MetricsLogger, keep_rows_before, read_metrics
-from skyq.launch.pair import WorkerPair
-from skyq.launch.placement import Placement, describe, placement_for
+from skyq.launch.pair import PairSpec, WorkerPair
+from skyq.launch.placement import describe, placement_for
 from skyq.launch.plot import plot_run
 from skyq.launch.redaction import redact
 from skyq.launch.rundir import (
@@ -106,12 +106,12 @@ def local_ray():
 
 
 @contextmanager
-def worker_pair(placement: Placement, **workers: Any) -> Iterator[WorkerPair]:
-    """Build the trainer/engine pair where `placement` puts it; always shut it down."""
-    if placement.in_process:
+def worker_pair(spec: PairSpec) -> Iterator[WorkerPair]:
+    """Build the trainer/engine pair where `spec.placement` puts it; always shut it down."""
+    if spec.placement.in_process:
         from skyq.launch.local_pair import LocalPair
 
-        pair: WorkerPair = LocalPair(placement=placement, **workers)
+        pair: WorkerPair = LocalPair(spec)
         try:
             yield pair
         finally:
@@ -120,7 +120,7 @@ def worker_pair(placement: Placement, **workers: Any) -> Iterator[WorkerPair]:
     with local_ray():
         from skyq.launch.actor_pair import ActorPair
 
-        pair = ActorPair(placement=placement, **workers)
+        pair = ActorPair(spec)
         try:
             yield pair
         finally:
@@ -234,16 +234,17 @@ def run_embedded(
         save_resolved_config(run_dir, config_container)
         task_obj = build_task(task, seed=seed)
         print(describe(placement))
-        with worker_pair(
-            placement,
+        spec = PairSpec(
             model=model,
             precision=precision,
             algorithm=algorithm,
             trainer=trainer,
             rollout=rollout,
+            placement=placement,
             checkpoint_path=_starting_checkpoint(model, task, checkpoint, placement.device),
             seed=seed,
-        ) as pair:
+        )
+        with worker_pair(spec) as pair:
             res = pair.resolution
             print(
                 f"workers agree: fp8 recipe {res.fp8_recipe.value}, scales {res.scale_format.value}"

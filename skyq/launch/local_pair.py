@@ -16,10 +16,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from skyq.config.resolve import agree
-from skyq.config.schema import AlgorithmConfig, ModelConfig, PrecisionConfig, RolloutConfig, TrainerConfig
 from skyq.launch.actors import EngineWorker, TrainerWorker
-from skyq.launch.pair import WorkerPair, describe_error
-from skyq.launch.placement import Placement
+from skyq.launch.pair import PairSpec, WorkerPair, describe_error
 from skyq.sync.errors import SyncError
 from skyq.sync.in_process import in_process_pair
 
@@ -40,42 +38,19 @@ def merged_worker_env(trainer_env: dict[str, str], rollout_env: dict[str, str]) 
 class LocalPair(WorkerPair):
     """Both workers built in this process; `shutdown` closes the channel and restores the env."""
 
-    def __init__(
-        self,
-        *,
-        model: ModelConfig,
-        precision: PrecisionConfig,
-        algorithm: AlgorithmConfig,
-        trainer: TrainerConfig,
-        rollout: RolloutConfig,
-        placement: Placement,
-        checkpoint_path: str,
-        seed: int,
-    ) -> None:
-        if not placement.in_process:
-            raise ValueError(f"LocalPair needs an in_process placement, got {placement.transport.value}")
-        self.sync_cfg = rollout.weight_sync
-        env = merged_worker_env(dict(trainer.env), dict(rollout.env))
+    def __init__(self, spec: PairSpec) -> None:
+        if not spec.placement.in_process:
+            raise ValueError(f"LocalPair needs an in_process placement, got {spec.placement.transport.value}")
+        self.sync_cfg = spec.rollout.weight_sync
+        env = merged_worker_env(dict(spec.trainer.env), dict(spec.rollout.env))
         self._saved_env = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         self.trainer: TrainerWorker | None = None
         self.engine: EngineWorker | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skyq-engine-recv")
         try:
-            self.trainer = TrainerWorker(
-                model_cfg=model,
-                precision_cfg=precision,
-                optimizer_cfg=trainer.optimizer,
-                algorithm_cfg=algorithm,
-                micro_batch_size=trainer.micro_batch_size,
-                checkpoint_path=checkpoint_path,
-                device=placement.device,
-                seed=seed,
-                temperature=rollout.temperature,
-            )
-            self.engine = EngineWorker(
-                model_cfg=model, precision_cfg=precision, device=placement.device, seed=seed
-            )
+            self.trainer = TrainerWorker(**spec.trainer_kwargs())
+            self.engine = EngineWorker(**spec.engine_kwargs())
             self.resolution = agree([self.trainer.report_resolution(), self.engine.report_resolution()])
             sender_end, receiver_end = in_process_pair(self.sync_cfg.timeout_s)
             self.trainer.use_channel(sender_end)

@@ -8,14 +8,61 @@ checks that do not depend on where the workers live are written once, here.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from skyq.config.resolve import WorkerResolution
-from skyq.config.schema import WeightSyncConfig
+from skyq.config.schema import (
+    AlgorithmConfig,
+    ModelConfig,
+    PrecisionConfig,
+    RolloutConfig,
+    TrainerConfig,
+    WeightSyncConfig,
+)
 from skyq.launch.checkpointing import TRAINER_STATE, RunState, save_run_checkpoint
+from skyq.launch.placement import Placement
 from skyq.rl.batch import RolloutBatch, Sample
 from skyq.sync.errors import SyncError
+
+
+@dataclass(frozen=True, slots=True)
+class PairSpec:
+    """Everything both pair kinds build their two workers from."""
+
+    model: ModelConfig
+    precision: PrecisionConfig
+    algorithm: AlgorithmConfig
+    trainer: TrainerConfig
+    rollout: RolloutConfig
+    placement: Placement
+    checkpoint_path: str
+    seed: int
+
+    def trainer_kwargs(self) -> dict[str, Any]:
+        """Arguments of `TrainerWorker`."""
+        return {
+            "model_cfg": self.model,
+            "precision_cfg": self.precision,
+            "optimizer_cfg": self.trainer.optimizer,
+            "algorithm_cfg": self.algorithm,
+            "micro_batch_size": self.trainer.micro_batch_size,
+            "checkpoint_path": self.checkpoint_path,
+            "device": self.placement.device,
+            "seed": self.seed,
+            # log-probs of the policy the engine samples from (logits / rollout.temperature)
+            "temperature": self.rollout.temperature,
+        }
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Arguments of `EngineWorker`."""
+        return {
+            "model_cfg": self.model,
+            "precision_cfg": self.precision,
+            "device": self.placement.device,
+            "seed": self.seed,
+        }
 
 
 class WorkerPair(ABC):

@@ -15,6 +15,7 @@ from skyq.config.enums import TransportKind
 from skyq.launch.checkpointing import latest_checkpoint
 from skyq.launch.local_pair import LocalPair, merged_worker_env
 from skyq.launch.metrics import read_metrics
+from skyq.launch.pair import PairSpec
 from skyq.launch.placement import placement_for, resolve_transport
 from skyq.launch.rundir import METRICS_FILE
 from skyq.sync.errors import SyncError
@@ -87,14 +88,18 @@ def _pair(overrides):
 
     cfg, _ = compose_config(overrides)
     return LocalPair(
-        model=cfg.model,
-        precision=cfg.precision,
-        algorithm=cfg.algorithm,
-        trainer=cfg.trainer,
-        rollout=cfg.rollout,
-        placement=placement_for(cfg.topology, cfg.rollout.weight_sync.transport),
-        checkpoint_path=str(ensure_tiny_checkpoint(cfg.model, cfg.task, cache_dir=cfg.checkpoint.cache_dir)),
-        seed=cfg.seed,
+        PairSpec(
+            model=cfg.model,
+            precision=cfg.precision,
+            algorithm=cfg.algorithm,
+            trainer=cfg.trainer,
+            rollout=cfg.rollout,
+            placement=placement_for(cfg.topology, cfg.rollout.weight_sync.transport),
+            checkpoint_path=str(
+                ensure_tiny_checkpoint(cfg.model, cfg.task, cache_dir=cfg.checkpoint.cache_dir)
+            ),
+            seed=cfg.seed,
+        )
     )
 
 
