@@ -13,14 +13,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from skyq.sync.byte_runs import find_pieces, gather, interleave, unpack_views
+from skyq.sync.byte_runs import aligned, gather, interleave, plan_copies, unpack_views
 from skyq.sync.checksums import bucket_checksum, checksum_algorithm
 from skyq.sync.errors import SyncRefused
 from skyq.sync.manifest import BucketEntry, TensorEntry
-from skyq.sync.wire_dtypes import dtype_name
-
-ALIGN_BYTES = 16
-"""Tensor offsets inside a bucket are multiples of this, so every dtype can be viewed in place."""
+from skyq.sync.wire_dtypes import as_bytes, dtype_name
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,11 +30,26 @@ class WireUnit:
     @property
     def packed_bytes(self) -> int:
         """Bytes this unit takes in a bucket, alignment padding included."""
-        return sum(_aligned(t.numel() * t.element_size()) for t in self.tensors.values())
+        return sum(aligned(t.numel() * t.element_size()) for t in self.tensors.values())
 
 
-def _aligned(n: int) -> int:
-    return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+@dataclass(frozen=True, slots=True)
+class WireStack:
+    """The units of one stacked item, held as whole tensors: member i is the unit `sources[i]`, whose
+    wire tensors are `tensors[k][i]`, named `names[k][i]`, for every wire position k. The sender
+    packs a repeat sync straight from `tensors` (one copy per bucket range, no per-member work)."""
+
+    sources: tuple[str, ...]
+    names: tuple[tuple[str, ...], ...]
+    tensors: tuple[Tensor, ...]
+
+    def units(self) -> list[WireUnit]:
+        """One `WireUnit` per member (views of `tensors`)."""
+        values = zip(*(t.unbind(0) for t in self.tensors))
+        return [
+            WireUnit(source=source, tensors=dict(zip(keys, vals)))
+            for source, keys, vals in zip(self.sources, zip(*self.names), values)
+        ]
 
 
 def plan_buckets(units: Sequence[WireUnit], bucket_bytes: int) -> list[list[WireUnit]]:
@@ -82,18 +94,24 @@ def bucket_entries(units: Sequence[WireUnit]) -> tuple[tuple[TensorEntry, ...], 
             )
         )
         end = offset + nbytes
-        offset += _aligned(nbytes)
+        offset += aligned(nbytes)
     return tuple(entries), order, end
 
 
 def pack_bucket(index: int, units: Sequence[WireUnit]) -> tuple[Tensor, BucketEntry]:
-    """Lay the units' bytes into one flat uint8 buffer (`bucket_entries`, one `torch.cat` of byte
-    ranges and padding) and describe where each tensor lies."""
+    """Lay the units' bytes into one flat uint8 buffer (`bucket_entries`, one `torch.cat` of the
+    tensors and padding) and describe where each tensor lies."""
     entries, order, nbytes = bucket_entries(units)
     tensors = [list(units[u].tensors.values())[k] for u, k in order]
     device = tensors[0].device if tensors else torch.device("cpu")
+    copies = plan_copies(
+        [e.offset for e in entries],
+        [e.nbytes for e in entries],
+        [(u, k, 0) for u, k in order],
+        [False] * len(units),
+    )
     # Padding is zeros, so the bytes (and hence the checksum) are deterministic.
-    buf = gather(tensors, find_pieces(tensors, [e.offset for e in entries], device), nbytes, device)
+    buf = gather([as_bytes(t) for t in tensors], copies, nbytes, device)
     return buf, BucketEntry(index=index, nbytes=nbytes, checksum=bucket_checksum(buf), tensors=entries)
 
 

@@ -2,10 +2,11 @@
 
 A bucket holds hundreds of small wire tensors (one projection's experts, each with its scales). Per
 tensor Python and one kernel per tensor would make a sync cost per tensor, not per byte, so:
-the sender copies tensors that lie back to back in one storage (views of one batched quantizer
-output) as ONE byte range (a `Piece`), and the receiver views each run of equal, back-to-back
-entries as one stacked tensor split with `unbind` (a `Run`). Neither changes a byte or what the
-manifest says. Pieces and runs are computed once per layout and reused while it holds.
+the sender copies the members of one batched quantizer output (a stack's whole tensor) that lie at
+the alignment pitch in a bucket as ONE strided byte range (a `Copy`), and the receiver views each
+run of equal entries at that pitch as one stacked tensor split with `unbind` (a `Run`). Neither
+changes a byte or what the manifest says. Copies and runs are computed once per layout and reused
+while it holds.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 from torch import Tensor
 
 from skyq.sync.manifest import TensorEntry
-from skyq.sync.wire_dtypes import as_bytes, dtype_from_name, view_bytes
+from skyq.sync.wire_dtypes import dtype_from_name, view_bytes
 
 
 def interleave(tensor_lists: Sequence[Sequence[object]]) -> list[tuple[int, int]]:
@@ -27,80 +28,77 @@ def interleave(tensor_lists: Sequence[Sequence[object]]) -> list[tuple[int, int]
     return [(u, k) for k in range(longest) for u, ts in enumerate(tensor_lists) if k < len(ts)]
 
 
-class Piece(NamedTuple):
-    """Bucket members [first, first + count) (in byte order), back to back in the bucket: one
-    byte range to copy when they are also back to back in one storage on the sender."""
+ALIGN_BYTES = 16
+"""Tensor offsets inside a bucket are multiples of this, so every dtype can be viewed in place."""
 
+
+def aligned(n: int) -> int:
+    """`n` rounded up to `ALIGN_BYTES`: the pitch of a tensor of `n` bytes in a bucket."""
+    return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+
+
+class Copy(NamedTuple):
+    """One byte range to copy into a bucket: members [first, first + count) of wire position
+    `position` of sender item `item` (a stack's whole tensor, or one tensor of a unit, first 0),
+    laid from `offset` every `stride` bytes, `nbytes` each (zero padding in between)."""
+
+    item: int
+    position: int
     first: int
     count: int
     offset: int
-    """Bucket offset of the first member."""
     nbytes: int
-    """Bytes of all members."""
+    stride: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + (self.count - 1) * self.stride + self.nbytes
 
 
-def _one_range(run: Sequence[Tensor], device: torch.device) -> Tensor | None:
-    """`run`'s bytes as one uint8 view when its tensors are contiguous and back to back in one
-    storage on `device`, else None."""
-    first = run[0]
-    if first.device != device:
-        return None
-    storage = first.untyped_storage()
-    base = storage.data_ptr()
-    addr = first.data_ptr()
-    for t in run:
-        if t.data_ptr() != addr or not t.is_contiguous() or t.untyped_storage().data_ptr() != base:
-            return None
-        addr += t.nbytes
-    start = first.data_ptr() - base
-    view = torch.empty(0, dtype=torch.uint8, device=device)
-    return view.set_(storage, start, (addr - first.data_ptr(),), (1,))
-
-
-def _continues(prev: Tensor, t: Tensor, device: torch.device) -> bool:
-    """True when `t` starts where `prev` ends, both contiguous in one storage on `device`."""
-    return (
-        t.nbytes > 0
-        and prev.nbytes > 0
-        and prev.device == device
-        and prev.is_contiguous()
-        and t.is_contiguous()
-        and t.data_ptr() == prev.data_ptr() + prev.nbytes
-        and t.untyped_storage().data_ptr() == prev.untyped_storage().data_ptr()
-    )
-
-
-def find_pieces(tensors: Sequence[Tensor], offsets: Sequence[int], device: torch.device) -> tuple[Piece, ...]:
-    """Group the members (in byte order, at `offsets`) into pieces: a member joins the previous
-    piece when no padding separates them in the bucket and they continue each other in memory."""
-    pieces: list[Piece] = []
-    for i, (t, offset) in enumerate(zip(tensors, offsets)):
-        last = pieces[-1] if pieces else None
-        if last is not None and offset == last.offset + last.nbytes and _continues(tensors[i - 1], t, device):
-            pieces[-1] = last._replace(count=last.count + 1, nbytes=last.nbytes + t.nbytes)
+def plan_copies(
+    offsets: Sequence[int],
+    nbytes: Sequence[int],
+    members: Sequence[tuple[int, int, int]],
+    stacked: Sequence[bool],
+) -> tuple[Copy, ...]:
+    """The copies that lay a bucket: its tensors (in byte order, at `offsets`, `nbytes` each) are
+    members `(item, position, index)`; consecutive members of one stacked item's wire position at
+    the alignment pitch are one copy. Derived from the layout alone, so a cached plan holds for any
+    later sync of the same items."""
+    copies: list[Copy] = []
+    for offset, size, (item, position, index) in zip(offsets, nbytes, members):
+        last = copies[-1] if copies else None
+        if (
+            last is not None
+            and stacked[item]
+            and (last.item, last.position, last.first + last.count) == (item, position, index)
+            and size == last.nbytes
+            and offset == last.offset + last.count * last.stride
+        ):
+            copies[-1] = last._replace(count=last.count + 1)
         else:
-            pieces.append(Piece(i, 1, offset, t.nbytes))
-    return tuple(pieces)
+            copies.append(Copy(item, position, index, 1, offset, size, aligned(size)))
+    return tuple(copies)
 
 
-def gather(tensors: Sequence[Tensor], pieces: Sequence[Piece], nbytes: int, device: torch.device) -> Tensor:
-    """The bucket: `tensors`' bytes laid out as `pieces` say, zero padding between, as one
-    `torch.cat`. A piece whose members no longer lie back to back is copied member by member."""
+def gather(sources: Sequence[Tensor], copies: Sequence[Copy], nbytes: int, device: torch.device) -> Tensor:
+    """The bucket: each copy's source bytes (`count * nbytes` of them, flat uint8) laid out as the
+    copy says, zero padding between, as one `torch.cat`."""
     parts: list[Tensor] = []
     zeros: Tensor | None = None
     written = 0
-    for first, count, offset, piece_bytes in pieces:
-        if offset > written:  # padding: less than the alignment
-            if zeros is None or zeros.numel() < offset - written:
-                zeros = torch.zeros(max(16, offset - written), dtype=torch.uint8, device=device)
-            parts.append(zeros[: offset - written])
-        members = tensors[first : first + count]
-        whole = _one_range(members, device) if count > 1 else None
-        if whole is not None:
-            parts.append(whole)
-        else:
-            parts.extend(as_bytes(t).to(device) for t in members)
-        written = offset + piece_bytes
+    for src, copy in zip(sources, copies, strict=True):
+        if copy.offset > written:  # padding: less than the alignment
+            if zeros is None or zeros.numel() < copy.offset - written:
+                zeros = torch.zeros(max(16, copy.offset - written), dtype=torch.uint8, device=device)
+            parts.append(zeros[: copy.offset - written])
+        src = src.to(device)
+        if copy.count > 1 and copy.stride != copy.nbytes:  # members that padding separates
+            padded = torch.zeros(copy.count, copy.stride, dtype=torch.uint8, device=device)
+            padded[:, : copy.nbytes] = src.view(copy.count, copy.nbytes)
+            src = padded.view(-1)[: copy.end - copy.offset]
+        parts.append(src)
+        written = copy.end
     if written != nbytes:
         raise AssertionError(f"bucket packed to {written} bytes, its layout says {nbytes}")
     if not parts:
@@ -109,15 +107,21 @@ def gather(tensors: Sequence[Tensor], pieces: Sequence[Piece], nbytes: int, devi
 
 
 class Run(NamedTuple):
-    """`count` back-to-back bucket entries of one dtype and shape, viewed once and unbound."""
+    """`count` bucket entries of one dtype and shape, one every `stride` bytes (`nbytes` each,
+    padding between), viewed once and unbound."""
 
     offset: int
     count: int
     nbytes: int
     """Bytes of one member."""
+    stride: int
     dtype: torch.dtype
     shape: tuple[int, ...]
     names: tuple[str, ...]
+
+    @property
+    def end(self) -> int:
+        return self.offset + (self.count - 1) * self.stride + self.nbytes
 
 
 def find_runs(entries: Sequence[TensorEntry]) -> tuple[Run, ...]:
@@ -127,16 +131,18 @@ def find_runs(entries: Sequence[TensorEntry]) -> tuple[Run, ...]:
     i = 0
     while i < len(ordered):
         first = ordered[i]
+        stride = aligned(first.nbytes)
         j = i + 1
         while (
             j < len(ordered)
             and ordered[j].dtype == first.dtype
             and ordered[j].shape == first.shape
-            and ordered[j].offset == ordered[j - 1].offset + first.nbytes
+            and ordered[j].offset == ordered[j - 1].offset + stride
         ):
             j += 1
         names = tuple(e.name for e in ordered[i:j])
-        runs.append(Run(first.offset, j - i, first.nbytes, dtype_from_name(first.dtype), first.shape, names))
+        dtype = dtype_from_name(first.dtype)
+        runs.append(Run(first.offset, j - i, first.nbytes, stride, dtype, first.shape, names))
         i = j
     return tuple(runs)
 
@@ -144,14 +150,27 @@ def find_runs(entries: Sequence[TensorEntry]) -> tuple[Run, ...]:
 def view_runs(buf: Tensor, runs: Sequence[Run], out: dict[str, Tensor]) -> None:
     """Put every run member's tensor into `out`: views into `buf` (a copy only where a view
     cannot be taken: bool, misaligned bytes)."""
-    for offset, count, nbytes, dtype, shape, names in runs:
-        if count > 1 and nbytes > 0 and dtype != torch.bool:
-            whole = view_bytes(buf[offset : offset + count * nbytes], dtype, (count, *shape))
+    for run in runs:
+        offset, count, nbytes, stride, dtype, shape, names = run
+        whole = _run_view(buf, run) if count > 1 and nbytes > 0 and dtype != torch.bool else None
+        if whole is not None:
             out.update(zip(names, whole.unbind(0)))
         else:
             for k, name in enumerate(names):
-                start = offset + k * nbytes
+                start = offset + k * stride
                 out[name] = view_bytes(buf[start : start + nbytes], dtype, shape)
+
+
+def _run_view(buf: Tensor, run: Run) -> Tensor | None:
+    """The run's members as one [count, *shape] view into `buf` (strided over the padding when
+    there is any), or None when the bytes are not aligned for the dtype."""
+    raw = buf[run.offset : run.end]
+    size = run.dtype.itemsize
+    if raw.data_ptr() % size or run.nbytes % size or run.stride % size:
+        return None
+    if run.stride != run.nbytes:
+        raw = raw.as_strided((run.count, run.nbytes), (run.stride, 1))
+    return raw.view(run.dtype).view(run.count, *run.shape)
 
 
 def unpack_views(buf: Tensor, entries: Sequence[TensorEntry]) -> dict[str, Tensor]:

@@ -8,8 +8,8 @@ units have the same names, dtypes and shapes in the same order sends only a `Sam
 it committed with version N only if N and D match what it holds, and refuses the sync otherwise;
 either side drops its cached layout after a failed sync, so the next one goes in full.
 
-Both sides also keep what they derived from the layout: the sender which tensors it copies as one
-byte range (`Piece`s), the receiver the runs it views with one `unbind` and the byte spans it
+Both sides also keep what they derived from the layout: the sender the byte ranges it copies
+(`Copy`s: a stack's members at once), the receiver the runs it views with one `unbind` and the byte spans it
 value-checks with one reduction each.
 """
 
@@ -22,20 +22,46 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from skyq.sync.buckets import WireUnit, bucket_entries, plan_buckets
-from skyq.sync.byte_runs import Piece, Run, find_pieces, find_runs, gather, view_runs
+from skyq.sync.buckets import WireStack, WireUnit, bucket_entries, plan_buckets
+from skyq.sync.byte_runs import Copy, Run, find_runs, gather, plan_copies, view_runs
 from skyq.sync.checksums import checksum_algorithm
 from skyq.sync.errors import SyncRefused
 from skyq.sync.manifest import MANIFEST_FORMAT, BucketEntry, SyncManifest, expect_keys, expect_value
 from skyq.sync.values import Span, find_spans
+from skyq.sync.wire_dtypes import as_bytes
 
-Signature = tuple[tuple[str, tuple[tuple[str, torch.dtype, torch.Size], ...]], ...]
-"""(unit source, ((wire name, dtype, shape), ...)) per unit, in order: what fixes the layout."""
+WireItem = WireUnit | WireStack
+"""What the sender serialized from one weight item: a unit, or a stack of them held whole."""
+
+Signature = tuple[tuple[object, ...], ...]
+"""Per item, in order: a unit's (source, ((wire name, dtype, shape), ...)), a stack's (sources,
+((member names, dtype, whole shape), ...)). Equal signatures mean the same wire layout and the
+same packing plan."""
 
 
-def unit_signature(units: Sequence[WireUnit]) -> Signature:
-    """The units' names, dtypes and shapes, in order (attribute reads only: no kernel, no copy)."""
-    return tuple((u.source, tuple((name, t.dtype, t.shape) for name, t in u.tensors.items())) for u in units)
+def item_signature(items: Sequence[WireItem]) -> Signature:
+    """The items' names, dtypes and shapes, in order: attribute reads and tuples of the names the
+    items already hold (no kernel, no copy, no per-member work for a stack)."""
+    return tuple(
+        (
+            item.sources,
+            tuple(zip(item.names, (t.dtype for t in item.tensors), (t.shape for t in item.tensors))),
+        )
+        if isinstance(item, WireStack)
+        else (item.source, tuple((name, t.dtype, t.shape) for name, t in item.tensors.items()))
+        for item in items
+    )
+
+
+def expand_units(items: Sequence[WireItem]) -> tuple[list[WireUnit], list[tuple[int, int]]]:
+    """Every unit of `items` in order, and the (item, member) each came from."""
+    units: list[WireUnit] = []
+    origins: list[tuple[int, int]] = []
+    for i, item in enumerate(items):
+        new = item.units() if isinstance(item, WireStack) else [item]
+        units.extend(new)
+        origins.extend((i, e) for e in range(len(new)))
+    return units, origins
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +105,7 @@ class SameLayout:
 
 @dataclass(frozen=True, slots=True)
 class SenderLayout:
-    """The sender's side of a layout: its manifest entries and how to pack units into buckets."""
+    """The sender's side of a layout: its manifest entries and how to pack items into buckets."""
 
     version: int
     """The version whose full manifest carries this layout."""
@@ -87,43 +113,49 @@ class SenderLayout:
     buckets: tuple[BucketEntry, ...]
     """Bucket entries with empty checksums."""
     digest: str
-    members: tuple[tuple[tuple[int, int], ...], ...]
-    """Per bucket, (unit index, tensor position) of each tensor in byte order."""
-    pieces: tuple[tuple[Piece, ...], ...]
+    copies: tuple[tuple[Copy, ...], ...]
+    """Per bucket, the byte ranges that lay it (`byte_runs.plan_copies`)."""
     num_tensors: int
     total_bytes: int
 
     @classmethod
-    def build(cls, units: Sequence[WireUnit], *, bucket_bytes: int, version: int) -> SenderLayout:
-        """Plan buckets for `units` and lay them out (`buckets.bucket_entries`)."""
-        buckets, members, pieces = [], [], []
+    def build(cls, items: Sequence[WireItem], *, bucket_bytes: int, version: int) -> SenderLayout:
+        """Plan buckets for the units of `items` and lay them out (`buckets.bucket_entries`)."""
+        units, origins = expand_units(items)
+        stacked = [isinstance(item, WireStack) for item in items]
+        buckets, copies = [], []
         start = 0
         for index, group in enumerate(plan_buckets(units, bucket_bytes)):
             entries, order, nbytes = bucket_entries(group)
-            tensors = [_member(group, u, k) for u, k in order]
             buckets.append(BucketEntry(index=index, nbytes=nbytes, checksum="", tensors=entries))
-            members.append(tuple((start + u, k) for u, k in order))
-            pieces.append(find_pieces(tensors, [e.offset for e in entries], _device(tensors)))
+            members = [(*origins[start + u], k) for u, k in order]
+            copies.append(
+                plan_copies(
+                    [e.offset for e in entries],
+                    [e.nbytes for e in entries],
+                    [(item, k, member) for item, member, k in members],
+                    stacked,
+                )
+            )
             start += len(group)
         manifest = SyncManifest(version=version, buckets=tuple(buckets))
         return cls(
             version=version,
-            signature=unit_signature(units),
+            signature=item_signature(items),
             buckets=manifest.buckets,
             digest=manifest.layout_digest(),
-            members=tuple(members),
-            pieces=tuple(pieces),
+            copies=tuple(copies),
             num_tensors=sum(len(b.tensors) for b in buckets),
             total_bytes=manifest.total_bytes,
         )
 
-    def pack(self, units: Sequence[WireUnit]) -> list[Tensor]:
-        """The buckets' bytes for `units` (whose signature must be this layout's)."""
-        values = [list(u.tensors.values()) for u in units]
+    def pack(self, items: Sequence[WireItem]) -> list[Tensor]:
+        """The buckets' bytes for `items` (whose signature must be this layout's)."""
         bufs = []
-        for bucket, members, pieces in zip(self.buckets, self.members, self.pieces):
-            tensors = [values[u][k] for u, k in members]
-            bufs.append(gather(tensors, pieces, bucket.nbytes, _device(tensors)))
+        for bucket, copies in zip(self.buckets, self.copies):
+            sources = [_source(items[c.item], c) for c in copies]
+            device = sources[0].device if sources else torch.device("cpu")
+            bufs.append(gather(sources, copies, bucket.nbytes, device))
         return bufs
 
     def manifest(self, version: int, checksums: Sequence[str]) -> SyncManifest:
@@ -134,12 +166,11 @@ class SenderLayout:
         return SyncManifest(version=version, buckets=buckets)
 
 
-def _member(group: Sequence[WireUnit], u: int, k: int) -> Tensor:
-    return list(group[u].tensors.values())[k]
-
-
-def _device(tensors: Sequence[Tensor]) -> torch.device:
-    return tensors[0].device if tensors else torch.device("cpu")
+def _source(item: WireItem, copy: Copy) -> Tensor:
+    """The bytes of the members a copy takes from its item (a view unless they are strided)."""
+    if isinstance(item, WireStack):
+        return as_bytes(item.tensors[copy.position][copy.first : copy.first + copy.count])
+    return as_bytes(list(item.tensors.values())[copy.position])
 
 
 @dataclass(frozen=True, slots=True)

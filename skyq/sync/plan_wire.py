@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
+from skyq.quant.layouts import Role
 from skyq.quant.plan import QuantPlan
 from skyq.quant.strategies import QuantizationStrategy
 from skyq.sync.receiver import ExpectedUnit
@@ -33,6 +34,7 @@ class PlanSerializer:
     def __init__(self, strategy: QuantizationStrategy, plan: QuantPlan) -> None:
         self.strategy = strategy
         self.plan = plan
+        self._stack_roles: dict[tuple[str, ...], Role | None] = {}
 
     def __call__(self, name: str, tensor: Tensor) -> dict[str, Tensor]:
         return self.strategy.serialize(name, tensor, role=self.plan[name].role)
@@ -42,6 +44,20 @@ class PlanSerializer:
         if len(roles) != 1 or stack.ndim != 3:
             return [self(name, stack[i]) for i, name in enumerate(names)]
         return self.strategy.serialize_stack(names, stack, role=roles.pop())
+
+    def serialize_stack_tensors(
+        self, names: Sequence[str], stack: Tensor
+    ) -> list[tuple[tuple[str, ...], Tensor]] | None:
+        """`strategy.serialize_stack_tensors` (whole wire tensors) when every member has one role;
+        None otherwise (the sender then serializes member by member)."""
+        key = tuple(names)
+        if key not in self._stack_roles:  # a trainer sends the same stacks every sync
+            roles = {self.plan[name].role for name in key}
+            self._stack_roles[key] = roles.pop() if len(roles) == 1 else None
+        role = self._stack_roles[key]
+        if role is None or stack.ndim != 3:
+            return None
+        return self.strategy.serialize_stack_tensors(key, stack, role=role)
 
 
 def plan_serializer(strategy: QuantizationStrategy, plan: QuantPlan) -> Serializer:

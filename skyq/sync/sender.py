@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from skyq.quant.errors import QuantizationError
@@ -22,16 +23,19 @@ from skyq.quant.kernels.dispatch import (
     check_finite_stack_deferred,
     deferred_finite_checks,
 )
-from skyq.sync.buckets import WireUnit
+from skyq.sync.buckets import WireStack, WireUnit
 from skyq.sync.channel import Channel, recv_json, send_bytes, send_json
 from skyq.sync.checksums import bucket_checksums
 from skyq.sync.errors import SyncError, SyncRefused
-from skyq.sync.layout import SameLayout, SenderLayout, unit_signature
+from skyq.sync.layout import SameLayout, SenderLayout, WireItem, expand_units, item_signature
+from skyq.sync.values import FLOATS
 
 Serializer = Callable[[str, Tensor], dict[str, Tensor]]
 """`QuantizationStrategy.serialize`: one source tensor -> its wire tensors (weight and scales).
-A serializer may also have `serialize_stack(names, stack) -> list[dict]` (see `plan_wire`), which
-stacked items then use: one quantizer call per stack instead of one per tensor."""
+A serializer may also have `serialize_stack_tensors(names, stack)` (whole wire tensors per wire
+position, see `QuantizationStrategy.serialize_stack_tensors`) or `serialize_stack(names, stack) ->
+list[dict]` (see `plan_wire`), which stacked items then use: one quantizer call per stack instead of
+one per tensor."""
 
 WeightItem = tuple[str, Tensor] | tuple[Sequence[str], Tensor]
 """What the trainer's weight iterator yields: `(name, tensor)`, or `(names, stack)` for a stack
@@ -73,18 +77,23 @@ def serialize_unit(name: str, tensor: Tensor, serialize: Serializer, version: in
     return _unit(name, wire)
 
 
-def serialize_stack_units(
+def serialize_stack_item(
     names: Sequence[str], stack: Tensor, serialize: Serializer, version: int
-) -> list[WireUnit]:
+) -> WireStack | list[WireUnit]:
     """A stack [E, ...] of source tensors (`stack[i]` is `names[i]`) through the strategy: one finite
-    check and, when the serializer has `serialize_stack`, one quantizer call for all of them. The
-    wire tensors are bit-identical to serializing each `stack[i]` on its own."""
+    check and, when the serializer has `serialize_stack_tensors`, one quantizer call for all of them,
+    kept as whole tensors (a `WireStack`). The wire tensors are bit-identical to serializing each
+    `stack[i]` on its own."""
     if stack.ndim < 1 or stack.shape[0] != len(names) or not names:
         raise SyncError(
             f"a stacked weight item has {len(names)} names for a tensor of shape {tuple(stack.shape)}"
         )
     try:
-        check_finite_stack_deferred(stack, names)
+        _check_stack_finite(stack, names)
+        whole = getattr(serialize, "serialize_stack_tensors", None)
+        columns = whole(names, stack) if whole is not None else None
+        if columns is not None:
+            return _wire_stack(names, columns)
         batched = getattr(serialize, "serialize_stack", None)
         if batched is not None:
             wires = batched(names, stack)
@@ -95,6 +104,29 @@ def serialize_stack_units(
     if len(wires) != len(names):
         raise SyncError(f"serializing a stack of {len(names)} tensors produced {len(wires)} wire units")
     return [_unit(name, wire) for name, wire in zip(names, wires)]
+
+
+def _check_stack_finite(stack: Tensor, names: Sequence[str]) -> None:
+    """`check_finite_stack_deferred`; on the CPU (where it checks member by member) after one sum
+    over the whole stack, which only a non-finite (or overflowing) stack fails."""
+    if stack.is_cuda or not (
+        stack.dtype in FLOATS and stack.numel() and bool(torch.isfinite(stack.sum(dtype=torch.float32)))
+    ):
+        check_finite_stack_deferred(stack, names)
+
+
+def _wire_stack(names: Sequence[str], columns: Sequence[tuple[tuple[str, ...], Tensor]]) -> WireStack:
+    n = len(names)
+    if not columns or any(len(member_names) != n or t.shape[0] != n for member_names, t in columns):
+        raise SyncError(
+            f"serializing a stack of {n} tensors produced wire tensors of shapes "
+            f"{[tuple(t.shape) for _, t in columns]}"
+        )
+    return WireStack(
+        sources=tuple(names),
+        names=tuple(member_names for member_names, _ in columns),
+        tensors=tuple(t for _, t in columns),
+    )
 
 
 def _unit(name: str, wire: dict[str, Tensor]) -> WireUnit:
@@ -113,18 +145,28 @@ def build_units(
     On CUDA the finite checks of the inputs and of the quantizer kernels are read together at the
     end (`deferred_finite_checks`: one host sync, not one per tensor); the first bad tensor in
     order is still refused by name before anything is sent."""
+    items, gather_s, quantize_s = build_items(weights, serialize, version)
+    units, _ = expand_units(items)
+    check_unique_names(units)
+    return units, gather_s, quantize_s
+
+
+def build_items(
+    weights: Iterable[WeightItem], serialize: Serializer, version: int
+) -> tuple[list[WireItem], float, float]:
+    """`build_units` with each stacked item kept whole (a `WireStack`) and no name check: a sync
+    checks names only when its layout is new (a cached layout's names were checked)."""
     try:
         with deferred_finite_checks():
-            return _build_units(weights, serialize, version)
+            return _build_items(weights, serialize, version)
     except QuantizationError as exc:
         raise SyncRefused(f"weight sync of version {version} refused before sending anything: {exc}") from exc
 
 
-def _build_units(
+def _build_items(
     weights: Iterable[WeightItem], serialize: Serializer, version: int
-) -> tuple[list[WireUnit], float, float]:
-    units: list[WireUnit] = []
-    seen: dict[str, str] = {}
+) -> tuple[list[WireItem], float, float]:
+    items: list[WireItem] = []
     gather_s = quantize_s = 0.0
     iterator = iter(weights)
     while True:
@@ -136,21 +178,29 @@ def _build_units(
         name, tensor = item
         start = time.perf_counter()
         if isinstance(name, str):
-            new = [serialize_unit(name, tensor, serialize, version)]
+            items.append(serialize_unit(name, tensor, serialize, version))
         else:
-            new = serialize_stack_units(tuple(name), tensor, serialize, version)
+            new = serialize_stack_item(tuple(name), tensor, serialize, version)
+            if isinstance(new, WireStack):
+                items.append(new)
+            else:
+                items.extend(new)
         quantize_s += time.perf_counter() - start
-        for unit in new:
-            for wire_name in unit.tensors:
-                if wire_name in seen:
-                    raise SyncError(
-                        f"wire name `{wire_name}` produced by both `{seen[wire_name]}` and `{unit.source}`"
-                    )
-                seen[wire_name] = unit.source
-        units.extend(new)
-    if not units:
+    if not items:
         raise SyncRefused(f"weight sync of version {version}: the trainer produced no weights to send")
-    return units, gather_s, quantize_s
+    return items, gather_s, quantize_s
+
+
+def check_unique_names(units: Sequence[WireUnit]) -> None:
+    """Refuse two units that produce the same wire name."""
+    seen: dict[str, str] = {}
+    for unit in units:
+        for wire_name in unit.tensors:
+            if wire_name in seen:
+                raise SyncError(
+                    f"wire name `{wire_name}` produced by both `{seen[wire_name]}` and `{unit.source}`"
+                )
+            seen[wire_name] = unit.source
 
 
 class WeightSender:
@@ -171,14 +221,16 @@ class WeightSender:
         """Send `weights` (HF name, full-precision tensor; or names and a stack of them) as weight
         version `version`."""
         start = time.perf_counter()
-        units, gather_s, quantize_s = build_units(weights, self._serialize, version)
+        items, gather_s, quantize_s = build_items(weights, self._serialize, version)
         transfer_start = time.perf_counter()
         cached, self._layout = self._layout, None  # set again only once the engine committed
-        full = cached is None or cached.signature != unit_signature(units)
-        layout = (
-            SenderLayout.build(units, bucket_bytes=self._bucket_bytes, version=version) if full else cached
-        )
-        bufs = layout.pack(units)
+        full = cached is None or cached.signature != item_signature(items)
+        if full:
+            check_unique_names(expand_units(items)[0])
+            layout = SenderLayout.build(items, bucket_bytes=self._bucket_bytes, version=version)
+        else:
+            layout = cached
+        bufs = layout.pack(items)
         checksums = bucket_checksums(bufs)
         if full:
             manifest = layout.manifest(version, checksums)

@@ -44,7 +44,7 @@ def find_spans(runs: Sequence[Run]) -> tuple[Span, ...]:
         if run.dtype not in CHECKED:
             open_span = False
             continue
-        end = run.offset + run.count * run.nbytes
+        end = run.end
         last = spans[-1] if spans else None
         if open_span and last is not None and last.dtype == run.dtype and end - last.start <= SPAN_BYTES:
             spans[-1] = last._replace(end=end)

@@ -335,6 +335,14 @@ def test_serialize_stack_is_bitwise_the_per_tensor_serialize(gen, precision_cfg,
         for n in want:
             assert got[n][:2] == want[n][:2], n
             assert torch.equal(got[n][2], want[n][2]), n
+    # The whole-tensor form is the same bytes: member i of each wire position is batched[i]'s tensor.
+    whole = s.serialize_stack_tensors(names, stack, role=Role.routed_expert)
+    assert [len(member_names) for member_names, _ in whole] == [len(names)] * len(batched[0])
+    for member_names, t in whole:
+        assert t.shape[0] == len(names)
+        for i, n in enumerate(member_names):
+            assert _wire_bytes({n: t[i]})[n][:2] == _wire_bytes(batched[i])[n][:2], n
+            assert torch.equal(_wire_bytes({n: t[i]})[n][2], _wire_bytes(batched[i])[n][2]), n
 
 
 def test_serialize_stack_refuses_a_stack_its_names_do_not_match(gen):

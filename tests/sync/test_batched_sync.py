@@ -122,3 +122,50 @@ def test_bulk_packing_coalesces_back_to_back_views_and_unpacks_every_tensor(gen)
     by_name = {t.name: t for t in entry.tensors}
     assert [by_name[f"u{i}.w"].offset for i in range(8)] == [512 * i for i in range(8)]
     assert by_name["u0.s"].offset > by_name["flag"].offset
+
+
+class WholeSerializer(Serializer):
+    """`Serializer` that also hands the sender whole wire tensors (what `PlanSerializer` does)."""
+
+    def serialize_stack_tensors(self, names, stack):
+        return self.strategy.serialize_stack_tensors(names, stack, role=Role.routed_expert)
+
+
+@pytest.mark.parametrize("bucket_bytes", [1 << 20, 30_000])
+def test_repeat_syncs_of_whole_stacks_with_padded_scales_commit_the_per_tensor_wire(gen, bucket_bytes):
+    # 96 x 256 with 128 x 128 blocks: 8-byte scales, padded to 16, so a stack's scales lie strided
+    # in the bucket (one strided copy on the sender, one strided view on the receiver); the small
+    # bucket splits the stack across buckets.
+    names = tuple(f"model.layers.0.mlp.experts.{i}.up_proj.weight" for i in range(5))
+    ser = WholeSerializer()
+    send_end, recv_end = in_process_pair(timeout_s=5.0)
+    sender = WeightSender(send_end, serialize=ser, bucket_bytes=bucket_bytes)
+    engine = DictEngine()
+    expected = None
+    for version in (1, 2, 3):
+        stack = (torch.randn(5, 96, 256, generator=gen) * 0.02).to(torch.bfloat16)
+        norm = torch.randn(7, generator=gen).to(torch.bfloat16)  # 14 bytes: padded too
+        per_tensor = {n: ser(n, stack[i]) for i, n in enumerate(names)}
+        per_tensor["model.norm.weight"] = ser("model.norm.weight", norm)
+        if expected is None:
+            expected = [
+                ExpectedUnit(source=n, tensors={w: (tuple(t.shape), t.dtype) for w, t in wire.items()})
+                for n, wire in per_tensor.items()
+            ]
+            receiver = WeightReceiver(recv_end, expected, verify_checksum=True)
+        errors = []
+
+        def receive(receiver=receiver, errors=errors):
+            try:
+                receiver.receive(current_version=engine.version, commit=engine.commit)
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                errors.append(exc)
+
+        thread = threading.Thread(target=receive)
+        thread.start()
+        stats = sender.sync([(names, stack), ("model.norm.weight", norm)], version)
+        thread.join(timeout=10)
+        assert not errors, errors
+        assert stats.full_manifest == (version == 1)
+        want = {w: raw_bytes(t) for wire in per_tensor.values() for w, t in wire.items()}
+        assert engine.snapshot() == (version, want)

@@ -116,28 +116,56 @@ class QuantizationStrategy(ABC):
         `stack` is [E, N, K]: independent matrices of one role and shape (e.g. one projection's
         routed experts). The wire tensors are views of the batched outputs, bit-identical to
         `serialize(names[i], stack[i], role=role)` (every format quantizes each matrix on its own)."""
+        whole = self.serialize_stack_tensors(names, stack, role=role)
+        if whole is None:
+            return [self.serialize(name, stack[i], role=role) for i, name in enumerate(names)]
+        keys = zip(*(member_names for member_names, _ in whole))
+        values = zip(*(t.unbind(0) for _, t in whole))
+        return [dict(zip(k, v)) for k, v in zip(keys, values)]
+
+    def serialize_stack_tensors(
+        self, names: Sequence[str], stack: Tensor, *, role: Role
+    ) -> list[tuple[tuple[str, ...], Tensor]] | None:
+        """The wire tensors of a stack [E, N, K] as whole tensors: one `(member names, tensor [E, ...])`
+        per wire position, where `tensor[i]` is the wire tensor `serialize(names[i], stack[i])` names
+        `member names[i]`, bit for bit. One quantizer call and one shape check per wire position: no
+        per-member tensor work. None when the members are not all serialized alike (then use
+        `serialize` per member)."""
         if stack.ndim != 3 or len(names) != stack.shape[0]:
             raise StrategyError(
                 f"serialize_stack: {len(names)} names for a stack of shape {tuple(stack.shape)}"
             )
         shape = tuple(stack.shape[1:])
-        if not all(self.quantizes_param(name, shape, role) for name in names):
-            return [self.serialize(name, stack[i], role=role) for i, name in enumerate(names)]
-        stems = [name[: -len("weight")] for name in names]
-        batched = self._encode_stack(stems, stack)
-        # Every member has the specs of the first with its own stem (same shape, same role).
         specs = self.wire_specs(names[0], shape, role)
-        suffixes = [spec.name[len(stems[0]) :] for spec in specs]
-        for stem, wire in zip(stems, batched):
-            assert len(wire) == len(specs), (stem, sorted(wire))
-            for spec, suffix in zip(specs, suffixes):
-                got = wire[stem + suffix]
-                assert (tuple(got.shape), got.dtype) == (spec.shape, spec.dtype), (spec, got.shape, got.dtype)
-        return batched
+        # `quantizes_param` of every member: role and shape are shared, only the names differ.
+        weights = sum(name.endswith(".weight") for name in names)
+        if not self.quantizes_param(names[0], shape, role):
+            if self.quantizes(role) and len(shape) == 2 and weights:
+                return None
+            return [(tuple(names), stack.to(specs[0].dtype))]
+        if weights != len(names):
+            return None
+        stems = [name[: -len("weight")] for name in names]
+        whole = self._encode_stack(stems, stack)
+        # Every member has the specs of the first with its own stem (same shape, same role).
+        assert len(whole) == len(specs), (stems[0], len(whole), specs)
+        out = []
+        for spec, t in zip(specs, whole):
+            assert (tuple(t.shape), t.dtype) == ((len(names), *spec.shape), spec.dtype), (
+                spec,
+                t.shape,
+                t.dtype,
+            )
+            suffix = spec.name[len(stems[0]) :]
+            out.append((tuple(stem + suffix for stem in stems), t))
+        return out
 
-    def _encode_stack(self, stems: Sequence[str], stack: Tensor) -> list[dict[str, Tensor]]:
-        """One `_encode` per matrix; formats override this with one batched quantizer call."""
-        return [self._encode(stem, stack[i]) for i, stem in enumerate(stems)]
+    def _encode_stack(self, stems: Sequence[str], stack: Tensor) -> tuple[Tensor, ...]:
+        """The wire tensors of every matrix of `stack`, stacked [E, ...] per wire position (in
+        `wire_specs` order); this default encodes one matrix at a time, formats override it with
+        one batched quantizer call."""
+        wires = [list(self._encode(stem, stack[i]).values()) for i, stem in enumerate(stems)]
+        return tuple(torch.stack(column) for column in zip(*wires))
 
     def _encode(self, stem: str, tensor: Tensor) -> dict[str, Tensor]:
         raise StrategyError(

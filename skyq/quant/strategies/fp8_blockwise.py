@@ -68,14 +68,10 @@ class Fp8BlockwiseStrategy(QuantizationStrategy):
         )
         return {stem + "weight": q, stem + "weight_scale_inv": scale_inv}
 
-    def _encode_stack(self, stems: Sequence[str], stack: Tensor) -> list[dict[str, Tensor]]:
-        q, scale_inv = dispatch.quantize_fp8_blockwise(
+    def _encode_stack(self, stems: Sequence[str], stack: Tensor) -> tuple[Tensor, ...]:
+        return dispatch.quantize_fp8_blockwise(
             stack, block_size=self.block_size, pow2_scale=self.pow2_scale, name=stems[0] + "weight"
         )
-        return [
-            {s + "weight": qi, s + "weight_scale_inv": si}
-            for s, qi, si in zip(stems, q.unbind(0), scale_inv.unbind(0))
-        ]
 
     def _decode(self, stem: str, wire: Mapping[str, Tensor], dtype: torch.dtype) -> Tensor:
         return fp8_blockwise.dequantize(

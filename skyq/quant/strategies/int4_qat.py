@@ -81,7 +81,7 @@ class Int4QatStrategy(QuantizationStrategy):
             stem + "weight_shape": int4.weight_shape_tensor(n, k),
         }
 
-    def _encode_stack(self, stems: Sequence[str], stack: Tensor) -> list[dict[str, Tensor]]:
+    def _encode_stack(self, stems: Sequence[str], stack: Tensor) -> tuple[Tensor, ...]:
         packed, scale = dispatch.quantize_int4_packed(
             stack, group_size=self.group_size, grid=self.precision_cfg.int4_grid, name=stems[0] + "weight"
         )
@@ -89,10 +89,7 @@ class Int4QatStrategy(QuantizationStrategy):
         # that the bucket would copy to the device one at a time, and the rows lie back to back.
         n, k = stack.shape[1:]
         shapes = int4.weight_shape_tensor(n, k).to(stack.device).expand(len(stems), 2).contiguous()
-        return [
-            {s + "weight_packed": p, s + "weight_scale": sc, s + "weight_shape": sh}
-            for s, p, sc, sh in zip(stems, packed.unbind(0), scale.unbind(0), shapes.unbind(0))
-        ]
+        return packed, scale, shapes
 
     def _decode(self, stem: str, wire: Mapping[str, Tensor], dtype: torch.dtype) -> Tensor:
         return int4.dequantize_packed(

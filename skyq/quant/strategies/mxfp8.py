@@ -77,12 +77,8 @@ class Mxfp8Strategy(QuantizationStrategy):
         q, scale = dispatch.quantize_mxfp8(tensor, name=stem + "weight")
         return {stem + "weight": q, stem + "weight_scale": scale}
 
-    def _encode_stack(self, stems: Sequence[str], stack: Tensor) -> list[dict[str, Tensor]]:
-        q, scale = dispatch.quantize_mxfp8(stack, name=stems[0] + "weight")
-        return [
-            {s + "weight": qi, s + "weight_scale": si}
-            for s, qi, si in zip(stems, q.unbind(0), scale.unbind(0))
-        ]
+    def _encode_stack(self, stems: Sequence[str], stack: Tensor) -> tuple[Tensor, ...]:
+        return dispatch.quantize_mxfp8(stack, name=stems[0] + "weight")
 
     def _decode(self, stem: str, wire: Mapping[str, Tensor], dtype: torch.dtype) -> Tensor:
         return mxfp8.dequantize(
