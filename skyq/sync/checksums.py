@@ -32,27 +32,39 @@ def _blake2b(buf: Tensor) -> str:
     return hashlib.blake2b(buf.detach().cpu().numpy().data, digest_size=16).hexdigest()
 
 
+_WEIGHTS: dict[torch.device, Tensor] = {}
+"""Per device, the [2, 65521] int64 rows (1, ..., 1) and (1, ..., 65521): built once, not per bucket."""
+
+
+def _weights(device: torch.device) -> Tensor:
+    if device not in _WEIGHTS:
+        w = torch.arange(1, _MODULUS + 1, dtype=torch.int64, device=device)
+        _WEIGHTS[device] = torch.stack([torch.ones_like(w), w])
+    return _WEIGHTS[device]
+
+
 def _wsum64_sums(buf: Tensor, chunk_bytes: int) -> Tensor:
     """(sum b_i, sum b_i * w_i) of a flat uint8 buffer as one int64 [2] tensor on its device.
 
     The weights repeat every 65521 bytes, so the buffer is read as rows of 65521 bytes: one column
-    sum over the rows (exact in int64), then a dot with the weights 1..65521, plus the short tail
-    row; `chunk_bytes` bounds the rows per column sum. Sums wrap modulo 2^64 like the digest."""
+    sum over the rows (exact in int64; `chunk_bytes` bounds the rows per sum), the short tail row
+    added to the first columns, then one product with the rows (1, ...) and (1, ..., 65521) and one
+    sum: a handful of kernels per bucket whatever its size. Sums wrap modulo 2^64 like the digest."""
     n = buf.numel()
     rows, tail = divmod(n, _MODULUS)
-    weights = torch.arange(1, _MODULUS + 1, dtype=torch.int64, device=buf.device)
     rows_per_chunk = max(1, chunk_bytes // _MODULUS)
-    sums = torch.zeros(2, dtype=torch.int64, device=buf.device)
+    cols: Tensor | None = None
     for first in range(0, rows, rows_per_chunk):
         last = min(rows, first + rows_per_chunk)
-        cols = (
+        part = (
             buf[first * _MODULUS : last * _MODULUS].view(last - first, _MODULUS).sum(dim=0, dtype=torch.int64)
         )
-        sums += torch.stack([cols.sum(), (cols * weights).sum()])
+        cols = part if cols is None else cols.add_(part)
+    if cols is None:
+        cols = torch.zeros(_MODULUS, dtype=torch.int64, device=buf.device)
     if tail:
-        rest = buf[rows * _MODULUS :].to(torch.int64)
-        sums += torch.stack([rest.sum(), (rest * weights[:tail]).sum()])
-    return sums
+        cols[:tail] += buf[rows * _MODULUS :]
+    return (cols * _weights(buf.device)).sum(dim=1)
 
 
 def _wsum64_digest(n: int, plain: int, weighted: int) -> str:
