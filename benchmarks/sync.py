@@ -9,7 +9,8 @@ the strategy quantizes with one batched Triton call), `WeightSender` (finite che
 with one cat per bucket, device-side wsum64 checksums), the in-process transport (frames stay on
 the GPU: a device clone per bucket), and `WeightReceiver` (checksum verification, unpacking to
 views, value checks, accounting) whose commit copies every wire tensor into preallocated engine
-buffers (one `torch._foreach_copy_`). Bucket size and checksum verification are the
+buffers (one `torch._foreach_copy_` per dtype; the H200 run of 2026-11-29 used one over uint8 views
+of every tensor, which costs a view per wire tensor). Bucket size and checksum verification are the
 `WeightSyncConfig` defaults.
 
 Per format: one warm-up sync (Triton compiles); `--repeats` *first* syncs, each by a fresh sender
@@ -131,16 +132,19 @@ class Pair:
             send_end, serialize=plan_serializer(strategy, plan), bucket_bytes=cfg.bucket_bytes
         )
         self.receiver = WeightReceiver(recv_end, expected_units(plan), verify_checksum=cfg.verify_checksum)
-        self.engine_bytes = {name: t.view(torch.uint8) for name, t in engine.items()}
+        self.engine = engine
+        self.by_dtype: dict[torch.dtype, list[str]] = {}
+        for name, t in engine.items():
+            self.by_dtype.setdefault(t.dtype, []).append(name)
         self.device = device
         self.version = 0
 
     def commit(self, wire: dict[str, torch.Tensor], version: int) -> None:
-        # One fused multi-tensor copy of the bytes (every wire tensor is contiguous; uint8 views
-        # put fp8, fp32, bf16 and int tensors in one list).
-        torch._foreach_copy_(
-            [self.engine_bytes[name] for name in wire], [t.view(torch.uint8) for t in wire.values()]
-        )
+        # One fused multi-tensor copy per dtype (a multi-tensor kernel needs one dtype per list),
+        # built from name lookups only: no per-tensor view or check.
+        assert len(wire) == len(self.engine), (len(wire), len(self.engine))
+        for names in self.by_dtype.values():
+            torch._foreach_copy_([self.engine[n] for n in names], [wire[n] for n in names])
         synchronize(self.device)
         self.version = version
 

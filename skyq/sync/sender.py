@@ -146,9 +146,8 @@ def build_units(
     end (`deferred_finite_checks`: one host sync, not one per tensor); the first bad tensor in
     order is still refused by name before anything is sent."""
     items, gather_s, quantize_s = build_items(weights, serialize, version)
-    units, _ = expand_units(items)
-    check_unique_names(units)
-    return units, gather_s, quantize_s
+    check_unique_names(items)
+    return expand_units(items)[0], gather_s, quantize_s
 
 
 def build_items(
@@ -191,16 +190,20 @@ def _build_items(
     return items, gather_s, quantize_s
 
 
-def check_unique_names(units: Sequence[WireUnit]) -> None:
+def check_unique_names(items: Sequence[WireItem]) -> None:
     """Refuse two units that produce the same wire name."""
     seen: dict[str, str] = {}
-    for unit in units:
-        for wire_name in unit.tensors:
+    for item in items:
+        if isinstance(item, WireStack):
+            pairs = ((name, source) for names in item.names for name, source in zip(names, item.sources))
+        else:
+            pairs = ((name, item.source) for name in item.tensors)
+        for wire_name, source in pairs:
             if wire_name in seen:
                 raise SyncError(
-                    f"wire name `{wire_name}` produced by both `{seen[wire_name]}` and `{unit.source}`"
+                    f"wire name `{wire_name}` produced by both `{seen[wire_name]}` and `{source}`"
                 )
-            seen[wire_name] = unit.source
+            seen[wire_name] = source
 
 
 class WeightSender:
@@ -226,7 +229,7 @@ class WeightSender:
         cached, self._layout = self._layout, None  # set again only once the engine committed
         full = cached is None or cached.signature != item_signature(items)
         if full:
-            check_unique_names(expand_units(items)[0])
+            check_unique_names(items)
             layout = SenderLayout.build(items, bucket_bytes=self._bucket_bytes, version=version)
         else:
             layout = cached

@@ -14,10 +14,10 @@ from skyq.quant.layouts import Role
 from skyq.quant.strategies import get_strategy
 from skyq.sync.buckets import WireUnit, pack_bucket, unpack_bucket
 from skyq.sync.checksums import wsum64
-from skyq.sync.errors import SyncRefused
+from skyq.sync.errors import SyncError, SyncRefused
 from skyq.sync.in_process import in_process_pair
 from skyq.sync.receiver import ExpectedUnit, WeightReceiver
-from skyq.sync.sender import WeightSender
+from skyq.sync.sender import WeightSender, build_units
 
 from .wire_fixtures import DictEngine, raw_bytes
 
@@ -169,3 +169,16 @@ def test_repeat_syncs_of_whole_stacks_with_padded_scales_commit_the_per_tensor_w
         assert stats.full_manifest == (version == 1)
         want = {w: raw_bytes(t) for wire in per_tensor.values() for w, t in wire.items()}
         assert engine.snapshot() == (version, want)
+
+
+def test_a_wire_name_produced_twice_is_refused_before_sending(gen):
+    names = tuple(f"e.{i}.weight" for i in range(3))
+    stack = torch.randn(3, 128, 128, generator=gen).to(torch.bfloat16)
+    send_end, recv_end = in_process_pair(timeout_s=1.0)
+    items = [(names, stack), ("e.1.weight", stack[1].clone())]
+    with pytest.raises(SyncError, match=r"`e\.1\.weight` produced by both `e\.1\.weight` and `e\.1\.weight`"):
+        WeightSender(send_end, serialize=WholeSerializer(), bucket_bytes=1 << 20).sync(items, 1)
+    with pytest.raises(SyncError, match="produced by both"):
+        build_units(items, WholeSerializer(), 1)
+    with pytest.raises(SyncError):  # nothing reached the receiver's end
+        recv_end.recv_frame(1 << 20, "a frame that must not exist")
