@@ -114,6 +114,17 @@ class TransportKind(_Choice):
     cuda_ipc = "cuda_ipc"
 
 
+class Fp8Gemm(_Choice):
+    """How the native trainer runs the GEMMs of FP8 blockwise linears."""
+
+    auto = "auto"
+    """cuBLAS blockwise FP8 (forward, dgrad, wgrad) where the worker's GPU has it (SM90), else `off`."""
+    emulated = "emulated"
+    """The same FP8 operands multiplied in fp32 on any device (exact emulation; tests and CPU)."""
+    off = "off"
+    """Fake quantization only: weights and inputs rounded to FP8, GEMMs and gradients in fp32."""
+
+
 class RecomputeGranularity(_Choice):
     none = "none"
     selective = "selective"

@@ -12,6 +12,7 @@ from typing import Optional
 from skyq.config.enums import (
     ArithOp,
     Device,
+    Fp8Gemm,
     Fp8Recipe,
     Int4Grid,
     ISCorrection,
@@ -246,6 +247,8 @@ class TrainerConfig:
     """Trainer backend."""
     micro_batch_size: int = 128
     """Sequences per forward/backward micro-batch."""
+    fp8_gemm: Fp8Gemm = Fp8Gemm.off
+    """precision=fp8_blockwise, torch trainer: off (fake quant, fp32 GEMMs), auto (cuBLAS blockwise FP8 GEMMs on SM90, else off), emulated."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     """Optimizer."""
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from skyq.checkpoint.atomic import atomic_write_bytes
+from skyq.config.enums import Fp8Gemm
 from skyq.config.resolve import WorkerResolution, resolve_worker
 from skyq.config.schema import AlgorithmConfig, ModelConfig, OptimizerConfig, PrecisionConfig
 from skyq.quant.plan import build_plan
@@ -53,6 +54,7 @@ class TrainerWorker:
         device: str,
         seed: int,
         temperature: float,
+        fp8_gemm: Fp8Gemm = Fp8Gemm.off,
     ) -> None:
         torch.manual_seed(seed)
         self.trainer = NativeTrainer(
@@ -66,6 +68,7 @@ class TrainerWorker:
             seed=seed,
             # log-probs of the policy the engine samples from (logits / rollout.temperature)
             temperature=temperature,
+            fp8_gemm=fp8_gemm,
         )
         self.plan = build_plan(model_cfg, precision_cfg)
         self.serialize = plan_serializer(get_strategy(precision_cfg), self.plan)

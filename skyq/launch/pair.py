@@ -53,6 +53,7 @@ class PairSpec:
             "seed": self.seed,
             # log-probs of the policy the engine samples from (logits / rollout.temperature)
             "temperature": self.rollout.temperature,
+            "fp8_gemm": self.trainer.fp8_gemm,
         }
 
     def engine_kwargs(self) -> dict[str, Any]:

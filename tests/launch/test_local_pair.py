@@ -123,3 +123,16 @@ def test_failed_local_sync_names_both_sides_and_keeps_the_engine(base_overrides,
     finally:
         pair.shutdown()
     assert "SKYQ_TEST_ENV" not in os.environ
+
+
+def test_trainer_fp8_gemm_reaches_the_trainer(base_overrides):
+    """`trainer.fp8_gemm` travels config -> PairSpec -> TrainerWorker -> NativeTrainer."""
+    from skyq.trainer.native.precision import Fp8GemmExperts, Fp8GemmLinear
+
+    pair = _pair([*base_overrides, IN_PROCESS, "trainer.fp8_gemm=emulated"])
+    try:
+        trainer = pair.trainer.trainer
+        assert trainer.fp8_gemm is True
+        assert any(isinstance(m, Fp8GemmLinear | Fp8GemmExperts) for m in trainer.model.modules())
+    finally:
+        pair.shutdown()

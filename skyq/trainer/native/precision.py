@@ -11,6 +11,15 @@ blockwise, 1 x 32 MXFP8): the exact CPU emulation of an FP8 GEMM. That part is a
 those `nn.Linear`s become `ActivationQuantLinear` and those fused expert modules
 `ActivationQuantExperts`, keeping their parameters under the same names. INT4 QAT is W4A16: no
 activation quantization. bf16 quantizes nothing.
+
+FP8 GEMMs. With precision=fp8_blockwise (128 x 128 weight blocks, 1 x 128 activation tiles) and
+`trainer.fp8_gemm` active, the quantized linears run through `skyq.trainer.fp8_linear` instead:
+forward, dgrad and wgrad as blockwise FP8 GEMMs (cuBLAS on SM90, or its fp32 emulation), inputs in
+bf16 as on a GPU trainer. The weight they quantize is the effective (already fake-quantized) one, and
+re-quantizing an FP8 blockwise value gives the same codes, so the forward still computes with the
+engine's weights; what changes is that the gradients are FP8 GEMMs too (the DeepSeek-V3 / TE
+recipe) rather than the straight-through fp32 ones. Layers whose features are not multiples of 16
+(cuBLAS FP8 rows) keep the fake-quant path.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from skyq.config.enums import Precision
 from skyq.config.schema import ModelConfig, PrecisionConfig
 from skyq.quant.fake_quant import activation_fake_quant
 from skyq.quant.layouts import ModelQuantizationLayout
@@ -127,6 +137,62 @@ class ActivationQuantExperts(nn.Module):
         )  # fmt: skip
 
 
+class Fp8GemmLinear(nn.Module):
+    """A bias-free linear whose three GEMMs run in FP8 blockwise (see the module docstring)."""
+
+    def __init__(self, linear: nn.Linear, *, emulate: bool) -> None:
+        super().__init__()
+        if linear.bias is not None:
+            raise ValueError("Fp8GemmLinear supports bias-free linears only (Qwen3-MoE has none)")
+        self.weight = linear.weight
+        self.emulate = emulate
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _fp8_linear(x, self.weight, self.emulate)
+
+
+class Fp8GemmExperts(nn.Module):
+    """Fused routed experts whose per-expert gate_up and down GEMMs run in FP8 blockwise."""
+
+    def __init__(self, experts: nn.Module, *, emulate: bool) -> None:
+        super().__init__()
+        self.gate_up_proj = experts.gate_up_proj
+        self.down_proj = experts.down_proj
+        self.act_fn = experts.act_fn
+        self.num_experts = experts.num_experts
+        self.emulate = emulate
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        return routed_experts_forward(
+            hidden_states, top_k_index, top_k_weights,
+            gate_up=lambda e, x: _fp8_linear(x, self.gate_up_proj[e], self.emulate),
+            down=lambda e, h: _fp8_linear(h, self.down_proj[e], self.emulate),
+            act_fn=self.act_fn, num_experts=self.num_experts,
+        )  # fmt: skip
+
+
+def _fp8_linear(x: Tensor, weight: Tensor, emulate: bool) -> Tensor:
+    """`F.linear(x, weight)` as FP8 blockwise GEMMs on bf16 operands, returned in x's dtype."""
+    from skyq.trainer.fp8_linear import fp8_blockwise_linear
+
+    return fp8_blockwise_linear(x.to(torch.bfloat16), weight.to(torch.bfloat16), emulate=emulate).to(x.dtype)
+
+
+def fp8_gemm_applies(precision_cfg: PrecisionConfig) -> bool:
+    """The FP8 GEMM path implements FP8 blockwise with 128 x 128 weight blocks and 1 x 128 tiles only."""
+    return (
+        Precision(precision_cfg.name) is Precision.fp8_blockwise
+        and tuple(precision_cfg.block_size) == (128, 128)
+        and precision_cfg.activation_tile == 128
+    )
+
+
+def _gemm_features_ok(shape: tuple[int, ...]) -> bool:
+    from skyq.trainer.fp8_linear import ALIGN
+
+    return shape[-1] % ALIGN == 0 and shape[-2] % ALIGN == 0
+
+
 def is_fused_experts(module: nn.Module) -> bool:
     return isinstance(getattr(module, "gate_up_proj", None), Tensor) and isinstance(
         getattr(module, "down_proj", None), Tensor
@@ -138,19 +204,31 @@ def quantize_activations(
     *,
     precision_cfg: PrecisionConfig,
     quantizes: Callable[[str, tuple[int, ...]], bool],
+    fp8_gemm: bool | None = None,
 ) -> list[str]:
     """Rewrite, in place, the linears / expert modules whose weights are quantized so their inputs
     are too (FP8 recipes only). `quantizes(trainer_param_name, shape)` is the strategy's decision.
-    Returns the rewritten module names."""
+    `fp8_gemm`: None = fake quant; False = FP8 GEMMs through cuBLAS; True = FP8 GEMMs emulated in
+    fp32 (FP8 blockwise only, see `fp8_gemm_applies`). Returns the rewritten module names."""
     activation = activation_fake_quant(precision_cfg)
     if activation is None:
         return []
+    gemm = fp8_gemm is not None and fp8_gemm_applies(precision_cfg)
     replacements: list[tuple[str, nn.Module]] = []
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and quantizes(f"{name}.weight", tuple(module.weight.shape)):
-            replacements.append((name, ActivationQuantLinear(module, activation)))
+            if gemm and _gemm_features_ok(tuple(module.weight.shape)):
+                replacements.append((name, Fp8GemmLinear(module, emulate=bool(fp8_gemm))))
+            else:
+                replacements.append((name, ActivationQuantLinear(module, activation)))
         elif is_fused_experts(module) and quantizes(f"{name}.gate_up_proj", tuple(module.gate_up_proj.shape)):
-            replacements.append((name, ActivationQuantExperts(module, activation)))
+            shapes_ok = _gemm_features_ok(tuple(module.gate_up_proj.shape)) and _gemm_features_ok(
+                tuple(module.down_proj.shape)
+            )
+            if gemm and shapes_ok:
+                replacements.append((name, Fp8GemmExperts(module, emulate=bool(fp8_gemm))))
+            else:
+                replacements.append((name, ActivationQuantExperts(module, activation)))
     for name, replacement in replacements:
         parent_name, _, child = name.rpartition(".")
         model.get_submodule(parent_name).register_module(child, replacement)

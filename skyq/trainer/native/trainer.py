@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from skyq.config.enums import ISCorrection
+from skyq.config.enums import Fp8Gemm, ISCorrection
 from skyq.config.schema import AlgorithmConfig, ModelConfig, OptimizerConfig, PrecisionConfig
 from skyq.quant.kernels import dispatch
 from skyq.quant.layouts import experts as expert_layout
@@ -27,6 +27,17 @@ from skyq.rl.grpo import mismatch_metrics, policy_loss
 from skyq.sync.sender import WeightItem
 from skyq.trainer.native.model import load_model, write_hf_checkpoint
 from skyq.trainer.native.precision import effective_parameters, quantize_activations
+
+
+def resolve_fp8_gemm(mode: Fp8Gemm, device: torch.device) -> bool | None:
+    """`trainer.fp8_gemm` on this device: None = fake quant, False = cuBLAS, True = emulated."""
+    if mode is Fp8Gemm.off:
+        return None
+    if mode is Fp8Gemm.emulated:
+        return True
+    from skyq.trainer.fp8_linear import blockwise_gemm_supported
+
+    return False if blockwise_gemm_supported(device) else None
 
 
 class TrainerStateError(ValueError):
@@ -78,9 +89,11 @@ class NativeTrainer:
         device: str = "cpu",
         seed: int,
         temperature: float = 1.0,
+        fp8_gemm: Fp8Gemm = Fp8Gemm.off,
     ) -> None:
         """`temperature`: the rollout sampling temperature; log-probs are scored at it (the policy
-        the engine actually sampled from), so ratios and mismatch compare like with like."""
+        the engine actually sampled from), so ratios and mismatch compare like with like.
+        `fp8_gemm`: `trainer.fp8_gemm` (FP8 blockwise linears as FP8 GEMMs; see precision.py)."""
         if micro_batch_size <= 0:
             raise ValueError(f"trainer.micro_batch_size={micro_batch_size} must be positive")
         if temperature <= 0:
@@ -94,8 +107,10 @@ class NativeTrainer:
         self.layout = get_layout(model_cfg.family)
         self.strategy = get_strategy(precision_cfg)
         self.model = load_model(checkpoint_path, model_cfg, dtype=torch.float32).to(self.device)
+        self.fp8_gemm = resolve_fp8_gemm(Fp8Gemm(fp8_gemm), self.device)
+        """None: fake quant; False: cuBLAS blockwise FP8 GEMMs; True: their fp32 emulation."""
         self.activation_quantized = quantize_activations(
-            self.model, precision_cfg=precision_cfg, quantizes=self._quantizes
+            self.model, precision_cfg=precision_cfg, quantizes=self._quantizes, fp8_gemm=self.fp8_gemm
         )
         self._check_names_match_layout()
         # The KL reference is the policy the run started from: its effective weights, frozen.
