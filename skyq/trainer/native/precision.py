@@ -116,25 +116,39 @@ def routed_experts_forward(
     return out
 
 
-class ActivationQuantExperts(nn.Module):
-    """Fused routed experts whose gate_up and down inputs are fake-quantized per token row."""
+class _QuantizedExperts(nn.Module):
+    """Fused routed experts (parameters kept under their names) whose per-expert projections go
+    through `_linear(x, weight)`."""
 
-    def __init__(self, experts: nn.Module, activation: TensorFn) -> None:
+    def __init__(self, experts: nn.Module) -> None:
         super().__init__()
         self.gate_up_proj = experts.gate_up_proj
         self.down_proj = experts.down_proj
         self.act_fn = experts.act_fn
         self.num_experts = experts.num_experts
-        self.activation = activation
+
+    def _linear(self, x: Tensor, weight: Tensor) -> Tensor:
+        raise NotImplementedError
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        gate_up, down = self.gate_up_proj.to(hidden_states.dtype), self.down_proj.to(hidden_states.dtype)
+        gate_up, down = self.gate_up_proj, self.down_proj
         return routed_experts_forward(
             hidden_states, top_k_index, top_k_weights,
-            gate_up=lambda e, x: F.linear(self.activation(x), gate_up[e]),
-            down=lambda e, h: F.linear(self.activation(h), down[e]),
+            gate_up=lambda e, x: self._linear(x, gate_up[e]),
+            down=lambda e, h: self._linear(h, down[e]),
             act_fn=self.act_fn, num_experts=self.num_experts,
         )  # fmt: skip
+
+
+class ActivationQuantExperts(_QuantizedExperts):
+    """Fused routed experts whose gate_up and down inputs are fake-quantized per token row."""
+
+    def __init__(self, experts: nn.Module, activation: TensorFn) -> None:
+        super().__init__(experts)
+        self.activation = activation
+
+    def _linear(self, x: Tensor, weight: Tensor) -> Tensor:
+        return F.linear(self.activation(x), weight.to(x.dtype))
 
 
 class Fp8GemmLinear(nn.Module):
@@ -151,24 +165,15 @@ class Fp8GemmLinear(nn.Module):
         return _fp8_linear(x, self.weight, self.emulate)
 
 
-class Fp8GemmExperts(nn.Module):
+class Fp8GemmExperts(_QuantizedExperts):
     """Fused routed experts whose per-expert gate_up and down GEMMs run in FP8 blockwise."""
 
     def __init__(self, experts: nn.Module, *, emulate: bool) -> None:
-        super().__init__()
-        self.gate_up_proj = experts.gate_up_proj
-        self.down_proj = experts.down_proj
-        self.act_fn = experts.act_fn
-        self.num_experts = experts.num_experts
+        super().__init__(experts)
         self.emulate = emulate
 
-    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        return routed_experts_forward(
-            hidden_states, top_k_index, top_k_weights,
-            gate_up=lambda e, x: _fp8_linear(x, self.gate_up_proj[e], self.emulate),
-            down=lambda e, h: _fp8_linear(h, self.down_proj[e], self.emulate),
-            act_fn=self.act_fn, num_experts=self.num_experts,
-        )  # fmt: skip
+    def _linear(self, x: Tensor, weight: Tensor) -> Tensor:
+        return _fp8_linear(x, weight, self.emulate)
 
 
 def _fp8_linear(x: Tensor, weight: Tensor, emulate: bool) -> Tensor:
