@@ -5,9 +5,12 @@ converter threads take tasks in order, and the shard goes to the writer as soon 
 is done. So both converter threads work on the same shard while the writer writes the previous
 one, and the end of a run waits for one shard's tensors shared out, not for a whole shard on one
 thread (with ~5 shards and 2 threads that tail was a third of the run). Torch kernels, file I/O
-and hashing release the GIL. Memory: at most `max_workers + 1` shards are read and not yet written.
-On a GPU (`device`, see `skyq.checkpoint.device`) the reader also uploads each shard, the converter
-threads quantize on their own CUDA streams and copy the results back for the writer.
+and hashing release the GIL. Memory: at most `max_workers + writers` shards are read and not yet
+written. On a GPU (`device`, see `skyq.checkpoint.device`) the reader also uploads each shard, the
+converter threads quantize on their own CUDA streams and copy the results back, and several writer
+threads write and hash finished shards side by side (there the CPU work is writing and sha256, not
+quantizing; on the CPU one writer leaves the cores to the converters). Every shard is written
+crash-safely on its own and the done-log is sorted, so the writer count never changes the output.
 The first error in any stage stops the others and is re-raised in the caller; whatever shard was
 being written is left only as a temp file, which the next run deletes.
 """
@@ -100,6 +103,8 @@ class ConversionStats:
 
 _DONE = object()
 _CPU = torch.device("cpu")
+GPU_WRITERS = 4
+"""Writer threads when converting on a GPU: sha256 and file writes of several shards at once."""
 
 
 @dataclass
@@ -126,17 +131,19 @@ def _get(q: queue.Queue, stop: threading.Event) -> object:
 
 def run_conversion(
     *, source: ShardedCheckpoint, output: ConversionOutput, shards: list[str], transform: ShardTransform,
-    max_workers: int = 1, tool: str, device: torch.device = _CPU,
+    max_workers: int = 1, tool: str, device: torch.device = _CPU, writers: int | None = None,
 ) -> ConversionStats:  # fmt: skip
     """Convert every shard of `shards` not already done in `output` on `device`; returns the run's
-    statistics."""
+    statistics. `writers`: writer threads (None: `GPU_WRITERS` on a GPU, 1 on the CPU)."""
     stats = ConversionStats()
     todo = [s for s in shards if s not in output.done]
     stats.shards_resumed = len(shards) - len(todo)
     workers = max(1, max_workers)
+    n_writers = max(1, writers if writers is not None else (GPU_WRITERS if device.type == "cuda" else 1))
     stage = DeviceStage(device)
     stop, lock = threading.Event(), threading.Lock()
-    in_flight = threading.Semaphore(workers + 1)  # shards read and not yet written
+    in_flight = threading.Semaphore(workers + n_writers)  # shards read and not yet written
+    unclaimed = [len(todo)]  # shards no writer has taken yet
     tasks: queue.Queue = queue.Queue()  # (shard work, tensor name); bounded by `in_flight`
     to_write: queue.Queue = queue.Queue()
     overall = tqdm(
@@ -186,19 +193,26 @@ def run_conversion(
                 to_write.put(work)
 
     def write() -> None:
-        for _ in todo:
+        while True:
+            with lock:
+                if unclaimed[0] == 0:
+                    return
+                unclaimed[0] -= 1
             work = _get(to_write, stop)
             if work is _DONE:
                 return
+            nbytes = 0
             if work.result.tensors:
-                stats.bytes_out += output.write_shard(work.shard, work.result.tensors)
+                nbytes = output.write_shard(work.shard, work.result.tensors)
             else:
                 output.mark_empty(work.shard)
-            stats.converted += work.result.converted
-            stats.kept += work.result.kept
-            stats.bytes_in += source.shard_bytes(work.shard)
-            stats.shards_written += 1
-            overall.update(source.shard_bytes(work.shard))
+            with lock:
+                stats.bytes_out += nbytes
+                stats.converted += work.result.converted
+                stats.kept += work.result.kept
+                stats.bytes_in += source.shard_bytes(work.shard)
+                stats.shards_written += 1
+                overall.update(source.shard_bytes(work.shard))
             del work
             in_flight.release()
 
@@ -210,7 +224,7 @@ def run_conversion(
     start = time.perf_counter()
     threads = [threading.Thread(target=guarded(read), name="skyq-read")]
     threads += [threading.Thread(target=guarded(convert), name=f"skyq-convert-{i}") for i in range(workers)]
-    threads.append(threading.Thread(target=guarded(write), name="skyq-write"))
+    threads += [threading.Thread(target=guarded(write), name=f"skyq-write-{i}") for i in range(n_writers)]
     for t in threads:
         t.start()
     for t in threads:

@@ -181,3 +181,24 @@ def test_cuda_staging_waits_for_each_upload_on_the_thread_stream(synthetic, tmp_
     assert len({id(e) for _, _, e in fake.log}) == shards  # one upload event per shard, all waited on
     threads = {t for t, _ in set(seen)}
     assert len(set(seen)) == len(threads) == len({s for _, s in set(seen)})  # one stream per thread
+
+
+@pytest.mark.parametrize("name", ["fp8_block", "int4_g32"])
+def test_several_writer_threads_write_the_same_bytes(synthetic, tmp_path, monkeypatch, name):
+    """On a GPU the converters write and hash shards on several threads; the output may not depend
+    on it (checked here on the CPU by forcing three writers)."""
+    from skyq.checkpoint import job
+
+    tool, args = QUANTIZE[name]
+    one = _run(tool, synthetic, tmp_path / "one", [*args, "--device", "cpu"])
+    real = pipeline.run_conversion
+    seen = []
+
+    def three_writers(**kwargs):
+        seen.append(kwargs.get("writers"))
+        return real(**kwargs, writers=3)
+
+    monkeypatch.setattr(job, "run_conversion", three_writers)
+    three = _run(tool, synthetic, tmp_path / "three", [*args, "--device", "cpu"])
+    assert seen == [None]
+    _assert_same_bytes(one, three, f"{name} with 3 writer threads")
