@@ -180,6 +180,11 @@ class EngineWorker:
     def generate(self, prompts: list[list[int]], **sampling: Any) -> list[Sample]:
         return self.engine.generate(prompts, **sampling)
 
+    def score(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float
+    ) -> torch.Tensor:
+        return self.engine.score(input_ids, attention_mask, temperature=temperature)
+
     def weight_version(self) -> int:
         return self.engine.weight_version
 

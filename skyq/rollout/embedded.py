@@ -265,6 +265,22 @@ class EmbeddedEngine:
                     self._held[n].copy_(wire[n])
         self._version = version
 
+    # scoring ------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def score(self, input_ids: Tensor, attention_mask: Tensor, *, temperature: float = 1.0) -> Tensor:
+        """[B, T] fp32 log-prob of each token given the ones before it (0 at position 0), computed
+        like sampling computes them (bf16, wire-format weights, quantized activations) but
+        teacher-forced in one forward: the engine's side of a mismatch measured on given sequences."""
+        if self._version == NO_WEIGHTS:
+            raise WeightLoadError("score called before load_weights: the engine holds no weights yet")
+        ids, mask = input_ids.to(self.device), attention_mask.to(self.device)
+        positions = (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+        with dispatch.deferred_finite_checks():
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1).gather(-1, ids[:, 1:, None])
+        return torch.nn.functional.pad(logp.squeeze(-1), (1, 0)).cpu()
+
     # sampling -----------------------------------------------------------------------------------
 
     @torch.inference_mode()

@@ -206,3 +206,21 @@ def test_decoding_without_a_filled_kv_cache_is_refused(make_trainer, make_engine
     monkeypatch.setattr(embedded, "_cache_kwarg", lambda cls: "kv_cache_under_a_wrong_name")
     with pytest.raises(RuntimeError, match="the KV cache holds 0 positions after decode step 0"):
         engine.generate([[1, 5, 13, 6, 18]], n=2, max_new_tokens=3, temperature=1.0, top_p=1.0, seed=0)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_teacher_forced_scores_equal_the_sampled_logprobs(
+    make_trainer, make_engine, serialize, run_cfg, precision
+):
+    """`score` recomputes in one forward the log-probs `generate` reported token by token with its
+    KV cache: the same weights and arithmetic, so they agree to bf16 rounding of the attention path."""
+    trainer, engine = make_trainer(precision), make_engine(precision)
+    engine.load_weights(serialize(trainer), version=0)
+    prompts = build_task(run_cfg().task, seed=0).prompts(0, 8)
+    samples = engine.generate([p.token_ids for p in prompts], n=2, max_new_tokens=4, temperature=1.0, top_p=1.0,
+                              seed=3)  # fmt: skip
+    batch = collate(samples, [0.0] * len(samples), group_size=2, normalize_std=False, pad_token_id=0)
+    scored = engine.score(batch.input_ids, batch.attention_mask)
+    mask = batch.response_mask.bool()
+    diff = (scored[mask] - batch.rollout_logprobs[mask]).abs()
+    assert float(diff.max()) < 0.05, float(diff.max())
