@@ -32,6 +32,7 @@ IN_PROCESS = "rollout.weight_sync.transport=in_process"
         ("cpu", "in_process", TransportKind.in_process, "cpu", 0),
         ("1gpu", "auto", TransportKind.in_process, "cuda", 1),
         ("1gpu", "broadcast", TransportKind.broadcast, "cpu", 0.5),
+        ("2gpu", "auto", TransportKind.broadcast, "cuda", 1),
         ("8gpu", "auto", TransportKind.broadcast, "cuda", 1),
     ],
 )
@@ -46,7 +47,11 @@ def test_auto_transport_follows_the_placement(topology, transport, want, sync_de
 
 @pytest.mark.parametrize(
     ("topology", "transport", "needle"),
-    [("8gpu", "in_process", "has 8 GPUs"), ("cpu", "cuda_ipc", "transport=cuda_ipc")],
+    [
+        ("8gpu", "in_process", "has 8 GPUs"),
+        ("2gpu", "in_process", "has 2 GPUs"),
+        ("cpu", "cuda_ipc", "transport=cuda_ipc"),
+    ],
 )
 def test_a_transport_that_cannot_work_is_refused_naming_the_key(topology, transport, needle):
     cfg, _ = compose_config([f"topology={topology}", f"rollout.weight_sync.transport={transport}"])
