@@ -24,6 +24,7 @@ recipe) rather than the straight-through fp32 ones. Layers whose features are no
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import torch
@@ -116,7 +117,7 @@ def routed_experts_forward(
     return out
 
 
-class _QuantizedExperts(nn.Module):
+class _QuantizedExperts(nn.Module, ABC):
     """Fused routed experts (parameters kept under their names) whose per-expert projections go
     through `_linear(x, weight)`."""
 
@@ -127,8 +128,9 @@ class _QuantizedExperts(nn.Module):
         self.act_fn = experts.act_fn
         self.num_experts = experts.num_experts
 
+    @abstractmethod
     def _linear(self, x: Tensor, weight: Tensor) -> Tensor:
-        raise NotImplementedError
+        """One expert's projection of rows `x` by `weight` [out, in]."""
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         gate_up, down = self.gate_up_proj, self.down_proj
