@@ -4,7 +4,8 @@
 if [ ! -f /tmp/skyq-site/.done ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/skyq-site \
     .gpu_bundle/wheels/*.whl || return 1
-  xz -dc .gpu_bundle/ray-*-slim.tar.xz | tar -C /tmp/skyq-site -xf - || return 1
+  python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2], filter='tar')" \
+    .gpu_bundle/ray-*-slim.tar.xz /tmp/skyq-site || return 1  # no xz binary needed
   touch /tmp/skyq-site/.done
 fi
 export PYTHONPATH="/tmp/skyq-site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
