@@ -98,6 +98,12 @@ class TrainerWorker:
         """Send over `channel` (an in-process pair's sender end) instead of a torch.distributed group."""
         self._channel, self._sender = channel, None
 
+    def abort_sync(self, reason: str) -> None:
+        """Wake the engine waiting on this sync, if the channel can (the in-process one can)."""
+        abort = getattr(self._channel, "abort", None)
+        if abort is not None:
+            abort(reason)
+
     def send_weights(self, version: int, bucket_bytes: int) -> dict[str, float]:
         """Serialize the current weights and send them as `version`; returns the sync metrics.
 

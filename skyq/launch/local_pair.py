@@ -68,6 +68,8 @@ class LocalPair(WorkerPair):
         try:
             metrics = self.trainer.send_weights(version, self.sync_cfg.bucket_bytes)
         except Exception as exc:
+            if not receiving.done():  # the engine would otherwise wait out rollout.weight_sync.timeout_s
+                self.trainer.abort_sync(describe_error(exc))
             raise SyncError(
                 f"weight sync of version {version} failed. trainer: {describe_error(exc)}. "
                 f"engine: {_outcome(receiving, self.sync_cfg.timeout_s + 30)}"

@@ -13,6 +13,9 @@ from torch import Tensor
 from skyq.sync.channel import check_frame_length
 from skyq.sync.errors import SyncError, SyncTimeout
 
+_ABORT = object()
+"""Marks an abort notice in a queue: (_ABORT, reason)."""
+
 
 class InProcessChannel:
     """One end of an in-process frame channel (see `in_process_pair`)."""
@@ -41,12 +44,22 @@ class InProcessChannel:
                 f"{what}: the {self._side} waited {self._timeout_s:.1f} s and nothing arrived "
                 "(rollout.weight_sync.timeout_s); is the peer running?"
             ) from None
+        if isinstance(frame, tuple) and frame[0] is _ABORT:
+            raise SyncError(f"{what}: the {_PEER[self._side]} gave up: {frame[1]}")
         check_frame_length(frame.numel(), max_bytes, what)
         return frame
+
+    def abort(self, reason: str) -> None:
+        """Tell the peer this side gave up on the current sync: its pending (or next) receive fails at
+        once with `reason` instead of waiting out its deadline. Only for a sync that is being abandoned."""
+        self._outbox.put((_ABORT, reason))
 
     def close(self) -> None:
         """Refuse further use (the queues themselves are garbage-collected with the channel)."""
         self._closed = True
+
+
+_PEER = {"sender": "receiver", "receiver": "sender"}
 
 
 def in_process_pair(timeout_s: float) -> tuple[InProcessChannel, InProcessChannel]:

@@ -5,8 +5,8 @@ the in-process channel. On the GPU box this is `topology=1gpu`; here it runs on 
 from __future__ import annotations
 
 import os
-import re
 import sys
+import time
 
 import pytest
 import torch
@@ -109,10 +109,10 @@ def _pair(overrides):
 
 
 def test_failed_local_sync_names_both_sides_and_keeps_the_engine(base_overrides, monkeypatch):
-    """A NaN in the trainer's weights stops the sync at the sender; the engine thread gives up at its
-    deadline and keeps serving the last good version."""
+    """A NaN in the trainer's weights stops the sync at the sender; the trainer tells the engine thread,
+    which gives up at once (not at its deadline) and keeps serving the last good version."""
     monkeypatch.delenv("SKYQ_TEST_ENV", raising=False)
-    pair = _pair([*base_overrides, IN_PROCESS, "rollout.weight_sync.timeout_s=2",
+    pair = _pair([*base_overrides, IN_PROCESS, "rollout.weight_sync.timeout_s=600",
                   "+trainer.env.SKYQ_TEST_ENV=on"])  # fmt: skip
     try:
         assert os.environ["SKYQ_TEST_ENV"] == "on"
@@ -121,9 +121,11 @@ def test_failed_local_sync_names_both_sides_and_keeps_the_engine(base_overrides,
         name, param = next((n, p) for n, p in pair.trainer.trainer.model.named_parameters() if p.dim() == 2)
         with torch.no_grad():
             param[0, 0] = float("nan")
+        started = time.monotonic()
         with pytest.raises(SyncError, match=r"version 2 failed\. trainer: .*engine: ") as info:
             pair.sync(2)
-        assert re.search(r"no answer|SyncTimeout|waited", str(info.value))
+        assert time.monotonic() - started < 60  # far inside the 600 s deadline
+        assert "the sender gave up" in str(info.value)
         assert pair.engine.weight_version() == 1
     finally:
         pair.shutdown()

@@ -204,3 +204,11 @@ def test_a_failing_commit_is_reported_to_the_sender(gen):
     send_err, recv_err, _ = run_sync(weights, engine, 1, expected=expected_units(weights))
     for err in (send_err, recv_err):
         assert isinstance(err, SyncRefused) and "engine plan mismatch on `model.norm.weight`" in str(err)
+
+
+def test_an_abort_wakes_the_waiting_peer_at_once():
+    """A side that gives up tells its peer, whose receive fails now with the reason, not at its deadline."""
+    sender, receiver = in_process_pair(timeout_s=600.0)
+    sender.abort("RefusedError: w is not finite")
+    with pytest.raises(SyncError, match="manifest: the sender gave up: RefusedError: w is not finite"):
+        receiver.recv_frame(1024, "manifest")
