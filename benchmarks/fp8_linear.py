@@ -130,7 +130,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--rows-cols",
+        type=int,
+        nargs=2,
+        metavar=("NUM_WARPS", "SUB"),
+        default=None,
+        help="two-orientation activation kernel config (SUB 128 = whole tile); default: the module's",
+    )
     args = parser.parse_args()
+    if args.rows_cols:
+        from skyq.quant.kernels import triton_fp8_act
+
+        triton_fp8_act.ROWS_COLS_NUM_WARPS, triton_fp8_act.ROWS_COLS_SUB = args.rows_cols
     device = torch.cuda.get_device_name()
     torch.manual_seed(0)
     results: dict[str, dict] = {}

@@ -28,7 +28,15 @@ from skyq.quant.kernels import dispatch, triton_fp8_act, triton_fp8_blockwise, t
 FP8_SWEEP = [(8, 128), (16, 128), (8, 32), (8, 64)]  # (num_warps, rows per slice)
 WARPS_SWEEP = [(4, None), (8, None), (16, None)]
 INT4_SWEEP = [(8, 8192), (4, 4096), (4, 8192), (8, 16384), (16, 16384)]  # (num_warps, elements per program)
-ROWS_COLS_SWEEP = [(4, 16), (8, 16), (8, 32), (16, 32)]  # (num_warps, slice width)
+ROWS_COLS_SWEEP = [
+    (4, 16),
+    (8, 16),
+    (8, 32),
+    (16, 32),
+    (4, 128),
+    (8, 128),
+    (16, 128),
+]  # (num_warps, slice width; 128 = whole tile)
 BARS = {"fp8_blockwise": 0.85, "fp8_blockwise_ue8m0": 0.85, "mxfp8": 0.85, "int4_pack_g128": 0.70}
 
 

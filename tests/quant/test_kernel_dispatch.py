@@ -195,18 +195,19 @@ def _interpreter_main() -> None:
     xp = F.pad(_weight(gen, (200, 384)), (0, 0, 0, 56))  # the kernels pad M to 256: codes 0, scale 1
     x = xp[:200]
     q_ref, s_ref = fp8_blockwise.quantize_activation(xp)
-    q, s, qt, st = triton_fp8_act.quantize_rows_cols(x)
     qt_ref, st_ref = fp8_blockwise.quantize_activation(xp.t())
     qr, sr = triton_fp8_act.quantize_rows(x)
     check("activation rows-only q", qr, q_ref)
     check("activation rows-only s", sr.contiguous(), s_ref)
-    for label, got, ref in (
-        ("rows q", q, q_ref),
-        ("rows s", s.contiguous(), s_ref),
-        ("cols q", qt, qt_ref),
-        ("cols s", st.contiguous(), st_ref),
-    ):
-        check(f"activation {label}", got, ref)
+    for sub in (16, 128):  # sliced sweeps, and the whole tile from one load
+        q, s, qt, st = triton_fp8_act.quantize_rows_cols(x, sub=sub)
+        for label, got, ref in (
+            ("rows q", q, q_ref),
+            ("rows s", s.contiguous(), s_ref),
+            ("cols q", qt, qt_ref),
+            ("cols s", st.contiguous(), st_ref),
+        ):
+            check(f"activation sub {sub} {label}", got, ref)
     wl = _weight(gen, (300, 768))
     q, s_fwd, qt, s_bwd = triton_fp8_act.quantize_weight(wl)
     q_ref, s_ref = fp8_blockwise.quantize(wl)
