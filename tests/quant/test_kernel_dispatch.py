@@ -222,3 +222,11 @@ def _interpreter_main() -> None:
 
 if __name__ == "__main__":
     _interpreter_main()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CI)")
+def test_whole_tile_activation_kernel_refuses_more_warps_than_verified():
+    from skyq.quant.kernels import triton_fp8_act
+
+    with pytest.raises(ValueError, match="num_warps=16"):
+        triton_fp8_act.quantize_rows_cols(torch.ones(128, 128), sub=128, num_warps=16)

@@ -37,8 +37,12 @@ from skyq.quant.kernels.triton_fp8_blockwise import (
 TILE = 128
 ROW_BAND = 64  # rows per program in the rows-only kernel: 64 x 128 bf16 = 16 KB in flight
 # Rows per slice and warps of the two-orientation kernel, tuned on the H200 (the benchmarks sweep them).
-ROWS_COLS_SUB = 16
-ROWS_COLS_NUM_WARPS = 4  # 0.47 of copy on the H200; 8 warps 0.30, 32-wide slices 0.37
+# H200 sweep (benchmarks/quantizers.py, 2026-11-29): the whole 128 x 128 tile per load (SUB = 128) at
+# 4 warps 0.65 of copy, 8 warps 0.56; sliced sweeps 4 warps x 16 rows 0.47, 8 x 16 0.30, 8 x 32 0.37.
+# The whole tile at 16 warps gave wrong codes for a 1 x 128 input on the H200 (Triton 3.6): refused.
+ROWS_COLS_SUB = 128
+ROWS_COLS_NUM_WARPS = 4
+WHOLE_TILE_MAX_WARPS = 8
 
 
 @triton.jit
@@ -135,6 +139,12 @@ def quantize_rows_cols(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """x [M, K] (any strides) -> (q [Mp, K], scale [Mp, ceil(K/128)] strides (1, Mp),
     qt [K, Mp], scale_t [K, Mp/128] strides (1, K)) in one pass."""
+    sub, num_warps = sub or ROWS_COLS_SUB, num_warps or ROWS_COLS_NUM_WARPS
+    if sub == TILE and num_warps > WHOLE_TILE_MAX_WARPS:
+        raise ValueError(
+            f"quantize_rows_cols: the whole-tile kernel (sub={TILE}) takes at most {WHOLE_TILE_MAX_WARPS} "
+            f"warps (num_warps={num_warps} gave wrong codes on the H200); use a smaller num_warps"
+        )
     m, k = x.shape
     mp = round_up(m, TILE)
     q = torch.empty((mp, k), dtype=torch.float8_e4m3fn, device=x.device)
@@ -144,8 +154,8 @@ def quantize_rows_cols(
     n_tiles_k = cdiv(k, TILE)
     _rows_cols_kernel[(cdiv(m, TILE) * n_tiles_k,)](
         x, q, s_buf, qt, st_buf, m, k, mp, n_tiles_k, *x.stride(),
-        POW2=pow2_scale, T=TILE, SUB=sub or ROWS_COLS_SUB,
-        num_warps=num_warps or ROWS_COLS_NUM_WARPS,
+        POW2=pow2_scale, T=TILE, SUB=sub,
+        num_warps=num_warps,
     )  # fmt: skip
     return q, s_buf.t(), qt, st_buf.t()
 
