@@ -135,31 +135,89 @@ def per_shape(gen: torch.Generator, batches: list[int]) -> None:
         del ws, qs
 
 
-def sweep(gen: torch.Generator, batches: list[int]) -> None:
-    """Kernel variants (pipeline stages, BN, split) per shape and batch, graphed like per_shape."""
+SWEEP_SHAPES = {"q 4096x2048": (4096, 2048), "k/v 512x2048": (512, 2048), "o 2048x4096": (2048, 4096),
+                "gate/up 6144x2048": (6144, 2048), "down 2048x6144": (2048, 6144),
+                "expert 768x2048": (768, 2048)}  # fmt: skip
+
+
+def sweep_configs(m: int, n: int, k: int) -> list[tuple[tuple[int, int, int, int], int, int]]:
+    """((BM, BN, TK, split), num_warps, num_stages) variants of one shape and batch: BN 64 (4 warps),
+    128 (8 warps) or, at >= 32 batch rows, 256 (8 warps); split 1-16 (>= 1 K tile each, <= ~6
+    programs per SM); 3, 4 or 6 stages (at most one more than the split's K tiles)."""
     from skyq.quant.kernels import triton_fp8_gemv as kern
 
-    print("\nsweep: fp8 kernel TB/s of weight bytes, best 5 per shape/batch (stages/BN/split)")
-    for label, (n, k) in PER_SHAPE.items():
+    bm = min(64, max(16, 1 << (m - 1).bit_length()))
+    k_tiles = -(-k // 128)
+    out = []
+    for bn, warps in ((64, 4), (128, 8), (256, 8)):
+        if bn > 128 and (bm < 32 or n < 2048):
+            continue
+        for split in (1, 2, 4, 8, 16):
+            per = -(-k_tiles // split)
+            if split > 1 and (
+                per * (split - 1) >= k_tiles or -(-n // bn) * split > 6 * kern.sm_count(torch.device("cuda"))
+            ):
+                continue
+            for stages in sorted({min(st, per + 1) for st in (3, 4, 6)}):
+                out.append(((bm, bn, 128, split), warps, stages))
+    return out
+
+
+def _compile_jobs(jobs: list) -> None:
+    """Compile (in a worker process, into Triton's on-disk cache) the kernels that `jobs` launch."""
+    from skyq.quant.kernels import triton_fp8_gemv as kern
+
+    for m, n, k, cfg, warps, stages in jobs:
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        q = torch.zeros(n, k, device="cuda").to(torch.float8_e4m3fn)
+        s = torch.ones(-(-n // 128), -(-k // 128), device="cuda")
+        kern.linear(x, q, s, block_size=(128, 128), config=cfg, num_warps=warps, num_stages=stages)
+    torch.cuda.synchronize()
+
+
+def sweep(gen: torch.Generator, batches: list[int], deadline: float, log: str | None) -> None:
+    """Every `sweep_configs` variant per shape and batch, graphed like per_shape; kernels compiled
+    first by a pool of processes. Prints bf16, the default tiling and the best 4 per cell."""
+    import json
+    import multiprocessing as mp
+    import os
+
+    from skyq.quant.kernels import triton_fp8_gemv as kern
+
+    cells = [(label, n, k, m) for label, (n, k) in SWEEP_SHAPES.items() for m in batches]
+    jobs = [(m, n, k, *c) for _, n, k, m in cells for c in sweep_configs(m, n, k)]
+    procs = max(1, min(14, (os.cpu_count() or 2) - 2))
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(procs) as pool:
+        pool.map(_compile_jobs, [jobs[i::procs] for i in range(procs)])
+    print(f"\nsweep: {len(jobs)} variants compiled in {time.time() - t0:.0f} s by {procs} processes")
+    print("sweep: us per call (weight-read TB/s); cfg = BN/split/warps/stages")
+    out = open(log, "a") if log else None
+    for label, n, k in dict.fromkeys((lab, n, k) for lab, n, k, _ in cells):
         ws, qs = rotated(n, k, gen)
         for m in batches:
+            if time.time() > deadline:
+                print("sweep: out of time")
+                return
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
-            bm, *_, auto_split = kern.tiling(m, n, k, 128, kern.sm_count(x.device))
-            cells = []
-            for stages in (3, 4, 5):
-                for bn in (64, 128):
-                    for split in (1, 2, 4, 8):
-                        if stages != 4 and split != auto_split:
-                            continue
-                        cfg = (bm, bn, 128, split)
-                        fns = [lambda q=q, s=s, x=x, cfg=cfg, st=stages: kern.linear(x, q, s, block_size=(128, 128),
-                                                                           config=cfg, num_stages=st)
-                               for q, s in qs]  # fmt: skip
-                        t = time_per_call(fns)
-                        cells.append((n * k / t / 1e12, f"st{stages}/bn{bn}/s{split}"))
-            best = sorted(cells, reverse=True)[:5]
-            print(f"{label} M={m} auto split={auto_split}: " + ", ".join(f"{lab} {tb:.2f}" for tb, lab in best),
-                  flush=True)  # fmt: skip
+            tb = time_per_call([lambda w=w, x=x: torch.matmul(x, w.T) for w in ws])
+            auto = kern.tiling(m, n, k, 128, kern.sm_count(x.device))
+            res = []
+            for cfg, warps, stages in sweep_configs(m, n, k):
+                fns = [lambda q=q, s=s, x=x, c=cfg, w=warps, st=stages: kern.linear(
+                           x, q, s, block_size=(128, 128), config=c, num_warps=w, num_stages=st)
+                       for q, s in qs]  # fmt: skip
+                res.append((time_per_call(fns), cfg[1], cfg[3], warps, stages))
+            ta = time_per_call(
+                [lambda q=q, s=s, x=x: kern.linear(x, q, s, block_size=(128, 128)) for q, s in qs]
+            )
+            res.sort()
+            best = ", ".join(f"{bn}/{sp}/{w}/{st} {t * 1e6:.1f}" for t, bn, sp, w, st in res[:4])
+            print(f"{label} M={m}: bf16 {tb * 1e6:.1f}, auto {auto[1]}/{auto[3]} {ta * 1e6:.1f} "
+                  f"({n * k / ta / 1e12:.2f} TB/s), best {best}", flush=True)  # fmt: skip
+            if out:
+                out.write(json.dumps({"n": n, "k": k, "m": m, "bf16": tb, "auto": ta, "res": res}) + "\n")
+                out.flush()
         del ws, qs
 
 
@@ -171,13 +229,19 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--only", choices=["model", "per-shape", "sweep"], default=None)
+    ap.add_argument("--sweep-seconds", type=float, default=1e9, help="stop sweeping after this long")
+    ap.add_argument("--sweep-log", default=None, help="append the sweep's timings here, JSON lines")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     device = torch.cuda.get_device_name()
     print(f"device {device}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
     print(f"copy bandwidth (read+write) {copy_bandwidth() / 1e12:.2f} TB/s")
-    if args.only in ("per-shape", "sweep"):
-        (per_shape if args.only == "per-shape" else sweep)(gen, args.batches)
+    deadline = time.time() + args.sweep_seconds
+    if args.only == "per-shape":
+        per_shape(gen, args.batches)
+        return
+    if args.only == "sweep":
+        sweep(gen, args.batches, deadline, args.sweep_log)
         return
     layers = make_layers(args.layers, gen)
     fp8 = [{name: dispatch.quantize_fp8_blockwise(w) for name, w in layer.items()} for layer in layers]
@@ -215,7 +279,7 @@ def main() -> None:
     table(rows, device)  # printed before the diagnostics too, in case a time limit cuts them
     if not args.no_sweep and args.only is None:
         per_shape(gen, args.batches)
-        sweep(gen, args.batches)
+        sweep(gen, args.batches, deadline, args.sweep_log)
         table(rows, device)
 
 

@@ -150,6 +150,9 @@ def _interpreter_main() -> None:
         (64, 96, 200, (64, 32), (64, 32, 32, 4)),
         (40, 33, 129, (128, 128), (64, 64, 128, 1)),
         (3, 150, 1024, (128, 128), (16, 128, 128, 8)),
+        (33, 260, 1300, (128, 128), (64, 256, 128, 1)),  # 11 K tiles in one split: 16 scale columns
+        (2, 130, 1000, (128, 256), (16, 64, 128, 3)),  # two K tiles per scale column, a split mid-block
+        (64, 70, 640, (128, 128), (64, 128, 128, 5)),  # one K tile per split
     ]
     for m, n, k, block, config in cases:
         q, s = _quantized_weight(gen, n, k, block)

@@ -37,11 +37,12 @@ def _gemv_kernel(
     M, N, K, k_per_split,
     sxm, sxk, sqn, sqk, ssn, ssk, sym, syn,
     BLK_N: tl.constexpr, BLK_K: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, TK: tl.constexpr, SPLIT: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, TK: tl.constexpr, SPLIT: tl.constexpr, TILES: tl.constexpr,
 ):  # fmt: skip
     """acc[n, m] = sum over this split's K range, in TK-column tiles, of q[n, k] * x[m, k] *
     s[n // BLK_N, k // BLK_K] (TK divides BLK_K: one scale per row per tile). SPLIT == 1 writes
-    y[m, n]; else partial p[split, m, n] and the last program of the tile reduces."""
+    y[m, n]; else partial p[split, m, n] and the last program of the tile reduces. TILES: a power of
+    two >= the split's K tiles (k_per_split / TK), the width of the scale columns loaded up front."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -51,20 +52,28 @@ def _gemv_kernel(
     m_ok = rm < M
     q_rows = q_ptr + rn[:, None].to(tl.int64) * sqn
     x_cols = x_ptr + rm[None, :].to(tl.int64) * sxm
-    s_rows = s_ptr + (rn // BLK_N).to(tl.int64) * ssn
     k_lo = pid_s * k_per_split
+    # Every scale the split needs, loaded before the K loop: a load inside it is not pipelined
+    # (it feeds no dot), so each tile would wait one DRAM round trip for its scale.
+    ti = tl.arange(0, TILES)
+    tk0 = k_lo + ti * TK
+    s_all = tl.load(
+        s_ptr + (rn // BLK_N).to(tl.int64)[:, None] * ssn + (tk0 // BLK_K)[None, :] * ssk,
+        mask=n_ok[:, None] & ((tk0 < K) & (ti * TK < k_per_split))[None, :],
+        other=0.0,
+    )
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     for t in range(0, k_per_split, TK):  # k_per_split % TK == 0; the last split's tail is masked
         k0 = k_lo + t
         rk = k0 + tl.arange(0, TK)
         k_ok = rk < K
         codes = tl.load(q_rows + rk[None, :] * sqk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        s = tl.load(s_rows + (k0 // BLK_K) * ssk, mask=n_ok, other=0.0)
         xt = tl.load(x_cols + rk[:, None] * sxk, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
         # e4m3 -> fp16 -> fp32 -> bf16: every step exact, and full-rate instructions; Triton's direct
         # e4m3 -> bf16 goes through a slow fp16 -> bf16 conversion (0.7-0.9x in the H200 sweep)
         w = codes.to(tl.float32).to(tl.bfloat16)
         part = tl.dot(w, xt.to(tl.bfloat16), out_dtype=tl.float32)
+        s = tl.sum(tl.where(ti[None, :] == t // TK, s_all, 0.0), axis=1)  # exact: one nonzero term
         acc += part * s[:, None]
     out_mask = n_ok[:, None] & m_ok[None, :]
     out_off = rm[None, :].to(tl.int64) * sym + rn[:, None] * syn
@@ -76,8 +85,9 @@ def _gemv_kernel(
         tl.debug_barrier()  # every thread's partial is stored before the release below
         tile = pid_m * tl.num_programs(0) + pid_n
         if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+            # unrolled, so all SPLIT partial loads are in flight at once; summed in split order
             total = tl.zeros([BN, BM], dtype=tl.float32)
-            for i in range(SPLIT):
+            for i in tl.static_range(SPLIT):
                 total += tl.load(p_ptr + i * mn + out_off, mask=out_mask, other=0.0, cache_modifier=".cg")
             tl.store(y_ptr + out_off, total.to(y_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(cnt_ptr + tile, 0)
@@ -134,6 +144,12 @@ def tiling(m: int, n: int, k: int, block_k: int, sms: int) -> tuple[int, int, in
     return bm, bn, tk, split
 
 
+def launch_options(bm: int, bn: int, split_tiles: int) -> tuple[int, int]:
+    """(num_warps, num_stages): 8 warps for 128-row weight tiles (4 spill registers there), and
+    a pipeline deep enough to keep a split's K tiles in flight (at most 4 stages)."""
+    return (8 if bn >= 128 else 4), max(2, min(4, split_tiles + 1))
+
+
 def linear(
     x: Tensor,
     q: Tensor,
@@ -141,11 +157,12 @@ def linear(
     *,
     block_size: tuple[int, int],
     config: tuple[int, int, int, int] | None = None,
-    num_warps: int = 4,
-    num_stages: int = 4,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> Tensor:
     """y [..., N] in x's dtype for x [..., K], q e4m3 [N, K], scale_inv fp32 [ceil(N/bn), ceil(K/bk)]
-    (shapes checked by the caller). No host sync. `config`, `num_warps`, `num_stages`: sweeps."""
+    (shapes checked by the caller). No host sync. `config` (BM, BN, TK, split), `num_warps`,
+    `num_stages`: for sweeps; by default `tiling` and `launch_options`."""
     x2 = x.reshape(-1, x.shape[-1])
     m, k = x2.shape
     n = q.shape[0]
@@ -153,6 +170,7 @@ def linear(
     bm, bn, tk, split = config or tiling(m, n, k, blk_k, sm_count(x.device))
     k_per_split = cdiv(cdiv(k, tk), split) * tk
     split = cdiv(k, k_per_split)
+    warps, stages = launch_options(bm, bn, k_per_split // tk)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (cdiv(n, bn), cdiv(m, bm), split)
     if split > 1:
@@ -165,6 +183,7 @@ def linear(
         m, n, k, k_per_split,
         *x2.stride(), *q.stride(), *scale_inv.stride(), *y.stride(),
         BLK_N=blk_n, BLK_K=blk_k, BM=bm, BN=bn, TK=tk, SPLIT=split,
-        num_warps=num_warps, num_stages=num_stages,
+        TILES=triton.next_power_of_2(k_per_split // tk),
+        num_warps=num_warps or warps, num_stages=num_stages or stages,
     )  # fmt: skip
     return y.reshape(*x.shape[:-1], n)
