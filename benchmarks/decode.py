@@ -175,9 +175,10 @@ def _compile_jobs(jobs: list) -> None:
     torch.cuda.synchronize()
 
 
-def sweep(gen: torch.Generator, batches: list[int], deadline: float, log: str | None) -> None:
+def sweep(gen: torch.Generator, batches: list[int], deadline: float, log: str | None) -> dict:
     """Every `sweep_configs` variant per shape and batch, graphed like per_shape; kernels compiled
-    first by a pool of processes. Prints bf16, the default tiling and the best 4 per cell."""
+    first by a pool of processes. Prints bf16, the default tiling and the best 4 per cell; returns
+    {(N, K, M): (config, num_warps, num_stages)} of the best."""
     import json
     import multiprocessing as mp
     import os
@@ -193,12 +194,13 @@ def sweep(gen: torch.Generator, batches: list[int], deadline: float, log: str | 
     print(f"\nsweep: {len(jobs)} variants compiled in {time.time() - t0:.0f} s by {procs} processes")
     print("sweep: us per call (weight-read TB/s); cfg = BN/split/warps/stages")
     out = open(log, "a") if log else None
+    best = {}
     for label, n, k in dict.fromkeys((lab, n, k) for lab, n, k, _ in cells):
         ws, qs = rotated(n, k, gen)
         for m in batches:
             if time.time() > deadline:
                 print("sweep: out of time")
-                return
+                return best
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
             tb = time_per_call([lambda w=w, x=x: torch.matmul(x, w.T) for w in ws])
             auto = kern.tiling(m, n, k, 128, kern.sm_count(x.device))
@@ -212,13 +214,16 @@ def sweep(gen: torch.Generator, batches: list[int], deadline: float, log: str | 
                 [lambda q=q, s=s, x=x: kern.linear(x, q, s, block_size=(128, 128)) for q, s in qs]
             )
             res.sort()
-            best = ", ".join(f"{bn}/{sp}/{w}/{st} {t * 1e6:.1f}" for t, bn, sp, w, st in res[:4])
+            _, bn, sp, w, st = res[0]
+            best[(n, k, m)] = ((sweep_configs(m, n, k)[0][0][0], bn, 128, sp), w, st)
+            top = ", ".join(f"{bn}/{sp}/{w}/{st} {t * 1e6:.1f}" for t, bn, sp, w, st in res[:4])
             print(f"{label} M={m}: bf16 {tb * 1e6:.1f}, auto {auto[1]}/{auto[3]} {ta * 1e6:.1f} "
-                  f"({n * k / ta / 1e12:.2f} TB/s), best {best}", flush=True)  # fmt: skip
+                  f"({n * k / ta / 1e12:.2f} TB/s), best {top}", flush=True)  # fmt: skip
             if out:
                 out.write(json.dumps({"n": n, "k": k, "m": m, "bf16": tb, "auto": ta, "res": res}) + "\n")
                 out.flush()
         del ws, qs
+    return best
 
 
 def main() -> None:
@@ -228,6 +233,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--tuned", action="store_true", help="model, sweep, then model with the sweep's best")
     ap.add_argument("--only", choices=["model", "per-shape", "sweep"], default=None)
     ap.add_argument("--sweep-seconds", type=float, default=1e9, help="stop sweeping after this long")
     ap.add_argument("--sweep-log", default=None, help="append the sweep's timings here, JSON lines")
@@ -257,30 +263,58 @@ def main() -> None:
         q, s = by_id[id(w)]
         return dispatch.fp8_weight_only_linear(x, q, s)
 
-    rows = []
-    for m in args.batches:
-        x = torch.randn(m, HIDDEN, generator=gen).to(torch.bfloat16).cuda()
-        y_b, y_f = step(x, layers, bf16_linear), step(x, layers, fp8_linear)
-        rel = float((y_f.float() - y_b.float()).norm() / y_b.float().norm())
-        gb = graphed(lambda t: step(t, layers, bf16_linear), x)
-        gf = graphed(lambda t: step(t, layers, fp8_linear), x)
-        tb, tf = [], []
-        for _ in range(args.repeats):  # interleaved so drift hits both sides alike
-            tb += time_graph(gb, args.replays, 1)
-            tf += time_graph(gf, args.replays, 1)
-        mb, mf = statistics.median(tb), statistics.median(tf)
-        rows.append((m, m / mb, m / mf, mb, mf, min(tb), max(tb), min(tf), max(tf), rel))
-        del gb, gf
-    print("\nbatch  bf16 step us [min-max]     fp8 step us [min-max]   fp8 weight GB/s  rel.diff vs bf16")
-    fp8_bytes = n_params  # one byte per weight (+ scales, 1/4096 of that)
-    for m, _, _, mb, mf, b0, b1, f0, f1, rel in rows:
-        print(f"{m:>5}  {mb * 1e6:8.1f} [{b0 * 1e6:.1f}-{b1 * 1e6:.1f}]   {mf * 1e6:8.1f} [{f0 * 1e6:.1f}-{f1 * 1e6:.1f}]"
-              f"   {fp8_bytes / mf / 1e9:8.0f}   {rel:.2e}")  # fmt: skip
-    table(rows, device)  # printed before the diagnostics too, in case a time limit cuts them
-    if not args.no_sweep and args.only is None:
+    def run_model(label: str) -> list[tuple]:
+        rows = []
+        for m in args.batches:
+            x = torch.randn(m, HIDDEN, generator=gen).to(torch.bfloat16).cuda()
+            y_b, y_f = step(x, layers, bf16_linear), step(x, layers, fp8_linear)
+            rel = float((y_f.float() - y_b.float()).norm() / y_b.float().norm())
+            gb = graphed(lambda t: step(t, layers, bf16_linear), x)
+            gf = graphed(lambda t: step(t, layers, fp8_linear), x)
+            tb, tf = [], []
+            for _ in range(args.repeats):  # interleaved so drift hits both sides alike
+                tb += time_graph(gb, args.replays, 1)
+                tf += time_graph(gf, args.replays, 1)
+            mb, mf = statistics.median(tb), statistics.median(tf)
+            rows.append((m, m / mb, m / mf, mb, mf, min(tb), max(tb), min(tf), max(tf), rel))
+            del gb, gf
+        print(
+            f"\n{label}\nbatch  bf16 step us [min-max]     fp8 step us [min-max]   fp8 weight GB/s  rel.diff vs bf16"
+        )
+        fp8_bytes = n_params  # one byte per weight (+ scales, 1/4096 of that)
+        for m, _, _, mb, mf, b0, b1, f0, f1, rel in rows:
+            print(f"{m:>5}  {mb * 1e6:8.1f} [{b0 * 1e6:.1f}-{b1 * 1e6:.1f}]   {mf * 1e6:8.1f} [{f0 * 1e6:.1f}-{f1 * 1e6:.1f}]"
+                  f"   {fp8_bytes / mf / 1e9:8.0f}   {rel:.2e}")  # fmt: skip
+        table(rows, device)  # printed before the diagnostics too, in case a time limit cuts them
+        return rows
+
+    rows = run_model("fp8 kernel tiling: the default (triton_fp8_gemv.tiling)")
+    if args.tuned:  # the sweep's best variant per projection shape and batch, then the model again
+        best = sweep(gen, args.batches, deadline, args.sweep_log)
+        from skyq.quant.kernels import triton_fp8_gemv as kern
+
+        kern.linear = tuned_linear(kern.linear, best)
+        run_model("fp8 kernel tiling: the sweep's best per shape and batch")
+        print("\nthe default tiling, again:")
+        table(rows, device)
+    elif not args.no_sweep and args.only is None:
         per_shape(gen, args.batches)
         sweep(gen, args.batches, deadline, args.sweep_log)
         table(rows, device)
+
+
+def tuned_linear(plain, best: dict):
+    """`triton_fp8_gemv.linear` with the variant `best[(N, K, rows)]` where the sweep timed one."""
+
+    def linear(x, q, s, *, block_size, config=None, num_warps=None, num_stages=None):
+        hit = best.get((q.shape[0], q.shape[1], x.numel() // x.shape[-1]))
+        if hit and config is None and tuple(block_size) == (128, 128):
+            config, num_warps, num_stages = hit
+        return plain(
+            x, q, s, block_size=block_size, config=config, num_warps=num_warps, num_stages=num_stages
+        )
+
+    return linear
 
 
 def table(rows: list[tuple], device: str) -> None:
