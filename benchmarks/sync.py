@@ -9,8 +9,9 @@ the strategy quantizes with one batched Triton call), `WeightSender` (finite che
 with one cat per bucket, device-side wsum64 checksums), the in-process transport (frames stay on
 the GPU: a device clone per bucket), and `WeightReceiver` (checksum verification, unpacking to
 views, value checks, accounting) whose commit copies every wire tensor into preallocated engine
-buffers (one `torch._foreach_copy_` per dtype; the H200 run of 2026-11-29 used one over uint8 views
-of every tensor, which costs a view per wire tensor). Bucket size and checksum verification are the
+buffers with `WireCopier` (one `torch._foreach_copy_` per integer word size over int64 views of the
+bytes where they allow, destination views built once per layout; the H200 runs of 2026-11-29 used
+one `_foreach_copy_` per wire dtype, which copies e4m3 codes one byte per element). Bucket size and checksum verification are the
 `WeightSyncConfig` defaults.
 
 Per format: one warm-up sync (Triton compiles); `--repeats` *first* syncs, each by a fresh sender
@@ -43,6 +44,7 @@ from skyq.sync.in_process import in_process_pair
 from skyq.sync.plan_wire import expected_units, plan_serializer
 from skyq.sync.receiver import WeightReceiver
 from skyq.sync.sender import WeightSender
+from skyq.sync.wire_state import WireCopier
 
 
 def synchronize(device: torch.device) -> None:
@@ -133,18 +135,15 @@ class Pair:
         )
         self.receiver = WeightReceiver(recv_end, expected_units(plan), verify_checksum=cfg.verify_checksum)
         self.engine = engine
-        self.by_dtype: dict[torch.dtype, list[str]] = {}
-        for name, t in engine.items():
-            self.by_dtype.setdefault(t.dtype, []).append(name)
+        self.copier = WireCopier(engine)
         self.device = device
         self.version = 0
 
     def commit(self, wire: dict[str, torch.Tensor], version: int) -> None:
-        # One fused multi-tensor copy per dtype (a multi-tensor kernel needs one dtype per list),
-        # built from name lookups only: no per-tensor view or check.
+        # `WireCopier`: one multi-tensor copy per integer word size (each tensor's bytes as int64
+        # words where it can), destination views built once per layout: no per-tensor view or check.
         assert len(wire) == len(self.engine), (len(wire), len(self.engine))
-        for names in self.by_dtype.values():
-            torch._foreach_copy_([self.engine[n] for n in names], [wire[n] for n in names])
+        self.copier.copy(wire)
         synchronize(self.device)
         self.version = version
 

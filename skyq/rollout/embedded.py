@@ -32,6 +32,7 @@ from skyq.rl.batch import FinishReason, Sample
 from skyq.rl.tokenizer import EOS_ID
 from skyq.rollout.quantized_linear import ExpertMLP, WireExperts, WireLinear, plain_linear
 from skyq.rollout.sampling import check_sampling_args, sample_tokens
+from skyq.sync.wire_state import WireCopier
 
 NO_WEIGHTS = -1
 _SHARED_SUFFIXES = frozenset({"weight_shape"})
@@ -87,6 +88,7 @@ class EmbeddedEngine:
         self.model = self._build_model().to(self.device).eval()
         self._version = NO_WEIGHTS
         self._held = self.model.state_dict()  # the live tensors load_weights copies into
+        self._copier = WireCopier(self._held)
         held = {name: (tuple(t.shape), t.dtype) for name, t in self._held.items()}
         assert held == {n: (w.shape, w.dtype) for n, w in self.expected.items()}, "engine model != plan"
         self._stack_groups = self._stack_groups_of_plan()
@@ -256,13 +258,9 @@ class EmbeddedEngine:
                 f"weight version {version} rejected, engine keeps version {self._version}: {shown}"
             )
         self._check_values(wire)
-        with torch.no_grad():  # one multi-tensor copy (per device and dtype) instead of one per tensor
-            names = list(self._held)
-            if all(wire[n].device == self._held[n].device for n in names):
-                torch._foreach_copy_([self._held[n] for n in names], [wire[n] for n in names])
-            else:  # frames staged through host memory
-                for n in names:
-                    self._held[n].copy_(wire[n])
+        # A received `WireState` is copied as integer words, one multi-tensor copy per word size
+        # (destination views kept per layout); any other dict as one multi-tensor copy per dtype.
+        self._copier.copy(wire)
         self._version = version
 
     # scoring ------------------------------------------------------------------------------------

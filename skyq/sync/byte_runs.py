@@ -178,3 +178,41 @@ def unpack_views(buf: Tensor, entries: Sequence[TensorEntry]) -> dict[str, Tenso
     out: dict[str, Tensor] = {}
     view_runs(buf, find_runs(entries), out)
     return out
+
+
+WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
+"""Integer words a tensor's bytes are copied as, widest first (`word_dtype`)."""
+
+
+def word_dtype(*numbers: int) -> torch.dtype:
+    """The widest word in `WORDS` whose size divides every number (byte sizes, offsets, addresses)."""
+    for word in WORDS:
+        if all(n % word.itemsize == 0 for n in numbers):
+            return word
+    return torch.uint8
+
+
+class WordRun(NamedTuple):
+    """A run's members as flat views of their bytes in one integer word (`WORDS`): what a commit
+    copies with a multi-tensor copy, so a 1-byte dtype costs as few elements as an 8-byte one."""
+
+    word: torch.dtype
+    names: tuple[str, ...]
+    views: Sequence[Tensor]
+
+
+def word_runs(buf: Tensor, runs: Sequence[Run]) -> list[WordRun]:
+    """Every run of `buf` with members (of more than 0 bytes, not bool) as `WordRun`s: the widest word
+    that divides the member size, the pitch and the address, one `unbind` per run."""
+    out: list[WordRun] = []
+    for run in runs:
+        if run.nbytes == 0 or run.dtype == torch.bool:
+            continue
+        raw = buf[run.offset : run.end]
+        word = word_dtype(run.nbytes, run.stride, raw.data_ptr(), raw.storage_offset())
+        if run.count > 1 and run.stride != run.nbytes:
+            raw = raw.as_strided((run.count, run.nbytes), (run.stride, 1))
+        else:
+            raw = raw.view(run.count, run.nbytes)
+        out.append(WordRun(word, run.names, raw.view(word).unbind(0)))
+    return out

@@ -29,6 +29,7 @@ from skyq.sync.errors import SyncRefused
 from skyq.sync.manifest import MANIFEST_FORMAT, BucketEntry, SyncManifest, expect_keys, expect_value
 from skyq.sync.values import Span, find_spans
 from skyq.sync.wire_dtypes import as_bytes
+from skyq.sync.wire_state import WireState
 
 WireItem = WireUnit | WireStack
 """What the sender serialized from one weight item: a unit, or a stack of them held whole."""
@@ -213,9 +214,10 @@ class ReceiverLayout:
                 f"layout of {len(self.bucket_nbytes)} buckets"
             )
 
-    def unpack(self, frames: Sequence[Tensor]) -> dict[str, Tensor]:
-        """Every tensor as a view into its bucket's frame, in byte order."""
-        out: dict[str, Tensor] = {}
+    def unpack(self, frames: Sequence[Tensor]) -> WireState:
+        """Every tensor as a view into its bucket's frame, in byte order (a `WireState`, which a
+        commit can also copy as integer words)."""
+        out = WireState((), frames=frames, runs=self.runs, layout=self.digest)
         for frame, runs in zip(frames, self.runs, strict=True):
             view_runs(frame, runs, out)
         return out
