@@ -136,20 +136,19 @@ def per_shape(gen: torch.Generator, batches: list[int]) -> None:
 
 
 SWEEP_SHAPES = {"q 4096x2048": (4096, 2048), "k/v 512x2048": (512, 2048), "o 2048x4096": (2048, 4096),
-                "gate/up 6144x2048": (6144, 2048), "down 2048x6144": (2048, 6144),
-                "expert 768x2048": (768, 2048)}  # fmt: skip
+                "gate/up 6144x2048": (6144, 2048), "down 2048x6144": (2048, 6144)}  # fmt: skip
 
 
 def sweep_configs(m: int, n: int, k: int) -> list[tuple[tuple[int, int, int, int], int, int]]:
-    """((BM, BN, TK, split), num_warps, num_stages) variants of one shape and batch: BN 64 (4 warps),
-    128 (8 warps) or, at >= 32 batch rows, 256 (8 warps); split 1-16 (>= 1 K tile each, <= ~6
-    programs per SM); 3, 4 or 6 stages (at most one more than the split's K tiles)."""
+    """((BM, BN, TK, split), num_warps, num_stages) variants of one shape and batch: BN 64 (4 warps,
+    3 or 4 stages), 128 (8 warps, 4 stages) or, at >= 32 batch rows, 256 (8 warps, 3 stages); split
+    1-16 (>= 1 K tile each, <= ~6 programs per SM); stages at most one more than a split's tiles."""
     from skyq.quant.kernels import triton_fp8_gemv as kern
 
     bm = min(64, max(16, 1 << (m - 1).bit_length()))
     k_tiles = -(-k // 128)
     out = []
-    for bn, warps in ((64, 4), (128, 8), (256, 8)):
+    for bn, warps, depths in ((64, 4, (3, 4)), (128, 8, (4,)), (256, 8, (3,))):
         if bn > 128 and (bm < 32 or n < 2048):
             continue
         for split in (1, 2, 4, 8, 16):
@@ -158,20 +157,25 @@ def sweep_configs(m: int, n: int, k: int) -> list[tuple[tuple[int, int, int, int
                 per * (split - 1) >= k_tiles or -(-n // bn) * split > 6 * kern.sm_count(torch.device("cuda"))
             ):
                 continue
-            for stages in sorted({min(st, per + 1) for st in (3, 4, 6)}):
-                out.append(((bm, bn, 128, split), warps, stages))
+            for stages in sorted({min(st, per + 1) for st in depths}):
+                if stages * 128 * (bn + 2 * bm) <= 200 << 10:  # shared memory of the pipeline
+                    out.append(((bm, bn, 128, split), warps, stages))
     return out
 
 
-def _compile_jobs(jobs: list) -> None:
+def _compile_jobs(jobs: list, pdl: bool) -> None:
     """Compile (in a worker process, into Triton's on-disk cache) the kernels that `jobs` launch."""
     from skyq.quant.kernels import triton_fp8_gemv as kern
 
+    kern.PDL = pdl
     for m, n, k, cfg, warps, stages in jobs:
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         q = torch.zeros(n, k, device="cuda").to(torch.float8_e4m3fn)
         s = torch.ones(-(-n // 128), -(-k // 128), device="cuda")
-        kern.linear(x, q, s, block_size=(128, 128), config=cfg, num_warps=warps, num_stages=stages)
+        try:
+            kern.linear(x, q, s, block_size=(128, 128), config=cfg, num_warps=warps, num_stages=stages)
+        except Exception as e:  # e.g. out of shared memory: the timing loop skips it too
+            print(f"sweep: {m}x{n}x{k} {cfg} {warps} {stages}: {type(e).__name__}", flush=True)
     torch.cuda.synchronize()
 
 
@@ -190,7 +194,7 @@ def sweep(gen: torch.Generator, batches: list[int], deadline: float, log: str | 
     procs = max(1, min(14, (os.cpu_count() or 2) - 2))
     t0 = time.time()
     with mp.get_context("spawn").Pool(procs) as pool:
-        pool.map(_compile_jobs, [jobs[i::procs] for i in range(procs)])
+        pool.starmap(_compile_jobs, [(jobs[i::procs], kern.PDL) for i in range(procs)])
     print(f"\nsweep: {len(jobs)} variants compiled in {time.time() - t0:.0f} s by {procs} processes")
     print("sweep: us per call (weight-read TB/s); cfg = BN/split/warps/stages")
     out = open(log, "a") if log else None
@@ -209,7 +213,10 @@ def sweep(gen: torch.Generator, batches: list[int], deadline: float, log: str | 
                 fns = [lambda q=q, s=s, x=x, c=cfg, w=warps, st=stages: kern.linear(
                            x, q, s, block_size=(128, 128), config=c, num_warps=w, num_stages=st)
                        for q, s in qs]  # fmt: skip
-                res.append((time_per_call(fns), cfg[1], cfg[3], warps, stages))
+                try:
+                    res.append((time_per_call(fns), cfg[1], cfg[3], warps, stages))
+                except Exception as e:
+                    print(f"sweep: {cfg} {warps} {stages}: {type(e).__name__}: {str(e)[:80]}")
             ta = time_per_call(
                 [lambda q=q, s=s, x=x: kern.linear(x, q, s, block_size=(128, 128)) for q, s in qs]
             )
@@ -233,7 +240,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--no-sweep", action="store_true")
-    ap.add_argument("--tuned", action="store_true", help="model, sweep, then model with the sweep's best")
+    ap.add_argument(
+        "--tuned", action="store_true", help="model (PDL on, off), sweep, then model with the sweep's best"
+    )
     ap.add_argument("--only", choices=["model", "per-shape", "sweep"], default=None)
     ap.add_argument("--sweep-seconds", type=float, default=1e9, help="stop sweeping after this long")
     ap.add_argument("--sweep-log", default=None, help="append the sweep's timings here, JSON lines")
@@ -288,11 +297,20 @@ def main() -> None:
         table(rows, device)  # printed before the diagnostics too, in case a time limit cuts them
         return rows
 
-    rows = run_model("fp8 kernel tiling: the default (triton_fp8_gemv.tiling)")
+    from skyq.quant.kernels import triton_fp8_gemv as kern
+
+    if args.tuned:
+        kern.PDL, pdl = False, kern.PDL
+        run_model("the default tiling without programmatic dependent launch")
+        kern.PDL = pdl
+    try:
+        rows = run_model("fp8 kernel tiling: the default (triton_fp8_gemv.tiling)")
+    except Exception as e:  # e.g. a programmatic dependent launch refused in graph capture
+        print(f"\nfp8 run failed ({type(e).__name__}: {e}); again without programmatic dependent launch")
+        kern.PDL = False
+        rows = run_model("fp8 kernel tiling: the default, without programmatic dependent launch")
     if args.tuned:  # the sweep's best variant per projection shape and batch, then the model again
         best = sweep(gen, args.batches, deadline, args.sweep_log)
-        from skyq.quant.kernels import triton_fp8_gemv as kern
-
         kern.linear = tuned_linear(kern.linear, best)
         run_model("fp8 kernel tiling: the sweep's best per shape and batch")
         print("\nthe default tiling, again:")

@@ -69,6 +69,44 @@ def test_fp8_gemv_is_deterministic_and_takes_batched_inputs(gen):
     assert ok
 
 
+@pytest.mark.parametrize("m", [1, 64])
+def test_fp8_gemv_chain_replayed_from_a_cuda_graph_matches_eager_launches_without_pdl(gen, m, monkeypatch):
+    """Each launch reads the previous one's output (programmatic dependent launch: it prefetches
+    weights, then waits for that kernel). A graph of a dependent chain, replayed after its input
+    changed in place, gives the bits of the same chain launched eagerly without PDL."""
+    from skyq.quant.kernels import triton_fp8_gemv as kern
+
+    dims = [2048, 4096, 2048, 512, 2048, 6144, 2048, 2048]
+    weights = [
+        fp8_blockwise.quantize((torch.randn(n, k, generator=gen) * k**-0.5).cuda())
+        for k, n in zip(dims, dims[1:], strict=False)
+    ]
+
+    def chain(x):
+        for q, s in weights:
+            x = dispatch.fp8_weight_only_linear(x, q, s)
+        return x
+
+    x = torch.randn(m, dims[0], generator=gen).to(torch.bfloat16).cuda()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = chain(x)
+    outs = []
+    for _ in range(3):
+        x.copy_(torch.randn(m, dims[0], generator=gen).to(torch.bfloat16).cuda())
+        graph.replay()
+        outs.append((x.clone(), y.clone()))
+    torch.cuda.synchronize()
+    monkeypatch.setattr(kern, "PDL", False)
+    for x_i, y_i in outs:
+        assert torch.equal(chain(x_i), y_i)
+
+
 def test_deferred_checks_name_the_bad_tensor_with_one_sync(gen):
     good = torch.randn(256, 256, generator=gen).cuda()
     bad = good.clone()

@@ -30,6 +30,22 @@ from torch import Tensor
 
 from skyq.quant.kernels._common import cdiv
 
+try:  # programmatic dependent launch (Hopper+): Triton >= 3.3
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older Triton: launched without PDL
+    gdc_launch_dependents = gdc_wait = None
+
+PDL = gdc_wait is not None
+"""Launch with programmatic dependent launch on CUDA devices of compute capability >= 9 (tests and
+sweeps may turn it off): the kernel's launch and weight prefetch overlap the previous kernel."""
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+    )
+
 
 @triton.jit
 def _gemv_kernel(
@@ -38,11 +54,14 @@ def _gemv_kernel(
     sxm, sxk, sqn, sqk, ssn, ssk, sym, syn,
     BLK_N: tl.constexpr, BLK_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, TK: tl.constexpr, SPLIT: tl.constexpr, TILES: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """acc[n, m] = sum over this split's K range, in TK-column tiles, of q[n, k] * x[m, k] *
     s[n // BLK_N, k // BLK_K] (TK divides BLK_K: one scale per row per tile). SPLIT == 1 writes
     y[m, n]; else partial p[split, m, n] and the last program of the tile reduces. TILES: a power of
-    two >= the split's K tiles (k_per_split / TK), the width of the scale columns loaded up front."""
+    two >= the split's K tiles (k_per_split / TK), the width of the scale columns loaded up front.
+    PDL: launched as a programmatic dependent launch: the weight and scale lines are prefetched into
+    L2 while the previous kernel finishes, and nothing is read or written before `gdc_wait`."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -53,10 +72,19 @@ def _gemv_kernel(
     q_rows = q_ptr + rn[:, None].to(tl.int64) * sqn
     x_cols = x_ptr + rm[None, :].to(tl.int64) * sxm
     k_lo = pid_s * k_per_split
-    # Every scale the split needs, loaded before the K loop: a load inside it is not pipelined
-    # (it feeds no dot), so each tile would wait one DRAM round trip for its scale.
     ti = tl.arange(0, TILES)
     tk0 = k_lo + ti * TK
+    if PDL:
+        # L2 prefetches (hints: no data is read) of this program's code lines and scales, issued
+        # before waiting for the previous kernel, whose output x is; addresses clamped in bounds
+        kc = tl.minimum(tk0, K - 1)[None, :]
+        nc = tl.minimum(rn, N - 1)[:, None].to(tl.int64)
+        _prefetch_l2(q_ptr + nc * sqn + kc * sqk)
+        _prefetch_l2(s_ptr + (nc // BLK_N) * ssn + (kc // BLK_K) * ssk)
+        gdc_wait()  # the previous kernel is complete and its writes are visible
+        gdc_launch_dependents()  # the next kernel may start its prefetches
+    # Every scale the split needs, loaded before the K loop: a load inside it is not pipelined
+    # (it feeds no dot), so each tile would wait one DRAM round trip for its scale.
     s_all = tl.load(
         s_ptr + (rn // BLK_N).to(tl.int64)[:, None] * ssn + (tk0 // BLK_K)[None, :] * ssk,
         mask=n_ok[:, None] & ((tk0 < K) & (ti * TK < k_per_split))[None, :],
@@ -91,6 +119,11 @@ def _gemv_kernel(
                 total += tl.load(p_ptr + i * mn + out_off, mask=out_mask, other=0.0, cache_modifier=".cg")
             tl.store(y_ptr + out_off, total.to(y_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+@functools.cache
+def _capability(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 @functools.cache
@@ -171,6 +204,7 @@ def linear(
     k_per_split = cdiv(cdiv(k, tk), split) * tk
     split = cdiv(k, k_per_split)
     warps, stages = launch_options(bm, bn, k_per_split // tk)
+    pdl = PDL and x.device.type == "cuda" and _capability(x.device.index or 0) >= 9
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (cdiv(n, bn), cdiv(m, bm), split)
     if split > 1:
@@ -183,7 +217,7 @@ def linear(
         m, n, k, k_per_split,
         *x2.stride(), *q.stride(), *scale_inv.stride(), *y.stride(),
         BLK_N=blk_n, BLK_K=blk_k, BM=bm, BN=bn, TK=tk, SPLIT=split,
-        TILES=triton.next_power_of_2(k_per_split // tk),
+        TILES=triton.next_power_of_2(k_per_split // tk), PDL=pdl, launch_pdl=pdl,
         num_warps=num_warps or warps, num_stages=num_stages or stages,
     )  # fmt: skip
     return y.reshape(*x.shape[:-1], n)
