@@ -56,15 +56,33 @@ def _wsum64_sums(buf: Tensor, chunk_bytes: int) -> Tensor:
     cols: Tensor | None = None
     for first in range(0, rows, rows_per_chunk):
         last = min(rows, first + rows_per_chunk)
-        part = (
-            buf[first * _MODULUS : last * _MODULUS].view(last - first, _MODULUS).sum(dim=0, dtype=torch.int64)
-        )
+        part = _column_sums(buf[first * _MODULUS : last * _MODULUS].view(last - first, _MODULUS))
         cols = part if cols is None else cols.add_(part)
     if cols is None:
         cols = torch.zeros(_MODULUS, dtype=torch.int64, device=buf.device)
     if tail:
         cols[:tail] += buf[rows * _MODULUS :]
     return (cols * _weights(buf.device)).sum(dim=1)
+
+
+_GROUP_ROWS = 128
+"""Rows summed in int16: 128 * 255 = 32640 < 2^15, so a group's column sums are exact."""
+
+
+def _column_sums(rows: Tensor) -> Tensor:
+    """Exact int64 column sums of a [r, 65521] uint8 tensor. An integer sum into a wider dtype
+    first converts its whole input (`sum(dtype=int64)` of bytes writes and reads 8 bytes per byte),
+    so the bytes are widened to int16 only (2 bytes per byte), summed in groups of `_GROUP_ROWS`
+    rows without changing dtype, and only the r / 128 group sums are widened to int64."""
+    r = rows.shape[0]
+    full = r // _GROUP_ROWS * _GROUP_ROWS
+    parts: list[Tensor] = []
+    if full:
+        groups = rows[:full].view(full // _GROUP_ROWS, _GROUP_ROWS, _MODULUS).to(torch.int16)
+        parts.append(groups.sum(dim=1, dtype=torch.int16).sum(dim=0, dtype=torch.int64))
+    if r > full:
+        parts.append(rows[full:].to(torch.int16).sum(dim=0, dtype=torch.int16).to(torch.int64))
+    return parts[0] if len(parts) == 1 else parts[0].add_(parts[1])
 
 
 def _wsum64_digest(n: int, plain: int, weighted: int) -> str:

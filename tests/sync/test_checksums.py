@@ -62,3 +62,21 @@ def test_wsum64_on_a_gpu_equals_the_cpu_value(gen):
     buf = torch.randint(0, 256, ((1 << 24) + 12345,), generator=gen, dtype=torch.uint8)
     assert bucket_checksum(buf.cuda()) == bucket_checksum(buf, WSUM64)
     assert bucket_checksum(buf.cuda()).startswith(f"{WSUM64}:")
+
+
+def _wsum64_by_definition(buf: torch.Tensor) -> str:
+    b = buf.to(torch.int64)
+    w = torch.arange(b.numel(), dtype=torch.int64) % 65521 + 1
+    mask = (1 << 64) - 1
+    return f"{b.numel():x}-{int(b.sum()) & mask:016x}{int((b * w).sum()) & mask:016x}"
+
+
+@pytest.mark.parametrize("rows,tail", [(0, 5), (1, 0), (127, 3), (128, 0), (128, 7), (300, 11)])
+def test_wsum64_matches_its_definition_across_row_groups(gen, rows, tail):
+    """The column sums go through int16 in groups of 128 rows of 65521 bytes: every whole group,
+    a partial one and the tail add up to the exact sums, all-255 bytes (the int16 worst case) too."""
+    n = rows * 65521 + tail
+    buf = torch.randint(0, 256, (n,), generator=gen, dtype=torch.uint8)
+    assert wsum64(buf) == _wsum64_by_definition(buf) == wsum64(buf, chunk_bytes=65521 * 129)
+    full = torch.full((n,), 255, dtype=torch.uint8)
+    assert wsum64(full) == _wsum64_by_definition(full) == wsum64(full, chunk_bytes=7)
