@@ -241,7 +241,9 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument(
-        "--tuned", action="store_true", help="model (PDL on, off), sweep, then model with the sweep's best"
+        "--tuned",
+        action="store_true",
+        help="model (PDL on, then off), sweep, then model with the sweep's best",
     )
     ap.add_argument("--only", choices=["model", "per-shape", "sweep"], default=None)
     ap.add_argument("--sweep-seconds", type=float, default=1e9, help="stop sweeping after this long")
@@ -300,15 +302,13 @@ def main() -> None:
     from skyq.quant.kernels import triton_fp8_gemv as kern
 
     if args.tuned:
-        kern.PDL, pdl = False, kern.PDL
-        run_model("the default tiling without programmatic dependent launch")
+        kern.PDL, pdl = True, kern.PDL
+        try:
+            run_model("the default tiling with programmatic dependent launch")
+        except Exception as e:
+            print(f"\nfp8 run with programmatic dependent launch failed: {type(e).__name__}: {e}")
         kern.PDL = pdl
-    try:
-        rows = run_model("fp8 kernel tiling: the default (triton_fp8_gemv.tiling)")
-    except Exception as e:  # e.g. a programmatic dependent launch refused in graph capture
-        print(f"\nfp8 run failed ({type(e).__name__}: {e}); again without programmatic dependent launch")
-        kern.PDL = False
-        rows = run_model("fp8 kernel tiling: the default, without programmatic dependent launch")
+    rows = run_model("fp8 kernel tiling: the default (triton_fp8_gemv.tiling)")
     if args.tuned:  # the sweep's best variant per projection shape and batch, then the model again
         best = sweep(gen, args.batches, deadline, args.sweep_log)
         kern.linear = tuned_linear(kern.linear, best)

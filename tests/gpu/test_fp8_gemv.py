@@ -71,8 +71,8 @@ def test_fp8_gemv_is_deterministic_and_takes_batched_inputs(gen):
 
 @pytest.mark.parametrize("m", [1, 64])
 def test_fp8_gemv_chain_replayed_from_a_cuda_graph_matches_eager_launches_without_pdl(gen, m, monkeypatch):
-    """Each launch reads the previous one's output (programmatic dependent launch: it prefetches
-    weights, then waits for that kernel). A graph of a dependent chain, replayed after its input
+    """Each launch reads the previous one's output (with the opt-in programmatic dependent launch it
+    prefetches weights, then waits for that kernel). A graph of a dependent chain, replayed after its input
     changed in place, gives the bits of the same chain launched eagerly without PDL."""
     from skyq.quant.kernels import triton_fp8_gemv as kern
 
@@ -87,6 +87,7 @@ def test_fp8_gemv_chain_replayed_from_a_cuda_graph_matches_eager_launches_withou
             x = dispatch.fp8_weight_only_linear(x, q, s)
         return x
 
+    monkeypatch.setattr(kern, "PDL", True)
     x = torch.randn(m, dims[0], generator=gen).to(torch.bfloat16).cuda()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

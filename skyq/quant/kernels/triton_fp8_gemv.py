@@ -35,9 +35,11 @@ try:  # programmatic dependent launch (Hopper+): Triton >= 3.3
 except ImportError:  # pragma: no cover - older Triton: launched without PDL
     gdc_launch_dependents = gdc_wait = None
 
-PDL = gdc_wait is not None
-"""Launch with programmatic dependent launch on CUDA devices of compute capability >= 9 (tests and
-sweeps may turn it off): the kernel's launch and weight prefetch overlap the previous kernel."""
+PDL = False
+"""Opt-in programmatic dependent launch (CUDA devices of compute capability >= 9, Triton >= 3.3):
+each program prefetches its weight and scale lines into L2, waits for the previous kernel, then
+lets the next one launch. Off by default: on the H200 (benchmarks/decode.py --tuned, 2026-11-29)
+it made the graphed decode step slower, 484 -> 526 us at batch 1 and 705 -> 783 us at batch 64."""
 
 
 @triton.jit
@@ -204,7 +206,7 @@ def linear(
     k_per_split = cdiv(cdiv(k, tk), split) * tk
     split = cdiv(k, k_per_split)
     warps, stages = launch_options(bm, bn, k_per_split // tk)
-    pdl = PDL and x.device.type == "cuda" and _capability(x.device.index or 0) >= 9
+    pdl = PDL and gdc_wait is not None and x.device.type == "cuda" and _capability(x.device.index or 0) >= 9
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (cdiv(n, bn), cdiv(m, bm), split)
     if split > 1:
