@@ -151,14 +151,20 @@ def view_runs(buf: Tensor, runs: Sequence[Run], out: dict[str, Tensor]) -> None:
     """Put every run member's tensor into `out`: views into `buf` (a copy only where a view
     cannot be taken: bool, misaligned bytes)."""
     for run in runs:
-        offset, count, nbytes, stride, dtype, shape, names = run
-        whole = _run_view(buf, run) if count > 1 and nbytes > 0 and dtype != torch.bool else None
-        if whole is not None:
-            out.update(zip(names, whole.unbind(0)))
-        else:
-            for k, name in enumerate(names):
-                start = offset + k * stride
-                out[name] = view_bytes(buf[start : start + nbytes], dtype, shape)
+        out.update(zip(run.names, run_views(buf, run)))
+
+
+def run_views(buf: Tensor, run: Run) -> Sequence[Tensor]:
+    """The run's members, in order: views into `buf` (one `unbind` of the whole run where the bytes
+    are aligned for the dtype), a copy only where a view cannot be taken (bool, misaligned bytes)."""
+    offset, count, nbytes, stride, dtype, shape, _ = run
+    whole = _run_view(buf, run) if count > 1 and nbytes > 0 and dtype != torch.bool else None
+    if whole is not None:
+        return whole.unbind(0)
+    return [
+        view_bytes(buf[offset + k * stride : offset + k * stride + nbytes], dtype, shape)
+        for k in range(count)
+    ]
 
 
 def _run_view(buf: Tensor, run: Run) -> Tensor | None:

@@ -16,20 +16,20 @@ value-checks with one reduction each.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from skyq.sync.buckets import WireStack, WireUnit, bucket_entries, plan_buckets
-from skyq.sync.byte_runs import Copy, Run, find_runs, gather, plan_copies, view_runs
+from skyq.sync.byte_runs import Copy, Run, find_runs, gather, plan_copies
 from skyq.sync.checksums import checksum_algorithm
 from skyq.sync.errors import SyncRefused
 from skyq.sync.manifest import MANIFEST_FORMAT, BucketEntry, SyncManifest, expect_keys, expect_value
 from skyq.sync.values import Span, find_spans
 from skyq.sync.wire_dtypes import as_bytes
-from skyq.sync.wire_state import WireState
+from skyq.sync.wire_state import WireState, wire_index
 
 WireItem = WireUnit | WireStack
 """What the sender serialized from one weight item: a unit, or a stack of them held whole."""
@@ -185,6 +185,8 @@ class ReceiverLayout:
     spans: tuple[tuple[Span, ...], ...]
     num_tensors: int
     total_bytes: int
+    index: dict[str, tuple[int, int, int]] = field(compare=False, hash=False, repr=False)
+    """Name -> (bucket, run, member): where `unpack` finds each tensor (`wire_state.wire_index`)."""
 
     @classmethod
     def of(cls, manifest: SyncManifest, digest: str) -> ReceiverLayout:
@@ -198,6 +200,7 @@ class ReceiverLayout:
             spans=tuple(find_spans(r) for r in runs),
             num_tensors=sum(len(b.tensors) for b in manifest.buckets),
             total_bytes=manifest.total_bytes,
+            index=wire_index(runs),
         )
 
     def check_same(self, message: SameLayout) -> None:
@@ -215,12 +218,11 @@ class ReceiverLayout:
             )
 
     def unpack(self, frames: Sequence[Tensor]) -> WireState:
-        """Every tensor as a view into its bucket's frame, in byte order (a `WireState`, which a
-        commit can also copy as integer words)."""
-        out = WireState((), frames=frames, runs=self.runs, layout=self.digest)
-        for frame, runs in zip(frames, self.runs, strict=True):
-            view_runs(frame, runs, out)
-        return out
+        """Every tensor as a view into its bucket's frame, in byte order: a `WireState`, which makes
+        the views on first use (a commit can also copy it as integer words, making none)."""
+        if len(frames) != len(self.runs):
+            raise SyncRefused(f"{len(frames)} frames for a layout of {len(self.runs)} buckets")
+        return WireState(frames=frames, runs=self.runs, index=self.index, layout=self.digest)
 
 
 def no_layout_refusal(message: SameLayout) -> SyncRefused:

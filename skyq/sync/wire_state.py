@@ -1,7 +1,8 @@
 """What a commit receives, and the copy that installs it into an engine's fixed buffers.
 
-The receiver hands a commit a `WireState`: a plain dict (wire name -> tensor of the manifest's dtype
-and shape, views into the received frames) that also knows the runs it was cut from. `WireCopier`
+The receiver hands a commit a `WireState`: a read-only mapping (wire name -> tensor of the
+manifest's dtype and shape, views into the received frames, made on first use) that also knows the
+runs it was cut from. `WireCopier`
 copies one into an engine's preallocated tensors with one multi-tensor copy per integer word size,
 each tensor's bytes seen as 8-byte words where its size and address allow: a copy of e4m3 codes
 then moves as few elements as one of int64, so an fp8 sync copies half the elements of a bf16 one,
@@ -12,40 +13,71 @@ path: one multi-tensor copy per device and dtype pair.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-from skyq.sync.byte_runs import Run, WordRun, word_dtype, word_runs
+from skyq.sync.byte_runs import Run, WordRun, run_views, word_dtype, word_runs
 
 
-class WireState(dict):
-    """A verified wire state dict (wire name -> tensor), cut from received frames by `runs`."""
+class WireState(Mapping[str, Tensor]):
+    """A verified wire state (wire name -> tensor of the manifest's dtype and shape), cut from the
+    received frames by the layout's runs. A read-only mapping whose tensors are made on first use,
+    a whole run at a time (views into the frames, one `unbind` per run): a commit that copies
+    `word_runs()` makes no typed view at all."""
 
-    __slots__ = ("_frames", "_runs", "layout")
+    __slots__ = ("_frames", "_runs", "_index", "_views", "layout")
 
     def __init__(
         self,
-        items: Iterable[tuple[str, Tensor]],
         *,
         frames: Sequence[Tensor],
         runs: Sequence[Sequence[Run]],
+        index: Mapping[str, tuple[int, int, int]],
         layout: str,
     ) -> None:
-        super().__init__(items)
         self._frames = tuple(frames)
-        self._runs = tuple(runs)
+        self._runs = runs
+        self._index = index
+        """Name -> (bucket, run, member), in byte order (`wire_index`)."""
+        self._views: dict[tuple[int, int], Sequence[Tensor]] = {}
         self.layout = layout
         """The digest of the layout the frames follow: equal digests, equal runs."""
 
+    def __getitem__(self, name: str) -> Tensor:
+        bucket, run, member = self._index[name]
+        views = self._views.get((bucket, run))
+        if views is None:
+            views = self._views[bucket, run] = run_views(self._frames[bucket], self._runs[bucket][run])
+        return views[member]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._index
+
     def word_runs(self) -> list[WordRun]:
         """The tensors (of more than 0 bytes, not bool) as flat integer-word views of their bytes, run
-        by run (`byte_runs.word_runs`): the same bytes as the typed views in this dict."""
+        by run (`byte_runs.word_runs`): the same bytes as the typed views."""
         out: list[WordRun] = []
         for frame, runs in zip(self._frames, self._runs, strict=True):
             out.extend(word_runs(frame, runs))
         return out
+
+
+def wire_index(runs: Sequence[Sequence[Run]]) -> dict[str, tuple[int, int, int]]:
+    """Where each tensor of a layout lies: name -> (bucket, run, member), in byte order."""
+    return {
+        name: (b, r, k)
+        for b, bucket_runs in enumerate(runs)
+        for r, run in enumerate(bucket_runs)
+        for k, name in enumerate(run.names)
+    }
 
 
 def _word_view(t: Tensor, word: torch.dtype) -> Tensor | None:

@@ -90,9 +90,12 @@ def test_copier_installs_bit_identical_weights_and_keeps_its_plan_per_layout(gen
     dest = engine_like(received([*units, stack_of(gen)]))
     before = {n: t.data_ptr() for n, t in dest.items()}
     copier = WireCopier(dest)
-    for _ in range(3):  # new values, same layout: the plan is reused
+    for i in range(3):  # new values, same layout: the plan is reused
         wire = received([*units_of(gen), stack_of(gen)])
         copier.copy(wire)
+        if i:  # a kept plan copies words: typed views only for what has no word view
+            made = {n for (b, r) in wire._views for n in wire._runs[b][r].names}
+            assert made == set(copier._plan[1].typed) == {"odd.mask", "odd.empty"}
         assert_same_bytes(dest, wire)
         plan = copier._plan
     assert plan is copier._plan and {n: t.data_ptr() for n, t in dest.items()} == before
@@ -150,3 +153,19 @@ def test_the_batched_value_check_finds_e4m3_nan_codes(gen, code, bad):
     assert find_spans([codes_run])
     frames[0][codes_run.offset + 37] = code
     assert spans_look_valid(frames, receiver.spans) is not bad
+
+
+def test_a_wire_state_is_a_read_only_mapping_that_views_on_first_use(gen):
+    units = units_of(gen)
+    wire = received(units, bucket_bytes=64)
+    want = {n: t for u in units for n, t in u.tensors.items()}
+    assert len(wire) == len(want) and set(wire) == set(want) and "nope" not in wire
+    assert not wire._views
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert raw_bytes(wire[name]) == raw_bytes(want[name]) and wire[name] is wire[name]
+    assert wire.get("nope") is None
+    with pytest.raises(KeyError):
+        wire["nope"]
+    with pytest.raises(TypeError):
+        wire[name] = want[name]  # type: ignore[index]
+    assert {n: raw_bytes(t) for n, t in dict(wire).items()} == {n: raw_bytes(t) for n, t in want.items()}
