@@ -60,6 +60,8 @@ def test_quantization_scope_follows_the_strategy(make_trainer, precision):
 
 
 def _act_reference(precision: str, x: torch.Tensor) -> torch.Tensor:
+    """What the engine's W8A8 GEMM multiplies: its bf16 activation quantized, dequantized in x's dtype."""
+    x = x.to(torch.bfloat16).to(x.dtype)
     if precision == "fp8_blockwise":
         return fp8_blockwise.dequantize_activation(*fp8_blockwise.quantize_activation(x), dtype=x.dtype)
     return mxfp8.dequantize(*mxfp8.quantize(x), dtype=x.dtype)
@@ -113,3 +115,29 @@ def test_straight_through_gradients_reach_every_master_weight(make_trainer, prec
     logp.sum().backward()
     for name, param in trainer.model.named_parameters():
         assert param.grad is not None and bool(param.grad.abs().sum() > 0), name
+
+
+@pytest.mark.parametrize("precision", ["fp8_blockwise", "mxfp8"])
+def test_activation_codes_come_from_the_bf16_activation(make_trainer, precision):
+    """fp32 inputs that round to the engine's bf16 activation get the engine's codes and scales,
+    exact e4m3 ties included (8.5 with a 1/16 power-of-two scale is halfway between codes 128 and
+    144 and rounds to even, as in the engine); the fp32 neighbours used to break such ties at random
+    and, through the tile max, shift every fp32 scale."""
+    trainer = make_trainer(precision)
+    module = next(
+        m for m in trainer.model.modules() if isinstance(m, ActivationQuantLinear | ActivationQuantExperts)
+    )
+    if isinstance(module, ActivationQuantLinear):
+        weight, project = module.weight, module
+    else:
+        weight = module.gate_up_proj[0]
+        project = lambda x: module._linear(x, weight)  # noqa: E731
+    engine_x = torch.randn(64, weight.shape[1], generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    engine_x[:, 0::32] = 16.0  # the max of every 32- and 128-tile
+    engine_x[:, 1::32] = 8.5
+    below = torch.nextafter(engine_x.float(), torch.zeros(()))  # fp32 values that round to engine_x
+    above = torch.nextafter(engine_x.float(), torch.full((), 100.0))
+    with torch.no_grad():
+        reference = F.linear(_act_reference(precision, engine_x.float()), weight.float())
+        for x in (below, above):
+            torch.testing.assert_close(project(x), reference, rtol=0, atol=0)

@@ -7,10 +7,12 @@ and per projection for fused experts, straight-through gradient). So the trainer
 exactly the values the rollout engine dequantizes from the wire — bit for bit.
 
 Activations. FP8 recipes also quantize the inputs of the linears they quantize (1 x tile FP8
-blockwise, 1 x 32 MXFP8): the exact CPU emulation of an FP8 GEMM. That part is a module rewrite:
-those `nn.Linear`s become `ActivationQuantLinear` and those fused expert modules
-`ActivationQuantExperts`, keeping their parameters under the same names. INT4 QAT is W4A16: no
-activation quantization. bf16 quantizes nothing.
+blockwise, 1 x 32 MXFP8): the exact CPU emulation of an FP8 GEMM. The quantizer is applied to the
+bf16 rounding of the fp32 activation (`engine_precision_input`), the operand a W8A8 engine (and
+the FP8 GEMM path below) quantizes; the dequantized activation and the matmul stay fp32. That
+part is a module rewrite: those `nn.Linear`s become `ActivationQuantLinear` and those fused expert
+modules `ActivationQuantExperts`, keeping their parameters under the same names. INT4 QAT is
+W4A16: no activation quantization. bf16 quantizes nothing.
 
 FP8 GEMMs. With precision=fp8_blockwise (128 x 128 weight blocks, 1 x 128 activation tiles) and
 `trainer.fp8_gemm` active, the quantized linears run through `skyq.trainer.fp8_linear` instead:
@@ -76,8 +78,25 @@ def effective_parameters(
     return out
 
 
+def engine_precision_input(x: Tensor) -> Tensor:
+    """`x` rounded to bf16 (the engine's activation dtype) in the forward, in x's dtype; the
+    gradient reaches `x` unchanged (straight through, like the quantizer's own STE).
+
+    A W8A8 engine quantizes bf16 activations, so the trainer's activation quantizer is applied to
+    the bf16 rounding of its fp32 activation: an input that rounds to the engine's value then gets
+    the engine's codes and tile scale exactly. Quantizing the fp32 value instead lets an element
+    within half a bf16 ulp of the engine's land on the other side of an e4m3 rounding boundary —
+    with power-of-two scales (MXFP8, `scale_format=ue8m0`) every e4m3 midpoint is a bf16 value,
+    so 1 in 16 engine activations is an exact tie that the fp32 trainer breaks at random.
+    """
+    if x.dtype == torch.bfloat16:
+        return x
+    return _StraightThrough.apply(x, x.detach().to(torch.bfloat16).to(x.dtype))
+
+
 class ActivationQuantLinear(nn.Module):
-    """A bias-free linear whose input is fake-quantized before the matmul."""
+    """A bias-free linear whose input, rounded to bf16 (`engine_precision_input`), is
+    fake-quantized before the matmul."""
 
     def __init__(self, linear: nn.Linear, activation: TensorFn) -> None:
         super().__init__()
@@ -87,7 +106,7 @@ class ActivationQuantLinear(nn.Module):
         self.activation = activation
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(self.activation(x), self.weight.to(x.dtype))
+        return F.linear(self.activation(engine_precision_input(x)), self.weight.to(x.dtype))
 
 
 def routed_experts_forward(
@@ -143,14 +162,15 @@ class _QuantizedExperts(nn.Module, ABC):
 
 
 class ActivationQuantExperts(_QuantizedExperts):
-    """Fused routed experts whose gate_up and down inputs are fake-quantized per token row."""
+    """Fused routed experts whose gate_up and down inputs, rounded to bf16, are fake-quantized per
+    token row."""
 
     def __init__(self, experts: nn.Module, activation: TensorFn) -> None:
         super().__init__(experts)
         self.activation = activation
 
     def _linear(self, x: Tensor, weight: Tensor) -> Tensor:
-        return F.linear(self.activation(x), weight.to(x.dtype))
+        return F.linear(self.activation(engine_precision_input(x)), weight.to(x.dtype))
 
 
 class Fp8GemmLinear(nn.Module):
