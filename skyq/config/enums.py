@@ -114,6 +114,16 @@ class TransportKind(_Choice):
     cuda_ipc = "cuda_ipc"
 
 
+class ComputeDtype(_Choice):
+    """The dtype the native trainer's forward and backward compute in (master weights stay fp32)."""
+
+    fp32 = "fp32"
+    """Effective weights and activations in fp32."""
+    bf16 = "bf16"
+    """Effective weights cast to bf16, so activations, norms and the residual stream are bf16 as in
+    the rollout engine; gradients reach the fp32 master through the cast."""
+
+
 class Fp8Gemm(_Choice):
     """How the native trainer runs the GEMMs of FP8 blockwise linears."""
 

@@ -11,6 +11,7 @@ from typing import Optional
 
 from skyq.config.enums import (
     ArithOp,
+    ComputeDtype,
     Device,
     Fp8Gemm,
     Fp8Recipe,
@@ -247,6 +248,8 @@ class TrainerConfig:
     """Trainer backend."""
     micro_batch_size: int = 128
     """Sequences per forward/backward micro-batch."""
+    compute_dtype: ComputeDtype = ComputeDtype.bf16
+    """Torch trainer forward/backward dtype: bf16 (the rollout engine's activations, so trainer and engine compute the same function; fp32 master weights and optimizer) or fp32."""
     fp8_gemm: Fp8Gemm = Fp8Gemm.off
     """precision=fp8_blockwise, torch trainer: off (fake quant, fp32 GEMMs), auto (cuBLAS blockwise FP8 GEMMs on SM90, else off), emulated."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

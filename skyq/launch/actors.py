@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from skyq.checkpoint.atomic import atomic_write_bytes
-from skyq.config.enums import Fp8Gemm
+from skyq.config.enums import ComputeDtype, Fp8Gemm
 from skyq.config.resolve import WorkerResolution, resolve_worker
 from skyq.config.schema import AlgorithmConfig, ModelConfig, OptimizerConfig, PrecisionConfig
 from skyq.quant.plan import build_plan
@@ -55,6 +55,7 @@ class TrainerWorker:
         seed: int,
         temperature: float,
         fp8_gemm: Fp8Gemm = Fp8Gemm.off,
+        compute_dtype: ComputeDtype = ComputeDtype.fp32,
     ) -> None:
         torch.manual_seed(seed)
         self.trainer = NativeTrainer(
@@ -69,6 +70,7 @@ class TrainerWorker:
             # log-probs of the policy the engine samples from (logits / rollout.temperature)
             temperature=temperature,
             fp8_gemm=fp8_gemm,
+            compute_dtype=compute_dtype,
         )
         self.plan = build_plan(model_cfg, precision_cfg)
         self.serialize = plan_serializer(get_strategy(precision_cfg), self.plan)

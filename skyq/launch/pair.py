@@ -54,6 +54,7 @@ class PairSpec:
             # log-probs of the policy the engine samples from (logits / rollout.temperature)
             "temperature": self.rollout.temperature,
             "fp8_gemm": self.trainer.fp8_gemm,
+            "compute_dtype": self.trainer.compute_dtype,
         }
 
     def engine_kwargs(self) -> dict[str, Any]:

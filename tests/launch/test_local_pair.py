@@ -143,3 +143,73 @@ def test_trainer_fp8_gemm_reaches_the_trainer(base_overrides):
         assert any(isinstance(m, Fp8GemmLinear | Fp8GemmExperts) for m in trainer.model.modules())
     finally:
         pair.shutdown()
+
+
+def _score_both_sides(pair, cfg):
+    """(trainer log-probs, engine teacher-forced log-probs, response mask) of sequences the engine sampled."""
+    from skyq.rl.batch import collate
+    from skyq.rl.tasks import build_task
+
+    pair.sync(1)
+    task = build_task(cfg.task, seed=cfg.seed)
+    prompts = [p.token_ids for p in task.prompts(0, 6)]
+    samples = pair.generate(prompts, n=2, max_new_tokens=cfg.task.max_response_length,
+                            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, seed=0)  # fmt: skip
+    seqs = collate(samples, [0.0] * len(samples), group_size=2, normalize_std=False,
+                   pad_token_id=task.tokenizer.eos_token_id)  # fmt: skip
+    trainer = pair.trainer.trainer.logprobs(seqs.input_ids, seqs.attention_mask)
+    engine = pair.engine.score(seqs.input_ids, seqs.attention_mask, cfg.rollout.temperature)
+    return trainer, engine, seqs.response_mask.bool()
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8_blockwise", "mxfp8", "int4_qat"])
+def test_bf16_trainer_scores_exactly_what_the_engine_computes(base_overrides, precision):
+    """trainer.compute_dtype=bf16 (the default): with bit-identical weights on both sides, the trainer's
+    log-probs of sampled sequences equal the engine's teacher-forced ones bit for bit on the CPU (the
+    same function in the same dtype); an fp32 trainer differs (activation rounding flips)."""
+    results = {}
+    for dtype in ("bf16", "fp32"):
+        overrides = [*base_overrides, IN_PROCESS, f"precision={precision}", "precision.emulate=true",
+                     f"trainer.compute_dtype={dtype}"]  # fmt: skip
+        cfg, _ = compose_config(overrides)
+        pair = _pair(overrides)
+        try:
+            assert pair.trainer.trainer.compute_dtype == getattr(
+                torch, {"bf16": "bfloat16", "fp32": "float32"}[dtype]
+            )
+            results[dtype] = _score_both_sides(pair, cfg)
+        finally:
+            pair.shutdown()
+    trainer, engine, mask = results["bf16"]
+    assert mask.sum() > 0
+    assert torch.equal(trainer[mask], engine[mask])
+    trainer32, engine32, mask32 = results["fp32"]
+    assert (trainer32[mask32] - engine32[mask32]).abs().max() > 0
+
+
+def test_bf16_trainer_updates_fp32_master_weights(base_overrides):
+    """A bf16-compute train step: gradients reach the fp32 master through the cast; it moves and stays fp32."""
+    overrides = [*base_overrides, IN_PROCESS, "precision=fp8_blockwise", "trainer.compute_dtype=bf16"]
+    cfg, _ = compose_config(overrides)
+    pair = _pair(overrides)
+    try:
+        trainer = pair.trainer.trainer
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        from skyq.rl.batch import collate
+        from skyq.rl.tasks import build_task
+
+        pair.sync(1)
+        task = build_task(cfg.task, seed=cfg.seed)
+        samples = pair.generate([p.token_ids for p in task.prompts(0, 4)], n=4,
+                                max_new_tokens=cfg.task.max_response_length, temperature=1.0, top_p=1.0, seed=0)  # fmt: skip
+        rewards = [float(i % 2) for i in range(len(samples))]
+        batch = collate(
+            samples, rewards, group_size=4, normalize_std=False, pad_token_id=task.tokenizer.eos_token_id
+        )
+        metrics = trainer.train_step(batch)
+        assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values() if isinstance(v, float))
+        after = dict(trainer.model.named_parameters())
+        assert all(p.dtype == torch.float32 for p in after.values())
+        assert any(not torch.equal(before[n], p.detach()) for n, p in after.items())
+    finally:
+        pair.shutdown()

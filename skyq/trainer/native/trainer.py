@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from skyq.config.enums import Fp8Gemm, ISCorrection
+from skyq.config.enums import ComputeDtype, Fp8Gemm, ISCorrection
 from skyq.config.schema import AlgorithmConfig, ModelConfig, OptimizerConfig, PrecisionConfig
 from skyq.quant.kernels import dispatch
 from skyq.quant.layouts import experts as expert_layout
@@ -90,10 +90,13 @@ class NativeTrainer:
         seed: int,
         temperature: float = 1.0,
         fp8_gemm: Fp8Gemm = Fp8Gemm.off,
+        compute_dtype: ComputeDtype = ComputeDtype.fp32,
     ) -> None:
         """`temperature`: the rollout sampling temperature; log-probs are scored at it (the policy
         the engine actually sampled from), so ratios and mismatch compare like with like.
-        `fp8_gemm`: `trainer.fp8_gemm` (FP8 blockwise linears as FP8 GEMMs; see precision.py)."""
+        `fp8_gemm`: `trainer.fp8_gemm` (FP8 blockwise linears as FP8 GEMMs; see precision.py).
+        `compute_dtype`: `trainer.compute_dtype`; bf16 runs every forward/backward on the effective
+        weights cast to bf16 (the engine's numerics), the master weights and optimizer stay fp32."""
         if micro_batch_size <= 0:
             raise ValueError(f"trainer.micro_batch_size={micro_batch_size} must be positive")
         if temperature <= 0:
@@ -107,6 +110,10 @@ class NativeTrainer:
         self.layout = get_layout(model_cfg.family)
         self.strategy = get_strategy(precision_cfg)
         self.model = load_model(checkpoint_path, model_cfg, dtype=torch.float32).to(self.device)
+        self.compute_dtype = (
+            torch.bfloat16 if ComputeDtype(compute_dtype) is ComputeDtype.bf16 else torch.float32
+        )
+        """The dtype of the forward's weights (so of its activations); the master stays fp32."""
         self.fp8_gemm = resolve_fp8_gemm(Fp8Gemm(fp8_gemm), self.device)
         """None: fake quant; False: cuBLAS blockwise FP8 GEMMs; True: their fp32 emulation."""
         self.activation_quantized = quantize_activations(
@@ -200,6 +207,11 @@ class NativeTrainer:
     # compute ------------------------------------------------------------------------------------
 
     def _forward(self, params: dict[str, Tensor]) -> Callable[..., Any]:
+        """The model call on `params`, cast to the compute dtype (differentiable: the gradient
+        reaches the fp32 master through the cast). Effective weights are bf16 values already, so
+        the bf16 cast is exact and the forward sees exactly the weights the engine holds."""
+        if self.compute_dtype != torch.float32:
+            params = {name: value.to(self.compute_dtype) for name, value in params.items()}
         return lambda **kwargs: torch.func.functional_call(self.model, params, args=(), kwargs=kwargs)
 
     @torch.no_grad()
