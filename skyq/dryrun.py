@@ -7,7 +7,7 @@ packing alignment each GPU generation would resolve to (the driver never guesses
 
 from __future__ import annotations
 
-from skyq.config.enums import Device, Precision, RolloutBackend
+from skyq.config.enums import ComputeDtype, Device, Precision, RolloutBackend, TrainerBackend
 from skyq.config.resolve import packing_alignment, resolve_worker
 from skyq.config.schema import TrainConfig
 from skyq.config.validate import ValidationReport, num_engines, trainer_dp
@@ -25,6 +25,7 @@ def render_plan(cfg: TrainConfig, report: ValidationReport) -> str:
         f"skyq dry run: model={cfg.model.name} precision={cfg.precision.name.value} topology={cfg.topology.name} "
         f"trainer={cfg.trainer.backend.value} rollout={cfg.rollout.backend.value} task={cfg.task.name.value}",
         _placement(cfg),
+        *_trainer_numerics(cfg),
         plan.summary(),
         _sync_bytes(plan),
         _memory(cfg, plan),
@@ -57,6 +58,22 @@ def _placement(cfg: TrainConfig) -> str:
         f"  sync: {where}",
     ]
     return "\n".join(lines)
+
+
+def _trainer_numerics(cfg: TrainConfig) -> list[str]:
+    """The torch trainer's compute dtype: bf16 is the engine's, so both sides compute the same function."""
+    if cfg.trainer.backend is not TrainerBackend.torch:
+        return []
+    t = cfg.trainer
+    same = (
+        "the rollout engine's activation dtype (lowest train/rollout mismatch)"
+        if t.compute_dtype is ComputeDtype.bf16
+        else "more precise than the engine's bf16: expect a larger train/rollout mismatch"
+    )
+    return [
+        f"trainer numerics: forward/backward in {t.compute_dtype.value}, {same}; fp32 master weights and AdamW "
+        f"state; fp8_gemm={t.fp8_gemm.value}"
+    ]
 
 
 def _sync_bytes(plan: QuantPlan) -> str:

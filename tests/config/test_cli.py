@@ -74,3 +74,13 @@ def test_a_big_model_on_the_cpu_topology_is_refused_before_anything_starts(tmp_p
     assert out.returncode == 2 and "30.5B parameters" in out.stderr and "dry_run=true" in out.stderr
     kimi = _run("-m", "skyq.train", "model=kimi_k26", "topology=1gpu", f"output_root={tmp_path}")
     assert kimi.returncode == 2 and "qwen3_moe models only" in kimi.stderr
+
+
+def test_dry_run_says_what_the_trainer_computes_in(tmp_path):
+    for dtype, needle in (("bf16", "the rollout engine's activation dtype"), ("fp32", "expect a larger")):
+        out = _run(
+            "-m", "skyq.train", "dry_run=true", f"trainer.compute_dtype={dtype}", f"output_root={tmp_path}"
+        )
+        assert out.returncode == 0, out.stderr
+        line = next(x for x in out.stdout.splitlines() if x.startswith("trainer numerics:"))
+        assert f"forward/backward in {dtype}," in line and needle in line
