@@ -125,7 +125,8 @@ def test_default_run_improves_reward_and_writes_its_run_dir(default_run):
     assert default_run.reward_last == pytest.approx(sum(rewards[-10:]) / 10)
     assert len({r["sync/bytes"] for r in rows}) == 1 and rows[0]["sync/bytes"] > 0
     assert all(r[f"sync/{p}_s"] >= 0 for r in rows for p in ("gather", "quantize", "transfer", "load"))
-    assert all(0 < r["mismatch/mean_abs_dlogp"] < 0.5 for r in rows)
+    # >= 0: the bf16 trainer computes the engine's function, so a step can match it exactly
+    assert all(0 <= r["mismatch/mean_abs_dlogp"] < 0.5 for r in rows)
     assert (run_dir / PLOT_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     saved = json.loads((run_dir / CONFIG_JSON).read_text())
     assert saved["config"]["precision"]["name"] == "fp8_blockwise"
