@@ -20,6 +20,7 @@ from skyq.config.enums import Device, ModelFamily, RolloutBackend, TrainerBacken
 from skyq.config.schema import TrainConfig
 from skyq.config.store import register, strict
 from skyq.config.validate import ConfigValidationError, validate
+from skyq.launch.guards import MismatchError
 
 register()
 
@@ -150,6 +151,9 @@ def main(cfg: DictConfig) -> None:
     except (ConfigValidationError, HardwareMissingError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except MismatchError as exc:  # the run stopped itself; its run dir holds the evidence
+        print(f"error: run {run_dir} stopped: {exc}", file=sys.stderr)
+        sys.exit(1)
     finally:
         if run_dir.is_dir() and not any(run_dir.iterdir()):
             run_dir.rmdir()  # a dry run or a refused config leaves no empty run directory behind

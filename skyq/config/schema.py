@@ -292,6 +292,10 @@ class AlgorithmConfig:
     """icepop: tokens with ratio below this are masked."""
     is_high: float = 2.0
     """icepop: tokens with ratio above this are masked."""
+    max_mismatch: float = 0.5
+    """Stop the run when the train/rollout mismatch (mean abs logp difference per token) exceeds this for mismatch_patience consecutive steps (0 = never); healthy runs sit at 0.0002-0.01."""
+    mismatch_patience: int = 3
+    """Consecutive steps over algorithm.max_mismatch before the run stops."""
 
 
 @dataclass

@@ -241,6 +241,11 @@ def _algorithm_errors(cfg: TrainConfig) -> list[str]:
         errors.append(
             f"algorithm.kl_coef={a.kl_coef} needs a reference model: set checkpoint.ref_load (a BF16 checkpoint)."
         )
+    if a.max_mismatch < 0 or a.mismatch_patience < 1:
+        errors.append(
+            f"algorithm.max_mismatch={a.max_mismatch}, mismatch_patience={a.mismatch_patience}: need "
+            "max_mismatch >= 0 (0 turns the guard off) and mismatch_patience >= 1."
+        )
     if not 0 < a.is_low < 1 < a.is_high or a.is_cap < 1:
         errors.append(
             f"algorithm.is_low={a.is_low}, is_high={a.is_high}, is_cap={a.is_cap}: need 0 < is_low < 1 < is_high "

@@ -31,6 +31,7 @@ from skyq.config.schema import (
     TrainerConfig,
 )
 from skyq.launch.checkpointing import checkpoint_root, latest_checkpoint
+from skyq.launch.guards import MismatchGuard
 from skyq.launch.metrics import MetricsLogger, keep_rows_before, read_metrics
 from skyq.launch.pair import PairSpec, WorkerPair
 from skyq.launch.placement import describe, placement_for
@@ -302,6 +303,7 @@ def _loop(
     wandb_config: dict[str, Any],
 ) -> None:
     interval = checkpoint.save_interval
+    guard = MismatchGuard(algorithm.max_mismatch, algorithm.mismatch_patience)
     with MetricsLogger(
         run_dir / METRICS_FILE,
         logger_cfg=logger,
@@ -315,6 +317,7 @@ def _loop(
             row = run_step(pair, task, step, algorithm=algorithm, task_cfg=task_cfg, rollout=rollout,
                            seed=seed, verify_sync=step == start_step)  # fmt: skip
             metrics.log(row)
+            guard.observe(step, row["mismatch/mean_abs_dlogp"])  # before a checkpoint could save it
             last = step + 1 == algorithm.num_steps
             if last or (interval > 0 and (step + 1) % interval == 0):
                 pair.save_checkpoint(ckpt_root, next_step=step + 1, seed=seed)
