@@ -364,6 +364,8 @@ class CheckpointConfig:
     """Where trainer checkpoints go (None = <run dir>/checkpoints)."""
     save_interval: int = 20
     """Save a checkpoint every N steps (0 = only at the end)."""
+    async_save: bool = True
+    """Write trainer.pt in the background from a CPU snapshot while the run goes on (false: block)."""
     cache_dir: str = ".skyq_cache"
     """Where skyq keeps tiny checkpoints it builds itself."""
 

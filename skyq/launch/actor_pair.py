@@ -83,6 +83,9 @@ class ActorPair(WorkerPair):
         actor = self.trainer if side == "trainer" else self.engine
         return ray.get(getattr(actor, method).remote(*args, **kwargs))
 
+    def _describe_worker_error(self, exc: BaseException) -> str:
+        return _describe(exc)
+
     def shutdown(self) -> None:
         for actor in (self.trainer, self.engine):
             ray.kill(actor)

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
+import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from skyq.checkpoint.atomic import atomic_write_bytes
+from skyq.checkpoint.atomic import atomic_replace
 from skyq.config.enums import ComputeDtype, Fp8Gemm
 from skyq.config.resolve import WorkerResolution, resolve_worker
 from skyq.config.schema import AlgorithmConfig, ModelConfig, OptimizerConfig, PrecisionConfig
+from skyq.launch.checkpointing import RunCheckpointError
 from skyq.quant.plan import build_plan
 from skyq.quant.strategies import get_strategy
 from skyq.rl.batch import RolloutBatch, Sample
@@ -125,16 +128,53 @@ class TrainerWorker:
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         return self.trainer.train_step(batch)
 
+    _saving: _BackgroundSave | None = None
+    """The background save in flight (`start_save_state`), if any."""
+
+    def snapshot_state(self) -> dict[str, Any]:
+        """What a checkpoint holds, copied to CPU memory now: weights, optimizer, step and RNG state.
+
+        `NativeTrainer.state_dict` clones; tensors on a GPU are then copied to the host, so the
+        snapshot needs no device memory while it is written and training cannot change it."""
+        return {"trainer": _to_cpu(self.trainer.state_dict()), "rng": {"torch": torch.get_rng_state()}}
+
     def save_state(self, path: str) -> str:
-        """Write weights, optimizer and RNG state to `path` (crash-safe); returns its sha256."""
-        buffer = io.BytesIO()
-        torch.save({"trainer": self.trainer.state_dict(), "rng": {"torch": torch.get_rng_state()}}, buffer)
-        data = buffer.getvalue()
-        atomic_write_bytes(Path(path), data)
-        return hashlib.sha256(data).hexdigest()
+        """Write weights, optimizer and RNG state to `path` (crash-safe) now; returns its sha256."""
+        self._refuse_while_saving("save_state")
+        return write_trainer_state(Path(path), self.snapshot_state())
+
+    def start_save_state(self, path: str) -> None:
+        """Snapshot the state now and write it to `path` on a background thread; returns at once.
+
+        The file is what `save_state` would have written at this moment. `wait_save_state` gives its
+        sha256 (or the write's error); one background save at a time."""
+        self._refuse_while_saving("start_save_state")
+        self._saving = _BackgroundSave(Path(path), self.snapshot_state())
+
+    def wait_save_state(self) -> str:
+        """Wait for the background save; returns the sha256 of the file as written, or raises
+        `RunCheckpointError` naming the file and the error."""
+        saving, self._saving = self._saving, None
+        if saving is None:
+            raise RuntimeError("wait_save_state: no background save in flight (start_save_state first)")
+        return saving.result()
+
+    def drop_save_state(self) -> None:
+        """Let a background save end and forget it (its temp file is removed on error)."""
+        saving, self._saving = self._saving, None
+        if saving is not None:
+            saving.thread.join()
+
+    def _refuse_while_saving(self, what: str) -> None:
+        saving = self._saving
+        if saving is not None:
+            raise RuntimeError(
+                f"{what}: a background save to {saving.path} is in flight; wait_save_state first"
+            )
 
     def load_state(self, path: str) -> int:
         """Restore what `save_state` wrote (the caller verified its sha256); returns the trainer's step."""
+        self._refuse_while_saving("load_state")
         # weights_only: a checkpoint is data, never code.
         state = torch.load(path, map_location=self.trainer.device, weights_only=True)
         self.trainer.load_state_dict(state["trainer"])
@@ -144,6 +184,77 @@ class TrainerWorker:
     def close(self) -> None:
         if self._channel is not None:
             self._channel.close()
+
+
+def _to_cpu(obj: Any) -> Any:
+    """`obj` with every tensor on the CPU (tensors already there are kept, not copied again)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu")
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_to_cpu(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_to_cpu(v) for v in obj)
+    return obj
+
+
+class _HashingFile:
+    """A write-only stream for `torch.save` that hashes the bytes as they go to `file`."""
+
+    def __init__(self, file: io.BufferedWriter) -> None:
+        self._file = file
+        self.digest = hashlib.sha256()
+
+    def write(self, data: bytes | memoryview) -> int:
+        written = self._file.write(data)  # a buffered write takes all of it or raises
+        self.digest.update(data)
+        return written
+
+    def flush(self) -> None:
+        self._file.flush()
+
+
+def write_trainer_state(path: Path, state: dict[str, Any]) -> str:
+    """`torch.save` of `state` to `path` via temp + fsync + rename, hashed while it is written (no
+    in-memory copy of the file); returns the sha256 of the bytes written."""
+    with atomic_replace(path) as tmp, open(tmp, "wb") as f:
+        stream = _HashingFile(f)
+        torch.save(state, stream)
+        f.flush()
+        os.fsync(f.fileno())
+    return stream.digest.hexdigest()
+
+
+class _BackgroundSave:
+    """One `write_trainer_state` on a daemon thread; the snapshot is dropped once it is written."""
+
+    def __init__(self, path: Path, state: dict[str, Any]) -> None:
+        self.path = path
+        self._state: dict[str, Any] | None = state
+        self._sha256: str | None = None
+        self._error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="skyq-checkpoint-write", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            assert self._state is not None
+            self._sha256 = write_trainer_state(self.path, self._state)
+        except BaseException as exc:  # handed to the caller of `result`
+            self._error = exc
+        finally:
+            self._state = None
+
+    def result(self) -> str:
+        self.thread.join()
+        if self._error is not None:
+            raise RunCheckpointError(
+                f"{self.path}: writing the trainer state in the background failed: "
+                f"{type(self._error).__name__}: {self._error}"
+            ) from self._error
+        assert self._sha256 is not None
+        return self._sha256
 
 
 class EngineWorker:

@@ -7,6 +7,10 @@ A checkpoint is assembled in a hidden temp directory, every file fsynced, then r
 so a `step_*` directory is always complete; a kill at any moment leaves the previous one intact.
 The newest verified one is what a resume continues from. The last `KEEP` are kept.
 
+A save is either synchronous (`save_run_checkpoint`) or split in three around a trainer that writes
+trainer.pt in the background (`begin_run_checkpoint` -> the trainer writes -> `finish_run_checkpoint`,
+or `abort_run_checkpoint` if the write failed); until it is finished only the temp directory exists.
+
 Versions: the weights saved after step s (s+1 updates) are weight version s+2 — the version the
 next step syncs before its rollouts — so a resume re-syncs the engine at the saved version first.
 """
@@ -61,22 +65,35 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def save_run_checkpoint(
-    root: Path, *, next_step: int, seed: int, write_trainer: Callable[[Path], str]
-) -> Path:
-    """Write a checkpoint for `next_step`; `write_trainer(path)` writes trainer.pt durably and returns its sha256."""
+def begin_run_checkpoint(root: Path, next_step: int) -> Path:
+    """The hidden temp directory a checkpoint for `next_step` is assembled in (trainer.pt goes there).
+
+    Removes temp directories left by a run killed mid-save; only one save is in flight at a time, so
+    none of them can still be in use."""
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(f"{_TEMP_PREFIX}*"):
-        shutil.rmtree(stale, ignore_errors=True)  # left by a run killed mid-save
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f"{_TEMP_PREFIX}{next_step:06d}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
+    return tmp
+
+
+def abort_run_checkpoint(tmp: Path) -> None:
+    """Drop a checkpoint that will not be finished; the previous ones stay as they are."""
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def finish_run_checkpoint(root: Path, tmp: Path, *, next_step: int, seed: int, trainer_sha256: str) -> Path:
+    """Complete the checkpoint in `tmp` (trainer.pt written, `trainer_sha256` its digest as written):
+    check the bytes on disk, write run_state.json, rename into place, keep the last `KEEP`."""
     try:
-        sha = write_trainer(tmp / TRAINER_STATE)
-        if sha256_file(tmp / TRAINER_STATE) != sha:  # read back what is on disk before trusting it
+        if sha256_file(tmp / TRAINER_STATE) != trainer_sha256:  # read back what is on disk before trusting it
             raise RunCheckpointError(
                 f"{tmp / TRAINER_STATE}: bytes on disk differ from what the trainer wrote"
             )
-        state = RunState(next_step=next_step, weight_version=next_step + 1, seed=seed, trainer_sha256=sha)
+        state = RunState(
+            next_step=next_step, weight_version=next_step + 1, seed=seed, trainer_sha256=trainer_sha256
+        )
         atomic_write_json(tmp / RUN_STATE, {"format": STATE_FORMAT, **asdict(state)})
         fsync_dir(tmp)
         final = root / f"{_PREFIX}{next_step:06d}"
@@ -90,6 +107,19 @@ def save_run_checkpoint(
     for old in _step_dirs(root)[:-KEEP]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def save_run_checkpoint(
+    root: Path, *, next_step: int, seed: int, write_trainer: Callable[[Path], str]
+) -> Path:
+    """Write a checkpoint for `next_step`; `write_trainer(path)` writes trainer.pt durably and returns its sha256."""
+    tmp = begin_run_checkpoint(root, next_step)
+    try:
+        sha = write_trainer(tmp / TRAINER_STATE)
+    except BaseException:
+        abort_run_checkpoint(tmp)
+        raise
+    return finish_run_checkpoint(root, tmp, next_step=next_step, seed=seed, trainer_sha256=sha)
 
 
 def _step_dirs(root: Path) -> list[Path]:

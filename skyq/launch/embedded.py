@@ -312,12 +312,25 @@ def _loop(
         num_steps=algorithm.num_steps,
         start_step=start_step,
     ) as metrics:
-        for step in range(start_step, algorithm.num_steps):
-            # The first sync of every session (fresh or resumed) is checked bit for bit.
-            row = run_step(pair, task, step, algorithm=algorithm, task_cfg=task_cfg, rollout=rollout,
-                           seed=seed, verify_sync=step == start_step)  # fmt: skip
-            metrics.log(row)
-            guard.observe(step, row["mismatch/mean_abs_dlogp"])  # before a checkpoint could save it
-            last = step + 1 == algorithm.num_steps
-            if last or (interval > 0 and (step + 1) % interval == 0):
-                pair.save_checkpoint(ckpt_root, next_step=step + 1, seed=seed)
+        try:
+            for step in range(start_step, algorithm.num_steps):
+                # The first sync of every session (fresh or resumed) is checked bit for bit.
+                row = run_step(pair, task, step, algorithm=algorithm, task_cfg=task_cfg, rollout=rollout,
+                               seed=seed, verify_sync=step == start_step)  # fmt: skip
+                metrics.log(row)
+                guard.observe(step, row["mismatch/mean_abs_dlogp"])  # before a checkpoint could save it
+                last = step + 1 == algorithm.num_steps
+                if last or (interval > 0 and (step + 1) % interval == 0):
+                    if checkpoint.async_save:  # snapshot now, written while the next steps run
+                        pair.start_checkpoint(ckpt_root, next_step=step + 1, seed=seed)
+                    else:
+                        pair.save_checkpoint(ckpt_root, next_step=step + 1, seed=seed)
+        except BaseException as exc:
+            # A run that fails still completes the checkpoint it began (as a synchronous save
+            # would have); only a kill leaves just its hidden temp dir.
+            try:
+                pair.finish_checkpoint()
+            except Exception as unsaved:
+                exc.add_note(f"also: {unsaved}")
+            raise
+        pair.finish_checkpoint()  # the end of the run: its last checkpoint is complete on return

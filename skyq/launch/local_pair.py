@@ -85,6 +85,8 @@ class LocalPair(WorkerPair):
         return metrics
 
     def shutdown(self) -> None:
+        if self.trainer is not None:
+            self.trainer.drop_save_state()  # no checkpoint writer outlives the pair
         for worker in (self.trainer, self.engine):
             if worker is not None:
                 worker.close()

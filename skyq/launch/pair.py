@@ -21,7 +21,15 @@ from skyq.config.schema import (
     TrainerConfig,
     WeightSyncConfig,
 )
-from skyq.launch.checkpointing import TRAINER_STATE, RunState, save_run_checkpoint
+from skyq.launch.checkpointing import (
+    TRAINER_STATE,
+    RunCheckpointError,
+    RunState,
+    abort_run_checkpoint,
+    begin_run_checkpoint,
+    finish_run_checkpoint,
+    save_run_checkpoint,
+)
 from skyq.launch.placement import Placement
 from skyq.rl.batch import RolloutBatch, Sample
 from skyq.sync.errors import SyncError
@@ -67,6 +75,16 @@ class PairSpec:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class _PendingCheckpoint:
+    """A checkpoint begun by `WorkerPair.start_checkpoint`: its temp dir and what finishing needs."""
+
+    root: Path
+    tmp: Path
+    next_step: int
+    seed: int
+
+
 class WorkerPair(ABC):
     """A trainer worker and an engine worker (`skyq.launch.actors`), wherever they live."""
 
@@ -103,7 +121,12 @@ class WorkerPair(ABC):
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         return self._call("trainer", "train_step", batch)
 
+    _pending: _PendingCheckpoint | None = None
+    """The asynchronous checkpoint whose trainer.pt is being written, if any (one at a time)."""
+
     def save_checkpoint(self, root: Path, *, next_step: int, seed: int) -> Path:
+        """Write a complete checkpoint now (`checkpoint.async_save=false`)."""
+        self.finish_checkpoint()
         return save_run_checkpoint(
             root,
             next_step=next_step,
@@ -111,8 +134,46 @@ class WorkerPair(ABC):
             write_trainer=lambda path: self._call("trainer", "save_state", str(path)),
         )
 
+    def start_checkpoint(self, root: Path, *, next_step: int, seed: int) -> None:
+        """Begin a checkpoint of the trainer's state as it is now; its trainer.pt is written in the
+        background while the run goes on, and `finish_checkpoint` completes it. The previous
+        asynchronous one is finished first."""
+        self.finish_checkpoint()
+        tmp = begin_run_checkpoint(root, next_step)
+        try:
+            self._call("trainer", "start_save_state", str(tmp / TRAINER_STATE))
+        except BaseException:
+            abort_run_checkpoint(tmp)
+            raise
+        self._pending = _PendingCheckpoint(root=root, tmp=tmp, next_step=next_step, seed=seed)
+
+    def finish_checkpoint(self) -> Path | None:
+        """Complete the checkpoint `start_checkpoint` began (waiting for its trainer.pt); returns its
+        directory, or None if none was in flight. A failed write raises `RunCheckpointError` naming
+        the file and the error; the checkpoints before it are left as they were."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        try:
+            sha = self._call("trainer", "wait_save_state")
+        except Exception as exc:
+            abort_run_checkpoint(pending.tmp)
+            raise RunCheckpointError(
+                f"the checkpoint of step {pending.next_step} was not saved: {self._describe_worker_error(exc)}. "
+                f"The run stops rather than go on without checkpoints; the earlier ones under {pending.root} "
+                "are intact (resume continues from the newest)"
+            ) from exc
+        return finish_run_checkpoint(
+            pending.root, pending.tmp, next_step=pending.next_step, seed=pending.seed, trainer_sha256=sha
+        )
+
+    def _describe_worker_error(self, exc: BaseException) -> str:
+        """One line for an error a worker call raised."""
+        return describe_error(exc)
+
     def restore(self, checkpoint_dir: Path, state: RunState) -> None:
         """Load the trainer state of a verified checkpoint (the engine is re-synced by the next sync)."""
+        self.finish_checkpoint()
         trainer_step = self._call("trainer", "load_state", str(checkpoint_dir / TRAINER_STATE))
         if trainer_step != state.next_step:
             raise SyncError(

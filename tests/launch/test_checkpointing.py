@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import hashlib
+import io
 
 import pytest
+import torch
 
+from skyq.launch.actors import _BackgroundSave, write_trainer_state
 from skyq.launch.checkpointing import (
     RUN_STATE,
     TRAINER_STATE,
     RunCheckpointError,
+    abort_run_checkpoint,
+    begin_run_checkpoint,
+    finish_run_checkpoint,
     latest_checkpoint,
     save_run_checkpoint,
+    sha256_file,
 )
 
 
@@ -75,3 +82,52 @@ def test_no_checkpoint_gives_a_clear_error(tmp_path):
     (path / RUN_STATE).write_text('{"format": "other"}')
     with pytest.raises(RunCheckpointError, match="not a skyq-run-checkpoint/1 file"):
         latest_checkpoint(tmp_path)
+
+
+def test_a_checkpoint_in_three_parts_is_invisible_until_finished(tmp_path):
+    """The asynchronous save: begin (temp dir), the trainer writes in the background, finish."""
+    save_run_checkpoint(tmp_path, next_step=2, seed=0, write_trainer=fake_trainer(b"two"))
+    tmp = begin_run_checkpoint(tmp_path, 4)
+    assert tmp.parent == tmp_path and tmp.name.startswith(".tmp-step_000004-")
+    sha = fake_trainer(b"four")(tmp / TRAINER_STATE)
+    assert latest_checkpoint(tmp_path)[1].next_step == 2  # a write in flight is not a checkpoint
+    final = finish_run_checkpoint(tmp_path, tmp, next_step=4, seed=0, trainer_sha256=sha)
+    assert final.name == "step_000004" and not tmp.exists()
+    assert latest_checkpoint(tmp_path)[1].next_step == 4
+    # A failed write is dropped; the checkpoints before it stay.
+    tmp = begin_run_checkpoint(tmp_path, 6)
+    abort_run_checkpoint(tmp)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000002", "step_000004"]
+    # Finishing checks the bytes on disk against the digest taken while writing.
+    tmp = begin_run_checkpoint(tmp_path, 6)
+    (tmp / TRAINER_STATE).write_bytes(b"six")
+    with pytest.raises(RunCheckpointError, match="differ from what the trainer wrote"):
+        finish_run_checkpoint(
+            tmp_path, tmp, next_step=6, seed=0, trainer_sha256=hashlib.sha256(b"sIx").hexdigest()
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000002", "step_000004"]
+
+
+def test_trainer_state_is_hashed_as_it_is_written(tmp_path):
+    state = {
+        "trainer": {"w": torch.arange(6.0).reshape(2, 3), "step": 3},
+        "rng": {"torch": torch.get_rng_state()},
+    }
+    sha = write_trainer_state(tmp_path / TRAINER_STATE, state)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)  # what the synchronous save wrote before
+    assert (tmp_path / TRAINER_STATE).read_bytes() == buffer.getvalue()
+    assert sha == hashlib.sha256(buffer.getvalue()).hexdigest() == sha256_file(tmp_path / TRAINER_STATE)
+    assert [p.name for p in tmp_path.iterdir()] == [TRAINER_STATE]  # no temp file left
+
+
+def test_a_background_write_that_fails_names_the_file(tmp_path):
+    target = tmp_path / "gone" / TRAINER_STATE
+    saving = _BackgroundSave(target, {"w": torch.zeros(3)})
+    with pytest.raises(
+        RunCheckpointError,
+        match=r"gone/trainer\.pt: writing the trainer state in the background failed: FileNotFoundError",
+    ):
+        saving.result()
+    ok = _BackgroundSave(tmp_path / TRAINER_STATE, {"w": torch.zeros(3)})
+    assert ok.result() == sha256_file(tmp_path / TRAINER_STATE)
