@@ -62,18 +62,19 @@ def test_an_engine_that_drops_weight_pushes_stops_the_run(base_overrides, tmp_pa
 
     monkeypatch.setattr(EmbeddedEngine, "load_weights", drop_after_first)
     run_dir = tmp_path / "run"
-    overrides = [*base_overrides, IN_PROCESS, "algorithm.num_steps=12", "checkpoint.save_interval=4"]
-    with pytest.raises(
-        MismatchError, match=r"above algorithm.max_mismatch=0.5 for 3 consecutive steps"
-    ) as info:
+    # Measured here: 0 at step 0 (the checked push), then 0.57-2.2 from step 1; a limit of 0.2 keeps the
+    # test off the exact values (which move with the CPU's kernels) while a healthy run sits at ~0.
+    overrides = [*base_overrides, IN_PROCESS, "algorithm.num_steps=12", "checkpoint.save_interval=6",
+                 "algorithm.max_mismatch=0.2"]  # fmt: skip
+    with pytest.raises(MismatchError, match=r"above algorithm.max_mismatch=0.2 for 3 consecutive") as info:
         run(overrides, run_dir)
-    assert "step 1: " in str(info.value) and "weight sync" in str(info.value)
+    assert "weight sync" in str(info.value)
     rows = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]  # stopped at the third bad step, rows kept
-    assert rows[0]["mismatch/mean_abs_dlogp"] < 0.05 and all(
-        r["mismatch/mean_abs_dlogp"] > 0.5 for r in rows[1:]
-    )
-    assert not checkpoint_root(run_dir, None).exists()  # no checkpoint of the broken state (interval 4)
+    mismatch = [r["mismatch/mean_abs_dlogp"] for r in rows]
+    assert mismatch[0] < 0.05  # the first push is applied (and checked bit for bit)
+    assert 4 <= len(rows) <= 6 and all(m > 0.2 for m in mismatch[-3:])  # third bad step in a row
+    assert f"step {rows[-1]['step']}: " in str(info.value)  # the rows up to the stop are kept
+    assert not checkpoint_root(run_dir, None).exists()  # no checkpoint of the broken state (interval 6)
 
 
 def test_train_exits_1_and_says_why_when_the_guard_trips(tmp_path, cache_dir):
