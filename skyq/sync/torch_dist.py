@@ -100,6 +100,11 @@ class TorchDistChannel:
             kind = SyncTimeout if "imeout" in str(exc) or "imed out" in str(exc) else SyncError
             raise kind(f"{what}: transfer between trainer and engine failed: {exc}") from exc
 
+    def broadcast(self, t: Tensor, root: int) -> None:
+        """A plain broadcast of `t` from rank `root` on the channel's group (no frame header): the
+        baseline the sync benchmarks compare against."""
+        self._broadcast(t, root, f"broadcast of {t.numel() * t.element_size()} bytes")
+
     def send_frame(self, payload: Tensor) -> None:
         payload = payload.reshape(-1).to(self.device)
         header = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
