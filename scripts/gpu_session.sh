@@ -4,7 +4,7 @@
 #   scripts/gpu_session.sh bench    # M2 sync, M5 mismatch, M3 linear, M4 decode, M1 quantizers (~6 min)
 #   scripts/gpu_session.sh tests-a  # first half of the GPU tests (quant kernels)
 #   scripts/gpu_session.sh tests-b  # the rest (engine, gemv, fp8 linear, converters on the GPU)
-#   scripts/gpu_session.sh nccl     # two GPUs: the NCCL sync check and a 2-GPU run (topology=2gpu)
+#   scripts/gpu_session.sh nccl     # two GPUs: NCCL check, sync benchmark over NCCL, a 2-GPU run (~6 min)
 # Each step has its own time limit, so one hang costs that step, not the call; the last lines of every
 # log are printed at the end (the call's output tail) and the whole logs come back from $OUT.
 set -u
@@ -36,9 +36,12 @@ case "${1:-}" in
     tails="gpu_tests_b:passed"
     ;;
   nccl)
-    step nccl_check 180 python3 -m tests.sync.nccl_check
-    step run_2gpu 360 python3 -m skyq.train model=small_moe topology=2gpu algorithm.num_steps=12 logger.progress_bar=false
-    tails="nccl_check:. run_2gpu:run"
+    step nccl_check 120 python3 -m tests.sync.nccl_check
+    step sync_nccl 240 python3 benchmarks/sync_nccl.py --layers 2 --repeats 5
+    step run_2gpu 300 python3 -m skyq.train recipe=small_moe_fp8_blockwise_1gpu topology=2gpu \
+      algorithm.num_steps=24 logger.progress_bar=false output_root=/tmp/runs_2gpu
+    cp /tmp/runs_2gpu/*/metrics.jsonl "$out/run_2gpu_metrics.jsonl" 2>/dev/null
+    tails="nccl_check:. sync_nccl:M2|GB|format run_2gpu:run|reward|step"
     ;;
   *)
     echo "usage: $0 bench|tests-a|tests-b|nccl" >&2
