@@ -1,9 +1,12 @@
 """The FP8 weight-only decode linear and the batched finite checks, on the CPU.
 
 The reference path (`x.float() @ dequantize(q, s, float32).T`) is what `fp8_weight_only_linear`
-runs without CUDA; the Triton kernel is checked against it under the Triton interpreter when
-Triton is importable (skipped in CI, which has no Triton). The interpreter check runs this file
-as a script in a subprocess, because TRITON_INTERPRET must be set before `@triton.jit` runs.
+runs without CUDA. The Triton kernel multiplies by the bf16-dequantized weight, as the trainer
+does; under the Triton interpreter (where Triton is importable; skipped in CI, which has no Triton)
+it is checked against `x.float() @ dequantize(q, s, bfloat16).float().T`: bit for bit where
+summation order cannot matter, and within fp32 summation noise of it elsewhere. The interpreter
+check runs this file as a script in a subprocess, because TRITON_INTERPRET must be set before
+`@triton.jit` runs.
 """
 
 from __future__ import annotations
@@ -37,11 +40,20 @@ def _quantized_weight(gen: torch.Generator, n: int, k: int, block=(128, 128)):
     return fp8_blockwise.quantize(w, block_size=block)
 
 
+def bf16_weight_product(
+    x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`x.float() @ W.float().T`, `|x| @ |W|^T`) for the trainer's weight W = dequantize(q, s, bf16)."""
+    w = fp8_blockwise.dequantize(q, s, block_size=block, dtype=torch.bfloat16).float()
+    return x.float() @ w.T, x.float().abs() @ w.abs().T
+
+
 def within_tolerance(got: torch.Tensor, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block) -> bool:
-    """|got - ref| <= 2^-8 |ref| (one rounding to bf16) + 1e-5 (|x| @ |W|^T) (fp32 reassociation)."""
-    w = fp8_blockwise.dequantize(q, s, block_size=block, dtype=torch.float32)
-    ref = x.float() @ w.T
-    bound = ref.abs() * 2.0**-8 + 1e-5 * (x.float().abs() @ w.abs().T)
+    """|got - ref| <= 2^-8 |ref| (got rounded to bf16) + 2^-18 (|x| @ |W|^T) (fp32 summation order),
+    ref the product with the bf16-dequantized weight. The fp32-scaled weight (the kernel's former
+    numerics) is ~2e-4 (|x| @ |W|^T) away at its worst, so the second term does not admit it."""
+    ref, mag = bf16_weight_product(x, q, s, block)
+    bound = ref.abs() * (2.0**-8 if got.dtype == torch.bfloat16 else 0.0) + 2.0**-18 * mag
     return bool(((got.float() - ref).abs() <= bound).all())
 
 
@@ -161,8 +173,24 @@ def _interpreter_main() -> None:
         x[:, :: max(1, k // 7)] *= 1e4
         x = x.to(torch.bfloat16)
         got = triton_fp8_gemv.linear(x, q, s, block_size=block, config=config)
+        # fp32 activations (bf16 values) give the fp32 accumulator itself, before any rounding
+        got32 = triton_fp8_gemv.linear(x.float(), q, s, block_size=block, config=config)
         if got.shape != (m, n) or not within_tolerance(got, x, q, s, block):
-            failures.append((m, n, k, block, config))
+            failures.append(("bf16 out", m, n, k, block, config))
+        if not within_tolerance(got32, x, q, s, block):
+            failures.append(("fp32 out", m, n, k, block, config))
+        # two nonzero activations per row: every summation order gives fl(a + b), so the kernel's
+        # sums equal the reference's bit for bit iff its weights are bf16(fp32(q) * s)
+        x2 = torch.zeros(m, k)
+        for row in range(m):
+            cols = torch.randperm(k, generator=gen)[:2]
+            x2[row, cols] = torch.randint(0, 2, (2,), generator=gen).float() * 2 - 1
+        ref = bf16_weight_product(x2, q, s, block)[0]
+        for xi in (x2.to(torch.bfloat16), x2):
+            if not torch.equal(
+                triton_fp8_gemv.linear(xi, q, s, block_size=block, config=config), ref.to(xi.dtype)
+            ):
+                failures.append(("two-term exact", xi.dtype, m, n, k, block, config))
     if failures:
         print("interpreter: gemv FAILED", failures)
         sys.exit(1)

@@ -3,15 +3,21 @@
 Decode multiplies a few rows of activations (M <= 64) by the whole weight, so it is bound by the
 weight bytes: reading 1 B per weight instead of bf16's 2 B is what makes it up to 2x faster. The
 weight is dequantized in registers, never written out. The product is computed as y^T = W x^T
-("swap-AB"): a BN x TK tile of e4m3 codes, widened to bf16 (exact: every e4m3 value is a bf16
-value, converted through fp32, see the kernel), is the MMA's first operand straight from registers, and the few activation rows are its
-second (N = 16..64), so a batch of one wastes no weight bytes and no tile goes back through shared
-memory. Products are exact in fp32 and accumulate in fp32; each TK = block_k slice's partial sum
-is multiplied by its block scale before it joins the accumulator.
+("swap-AB"): a BN x TK tile of weights is the MMA's first operand straight from registers, and the
+few activation rows are its second (N = 16..64), so a batch of one wastes no weight bytes and no
+tile goes back through shared memory.
 
-That is the reference `x.float() @ dequantize(q, s, float32).T` reassociated: per block,
-`sum(x * q) * s` instead of `sum(x * (q * s))`, an fp32 rounding difference (~1e-7 relative per
-block), far below the final rounding to x's dtype. The GPU test bounds it.
+Numerics: each weight is dequantized exactly as `fp8_blockwise.dequantize(q, s, dtype=bfloat16)`
+does, the weight the trainer and the engine's prefill path (`F.linear` on the dequantized bf16
+weight) multiply by: the e4m3 code widened to fp32 (exact), times its block's fp32 scale_inv in
+fp32, rounded to bf16 (round to nearest even). Products of bf16 weights and bf16 activations are
+exact in fp32 and accumulate in fp32, so the result is `x.float() @ dequantize(q, s,
+bfloat16).float().T` up to fp32 summation order (tiles, MMA, split-K), then one rounding to x's
+dtype: the same value a bf16 GEMM with fp32 accumulation gives on that weight, not always the same
+bits. The GPU tests bound the difference from both. (The kernel used to scale each tile's fp32
+partial sum instead, `sum(x * q) * s`: one multiply per output rather than per weight, but without
+the bf16 rounding of `q * s` that the trainer's weight has, the suspected cause of fp8's remaining
+train/rollout mismatch in docs/benchmarks.md, M5; issue #6.)
 
 When too few output tiles exist to fill the GPU, K is split across programs. Each writes an fp32
 partial and bumps a per-tile arrival counter; the last program to arrive sums the partials in
@@ -58,8 +64,8 @@ def _gemv_kernel(
     BM: tl.constexpr, BN: tl.constexpr, TK: tl.constexpr, SPLIT: tl.constexpr, TILES: tl.constexpr,
     PDL: tl.constexpr,
 ):  # fmt: skip
-    """acc[n, m] = sum over this split's K range, in TK-column tiles, of q[n, k] * x[m, k] *
-    s[n // BLK_N, k // BLK_K] (TK divides BLK_K: one scale per row per tile). SPLIT == 1 writes
+    """acc[n, m] = sum over this split's K range, in TK-column tiles, of bf16(q[n, k] *
+    s[n // BLK_N, k // BLK_K]) * x[m, k] (TK divides BLK_K: one scale per row per tile). SPLIT == 1 writes
     y[m, n]; else partial p[split, m, n] and the last program of the tile reduces. TILES: a power of
     two >= the split's K tiles (k_per_split / TK), the width of the scale columns loaded up front.
     PDL: launched as a programmatic dependent launch: the weight and scale lines are prefetched into
@@ -99,12 +105,12 @@ def _gemv_kernel(
         k_ok = rk < K
         codes = tl.load(q_rows + rk[None, :] * sqk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         xt = tl.load(x_cols + rk[:, None] * sxk, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
-        # e4m3 -> fp16 -> fp32 -> bf16: every step exact, and full-rate instructions; Triton's direct
-        # e4m3 -> bf16 goes through a slow fp16 -> bf16 conversion (0.7-0.9x in the H200 sweep)
-        w = codes.to(tl.float32).to(tl.bfloat16)
-        part = tl.dot(w, xt.to(tl.bfloat16), out_dtype=tl.float32)
         s = tl.sum(tl.where(ti[None, :] == t // TK, s_all, 0.0), axis=1)  # exact: one nonzero term
-        acc += part * s[:, None]
+        # bf16(fp32(q) * s), `fp8_blockwise.dequantize`'s rounding, so the MMA multiplies the very
+        # bf16 weight the trainer does. e4m3 -> fp32 is exact (through fp16: full-rate instructions,
+        # where Triton's direct e4m3 -> bf16 was 0.7-0.9x in the H200 sweep).
+        w = (codes.to(tl.float32) * s[:, None]).to(tl.bfloat16)
+        acc = tl.dot(w, xt.to(tl.bfloat16), acc)
     out_mask = n_ok[:, None] & m_ok[None, :]
     out_off = rm[None, :].to(tl.int64) * sym + rn[:, None] * syn
     if SPLIT == 1:
