@@ -112,7 +112,7 @@ if __name__ == "__main__":
     report = main()
     print(torch.cuda.get_device_name(0), torch.__version__)
     print(f"{len(report['expected'][0][0])} small wire fixtures bit-identical on", report["receiver"][0][1])
-    for (version, _, nbytes, total_s, verify), (_, _, _, recv_s) in zip(
+    for (version, _, nbytes, total_s, verify), (_, _, recv_s) in zip(
         report["sender"], report["receiver-big"]
     ):
         print(
