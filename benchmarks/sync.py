@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import threading
 import time
+from collections import Counter
 
 import torch
 
@@ -241,24 +243,90 @@ def finite_check_cost(gen: torch.Generator, n: int = 384) -> tuple[float, float]
     return out[0], out[1]
 
 
-def main() -> None:
+HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::item",
+              "aten::_local_scalar_dense", "cudaMemcpyAsync", "cudaLaunchKernel")  # fmt: skip
+
+
+def profile_steady(fmt: str, model_cfg: ModelConfig, gen: torch.Generator, device: torch.device) -> dict:
+    """One steady-state sync of `fmt` (after a warm-up and a first sync of the same pair) under
+    torch.profiler (CPU, and CUDA on a GPU) and a Python call counter over every thread. Prints the
+    top ops by self CPU time and returns the wall time, host-wait counts and Python calls."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    precision = PrecisionConfig(name=Precision(fmt))
+    plan = build_plan(model_cfg, precision)
+    strategy = get_strategy(precision)
+    trainer = Trainer(plan, gen, device)
+    engine = {w.name: torch.empty(w.shape, dtype=w.dtype, device=device) for p in plan for w in p.wire}
+    pair = Pair(plan, strategy, engine, device)
+    for version in (1, 2, 3):
+        trainer.flip()
+        pair.sync(trainer.weights(), version)
+    calls = Counter()
+
+    def count(frame, event, arg) -> None:
+        if event == "call":
+            calls[threading.current_thread().name == "MainThread"] += 1
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    trainer.flip()
+    synchronize(device)
+    with profile(activities=activities) as prof:
+        threading.setprofile(count)
+        sys.setprofile(count)
+        start = time.perf_counter()
+        st = pair.sync(trainer.weights(), 4)
+        wall = time.perf_counter() - start
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+    assert not st.full_manifest
+    events = prof.key_averages()
+    waits = {name: 0 for name in HOST_WAITS}
+    for e in events:
+        if e.key in waits:
+            waits[e.key] += e.count
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"\n--- profile: one steady {fmt} sync, {wall * 1e3:.1f} ms wall, {st.num_tensors} wire tensors, "
+          f"{st.num_buckets} buckets; quantize {st.quantize_s * 1e3:.1f} transfer {st.transfer_s * 1e3:.1f} "
+          f"load {st.load_s * 1e3:.1f} ms")  # fmt: skip
+    print(events.table(sort_by="self_cpu_time_total", row_limit=15))
+    if device.type == "cuda":
+        print(events.table(sort_by=sort, row_limit=10))
+    aten = sum(e.count for e in events if e.key.startswith("aten::"))
+    cuda_s = sum(e.self_device_time_total for e in events if e.device_type != DeviceType.CPU) / 1e6
+    print("host waits: " + ", ".join(f"{k} {v}" for k, v in waits.items()))
+    print(f"aten op calls {aten}, self CPU {sum(e.self_cpu_time_total for e in events) / 1e3:.1f} ms, "
+          f"device time {cuda_s * 1e3:.1f} ms")  # fmt: skip
+    print(f"python calls: main (sender) {calls[True]}, receiver thread {calls[False]}")
+    return {"wall": wall, "waits": waits, "calls": calls[True] + calls[False], "aten_ops": aten}
+
+
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3, help="first syncs and steady-state syncs, each")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--hidden", type=int, default=2048, help="smaller on CPU: fewer bytes, as many tensors")
     ap.add_argument("--expert-width", type=int, default=768)
-    args = ap.parse_args()
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of the table: profile one steady bf16 and one fp8_blockwise sync (host waits, calls)",
+    )
+    args = ap.parse_args(argv)
     dev = torch.device(args.device)
     device = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     print(f"device {device}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, layers {args.layers}")
     gen = torch.Generator().manual_seed(0)
+    model_cfg = model_config(args.layers, args.hidden, args.expert_width)
+    if args.profile:
+        return {fmt: profile_steady(fmt, model_cfg, gen, dev) for fmt in ("bf16", "fp8_blockwise")}
     if dev.type == "cuda":
         pc, dc = finite_check_cost(gen)
         print(
             f"fp8 quantize of 384 expert tensors: per-call checks {pc * 1e3:.1f} ms, deferred {dc * 1e3:.1f} ms"
         )
-    model_cfg = model_config(args.layers, args.hidden, args.expert_width)
     print(
         "\nsteady state (same layout); first = a fresh sender/receiver pair (full manifest), medians\n"
         "format         first s   steady s [min-max]        GB    tensors buckets  gather  quantize  transfer  load"
@@ -275,6 +343,7 @@ def main() -> None:
         for fmt in FORMATS[1:]:
             r = results[fmt][key]
             print(f"M2 sync time {kind:<6} {fmt:<14} {r:8.3f}   {base:16.3f}  {r / base:5.2f}  {device}")
+    return results
 
 
 if __name__ == "__main__":
