@@ -27,6 +27,7 @@ Cost: about a minute on two H200s for 2 layers (results in docs/benchmarks.md, "
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import sys
@@ -38,8 +39,19 @@ for _key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DI
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sync import FORMATS, Trainer, model_config  # noqa: E402
+
+def _sibling(name: str):
+    """benchmarks/<name>.py by path (a plain `import sync` can find another module of that name)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"skyq_benchmarks_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_sync_bench = _sibling("sync")
+FORMATS, Trainer, model_config = _sync_bench.FORMATS, _sync_bench.Trainer, _sync_bench.model_config
 
 from skyq.config.enums import Precision  # noqa: E402
 from skyq.config.schema import PrecisionConfig, WeightSyncConfig  # noqa: E402
