@@ -1,6 +1,6 @@
 """The FP8 weight-only decode linear and the batched finite checks, on the CPU.
 
-The reference path (`x.float() @ dequantize(q, s, float32).T`) is what `fp8_weight_only_linear`
+The reference path (`x.float() @ dequantize(q, s, bfloat16).float().T`) is what `fp8_weight_only_linear`
 runs without CUDA. The Triton kernel multiplies by the bf16-dequantized weight, as the trainer
 does; under the Triton interpreter (where Triton is importable; skipped in CI, which has no Triton)
 it is checked against `x.float() @ dequantize(q, s, bfloat16).float().T`: bit for bit where
@@ -57,11 +57,11 @@ def within_tolerance(got: torch.Tensor, x: torch.Tensor, q: torch.Tensor, s: tor
     return bool(((got.float() - ref).abs() <= bound).all())
 
 
-def test_reference_path_is_the_fp32_product_of_the_dequantized_weight(gen):
+def test_reference_path_is_the_fp32_product_of_the_bf16_dequantized_weight(gen):
     q, s = _quantized_weight(gen, 300, 260)
     x = torch.randn(3, 5, 260, generator=gen).to(torch.bfloat16)
     got = dispatch.fp8_weight_only_linear(x, q, s)
-    ref = (x.float() @ fp8_blockwise.dequantize(q, s, dtype=torch.float32).T).to(torch.bfloat16)
+    ref = (x.float() @ fp8_blockwise.dequantize(q, s, dtype=torch.bfloat16).float().T).to(torch.bfloat16)
     assert got.shape == (3, 5, 300) and got.dtype == torch.bfloat16
     assert torch.equal(got, ref)
 

@@ -238,11 +238,12 @@ def check_finite_stack_deferred(stack: Tensor, names: Sequence[str]) -> None:
 def fp8_weight_only_linear_reference(
     x: Tensor, q: Tensor, scale_inv: Tensor, *, block_size: tuple[int, int] = (128, 128)
 ) -> Tensor:
-    """`x.float() @ fp8_blockwise.dequantize(q, scale_inv, float32).T`, cast to x's dtype."""
+    """`x.float() @ fp8_blockwise.dequantize(q, scale_inv, bfloat16).float().T`, cast to x's dtype:
+    the weight the trainer and the engine's prefill use, bf16(fp32(q) * s), as the kernel does."""
     w = fp8_blockwise.dequantize(
-        q, scale_inv, block_size=block_size, dtype=torch.float32, name="fp8 linear weight"
+        q, scale_inv, block_size=block_size, dtype=torch.bfloat16, name="fp8 linear weight"
     )
-    return (x.float() @ w.T).to(x.dtype)
+    return (x.float() @ w.float().T).to(x.dtype)
 
 
 def _check_linear_args(x: Tensor, q: Tensor, scale_inv: Tensor, block_size: Sequence[int]) -> None:
@@ -269,7 +270,8 @@ def fp8_weight_only_linear(
 ) -> Tensor:
     """Decode linear `x [..., K] @ dequant(q e4m3 [N, K], weight_scale_inv fp32)^T -> [..., N]` in
     x's dtype. On CUDA a Triton kernel dequantizes in registers (no dequantized weight in memory,
-    no host sync; meant for M <= 64 rows, correct for any M); elsewhere the fp32 reference."""
+    no host sync; meant for M <= 64 rows, correct for any M); elsewhere the reference (the same
+    bf16 weight, fp32 products and sums)."""
     _check_linear_args(x, q, scale_inv, block_size)
     if uses_kernel(x) and q.is_cuda and scale_inv.is_cuda and x.dtype == torch.bfloat16:
         from skyq.quant.kernels import triton_fp8_gemv as kernels
