@@ -87,7 +87,8 @@ def _plan(fmt: str, args):
 
 def plain_broadcast(channel: TorchDistChannel, nbytes: int, bucket: int, device, repeats: int) -> float:
     """Median seconds to broadcast rank 0's `nbytes` (rank 1 passes anything: it learns the number
-    first) in `bucket`-byte pieces, each timing ended by rank 1's one-element acknowledgement."""
+    first) in `bucket`-byte pieces, enqueued without host waits, each timing ended by rank 1's
+    one-element acknowledgement (which both hosts wait for)."""
     size = torch.tensor([nbytes], dtype=torch.int64, device=device)
     channel.broadcast(size, SENDER_RANK)
     nbytes = int(size.item())
@@ -100,7 +101,7 @@ def plain_broadcast(channel: TorchDistChannel, nbytes: int, bucket: int, device,
         left = nbytes
         while left > 0:
             n = min(bucket, left)
-            channel.broadcast(buf[:n], SENDER_RANK)
+            channel.broadcast(buf[:n], SENDER_RANK, host_waits=False)
             left -= n
         channel.broadcast(ack, RECEIVER_RANK)
         _synchronize(device)

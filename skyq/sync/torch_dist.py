@@ -88,16 +88,23 @@ class TorchDistChannel:
                 "Did the other actor join? (rollout.weight_sync.timeout_s)"
             ) from exc
 
-    def _broadcast(self, t: Tensor, root: int, what: str) -> None:
+    def _broadcast(self, t: Tensor, root: int, what: str, *, host_waits: bool = True) -> None:
+        """Broadcast `t` from `root`. On the GPU the host waits (polling, with the deadline) only when
+        `host_waits`; otherwise the collective is ordered before the current stream's later work and
+        the host goes on: the sender enqueues its frames and meets the deadline at the engine's
+        answer, which it must wait for. Gloo always waits, with the deadline."""
         if self._group is None:
             raise SyncError(f"{what}: the weight-sync channel (rank {self.rank}) is closed")
         opts = dist.BroadcastOptions()
         opts.rootRank = root
         try:
             work = self._group.broadcast([t], opts)
-            if self.device.type == "cuda":
+            if self.device.type != "cuda":
+                work.wait(self._timeout)
+                return
+            if host_waits:
                 self._await(work, what)
-            work.wait(self._timeout)
+            work.wait()  # the current stream waits for the collective; the host does not
         except (RuntimeError, dist.DistError) as exc:
             # gloo reports both a peer that closed its socket and a passed deadline as RuntimeError.
             kind = SyncTimeout if "imeout" in str(exc) or "imed out" in str(exc) else SyncError
@@ -119,17 +126,19 @@ class TorchDistChannel:
             # yield for the first 2 ms (a bucket's time), then sleep in 50 us steps
             time.sleep(0 if now - start < 2e-3 else 5e-5)
 
-    def broadcast(self, t: Tensor, root: int) -> None:
+    def broadcast(self, t: Tensor, root: int, *, host_waits: bool = True) -> None:
         """A plain broadcast of `t` from rank `root` on the channel's group (no frame header): the
         baseline the sync benchmarks compare against."""
-        self._broadcast(t, root, f"broadcast of {t.numel() * t.element_size()} bytes")
+        self._broadcast(t, root, f"broadcast of {t.numel() * t.element_size()} bytes", host_waits=host_waits)
 
     def send_frame(self, payload: Tensor) -> None:
         payload = payload.reshape(-1).to(self.device)
         header = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
-        self._broadcast(header, self.rank, "frame header")
+        self._broadcast(header, self.rank, "frame header", host_waits=False)
         if payload.numel():
-            self._broadcast(payload.contiguous(), self.rank, f"frame of {payload.numel()} bytes")
+            self._broadcast(
+                payload.contiguous(), self.rank, f"frame of {payload.numel()} bytes", host_waits=False
+            )
 
     def recv_frame(self, max_bytes: int, what: str) -> Tensor:
         header = torch.zeros(1, dtype=torch.int64, device=self.device)
