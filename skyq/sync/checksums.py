@@ -116,21 +116,46 @@ def checksum_algorithm(checksum: str) -> str:
     return algorithm
 
 
+class PendingChecksums:
+    """Bucket checksums with the device-side wsum64 sums launched but not read yet, so a caller can
+    queue more device work (or read other device values with them, `read(extra=...)`) before the
+    one host read per device that waits for it. blake2b (host memory) is computed at once."""
+
+    def __init__(self, bufs: Sequence[Tensor], algorithms: Sequence[str | None] | None = None) -> None:
+        algos = [None] * len(bufs) if algorithms is None else list(algorithms)
+        if len(algos) != len(bufs):
+            raise SyncRefused(f"{len(algos)} checksum algorithms for {len(bufs)} buckets")
+        self._sizes = [buf.numel() for buf in bufs]
+        self._out: list[str | None] = [None] * len(bufs)
+        self._pending: dict[torch.device, list[tuple[int, Tensor]]] = {}
+        for i, (buf, algorithm) in enumerate(zip(bufs, algos)):
+            if (algorithm or (BLAKE2B if buf.device.type == "cpu" else WSUM64)) == WSUM64:
+                self._pending.setdefault(buf.device, []).append((i, _wsum64_sums(buf, CHUNK_BYTES)))
+            else:
+                self._out[i] = bucket_checksum(buf, algorithm)
+
+    def read(self, extra: Tensor | None = None) -> tuple[list[str], list[int]]:
+        """(the checksums in bucket order, the values of `extra`: a 1-D integer or bool tensor read in
+        the same host transfer as the sums on its device, or on its own if it has none)."""
+        extra_values: list[int] = []
+        if extra is not None and extra.device not in self._pending:
+            extra_values = extra.to(torch.int64).tolist()
+        for device, sums in self._pending.items():
+            values = torch.stack([s for _, s in sums]).reshape(-1)
+            tail = 0
+            if extra is not None and extra.device == device:
+                values = torch.cat([values, extra.to(torch.int64)])
+                tail = extra.numel()
+            flat = values.tolist()
+            if tail:
+                flat, extra_values = flat[:-tail], flat[-tail:]
+            for k, (i, _) in enumerate(sums):
+                self._out[i] = f"{WSUM64}:{_wsum64_digest(self._sizes[i], flat[2 * k], flat[2 * k + 1])}"
+        self._pending = {}
+        return [c for c in self._out if c is not None], extra_values
+
+
 def bucket_checksums(bufs: Sequence[Tensor], algorithms: Sequence[str | None] | None = None) -> list[str]:
     """`bucket_checksum` of every buffer, with the device-side sums of all wsum64 buffers read back
     in one host transfer per device (not one per bucket: each read waits for the device)."""
-    algos = [None] * len(bufs) if algorithms is None else list(algorithms)
-    if len(algos) != len(bufs):
-        raise SyncRefused(f"{len(algos)} checksum algorithms for {len(bufs)} buckets")
-    out: list[str | None] = [None] * len(bufs)
-    pending: dict[torch.device, list[tuple[int, Tensor]]] = {}
-    for i, (buf, algorithm) in enumerate(zip(bufs, algos)):
-        if (algorithm or (BLAKE2B if buf.device.type == "cpu" else WSUM64)) == WSUM64:
-            pending.setdefault(buf.device, []).append((i, _wsum64_sums(buf, CHUNK_BYTES)))
-        else:
-            out[i] = bucket_checksum(buf, algorithm)
-    for sums in pending.values():
-        values = torch.stack([s for _, s in sums]).tolist()
-        for (i, _), (plain, weighted) in zip(sums, values):
-            out[i] = f"{WSUM64}:{_wsum64_digest(bufs[i].numel(), plain, weighted)}"
-    return [c for c in out if c is not None]
+    return PendingChecksums(bufs, algorithms).read()[0]

@@ -18,12 +18,13 @@ import torch
 from torch import Tensor
 
 from skyq.sync.channel import Channel, recv_json_bytes, send_json
-from skyq.sync.checksums import bucket_checksums, checksum_algorithm
+from skyq.sync.checksums import PendingChecksums, checksum_algorithm
 from skyq.sync.errors import SyncError, SyncRefused
 from skyq.sync.layout import ReceiverLayout, SameLayout, no_layout_refusal
 from skyq.sync.manifest import SyncManifest, parse_message_json
-from skyq.sync.values import check_received_values, spans_look_valid
+from skyq.sync.values import check_received_values, span_flags
 from skyq.sync.wire_dtypes import dtype_name
+from skyq.sync.wire_state import WireState
 
 Commit = Callable[[dict[str, Tensor], int], None]
 """Installs a verified wire state dict as the given weight version (atomic on the engine side)."""
@@ -143,14 +144,7 @@ class WeightReceiver:
         ]
         received = time.perf_counter()
         try:
-            self._verify_frames(frames, layout, checksums, version)
-            wire = layout.unpack(frames)
-            if len(wire) != layout.num_tensors:
-                raise SyncError(
-                    f"weight version {version}: placed {len(wire)} of {layout.num_tensors} tensors"
-                )
-            if not spans_look_valid(frames, layout.spans):
-                check_received_values(wire)
+            wire = self._verify(frames, layout, checksums, version)
             commit(wire, version)
         except SyncError as exc:
             self._ack("commit", version, error=str(exc))
@@ -173,26 +167,45 @@ class WeightReceiver:
             load_s=load_s,
         )
 
-    def _verify_frames(
+    def _verify(
         self, frames: Sequence[Tensor], layout: ReceiverLayout, checksums: Sequence[str], version: int
-    ) -> None:
-        """Refuse a frame of the wrong size, or (when enabled) whose checksum differs."""
+    ) -> WireState:
+        """The frames as a `WireState`, refused if a frame has the wrong size, (when enabled) its
+        checksum differs, or a value is non-finite / a NaN code. The device work of the checksums
+        and the value checks is queued first and read back in one host transfer, and the commit's
+        word views are made while the device runs it."""
         for i, (frame, nbytes) in enumerate(zip(frames, layout.bucket_nbytes)):
             if frame.dtype != torch.uint8 or frame.ndim != 1 or frame.numel() != nbytes:
                 raise SyncRefused(
                     f"weight version {version}, bucket {i}: received {frame.numel()} bytes ({frame.dtype}), "
                     f"the layout says {nbytes}"
                 )
-        if not self._verify_checksum:
-            return
-        got = bucket_checksums(frames, [checksum_algorithm(c) for c in checksums])
-        for i, (have, want) in enumerate(zip(got, checksums)):
-            if have != want:
-                names = ", ".join(r.names[0] for r in layout.runs[i][:3])
-                raise SyncRefused(
-                    f"weight version {version}: bucket {i} (holding {names}, ...) arrived corrupted: "
-                    f"checksum {have} != manifest {want}"
-                )
+        pending = (
+            PendingChecksums(frames, [checksum_algorithm(c) for c in checksums])
+            if self._verify_checksum
+            else None
+        )
+        flags = span_flags(frames, layout.spans)
+        wire = layout.unpack(frames)
+        if len(wire) != layout.num_tensors:
+            raise SyncError(f"weight version {version}: placed {len(wire)} of {layout.num_tensors} tensors")
+        if frames and frames[0].device.type != "cpu":
+            wire.word_runs()  # host work that overlaps the queued device work (cached for the commit)
+        if pending is None:
+            bad = flags is not None and bool(flags.any())
+        else:
+            got, flag_values = pending.read(extra=flags)
+            bad = any(flag_values)
+            for i, (have, want) in enumerate(zip(got, checksums)):
+                if have != want:
+                    names = ", ".join(r.names[0] for r in layout.runs[i][:3])
+                    raise SyncRefused(
+                        f"weight version {version}: bucket {i} (holding {names}, ...) arrived corrupted: "
+                        f"checksum {have} != manifest {want}"
+                    )
+        if bad:
+            check_received_values(wire)
+        return wire
 
     def _ack(
         self,

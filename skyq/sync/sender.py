@@ -25,7 +25,7 @@ from skyq.quant.kernels.dispatch import (
 )
 from skyq.sync.buckets import WireStack, WireUnit
 from skyq.sync.channel import Channel, recv_json, send_bytes, send_json
-from skyq.sync.checksums import bucket_checksums
+from skyq.sync.checksums import PendingChecksums
 from skyq.sync.errors import SyncError, SyncRefused
 from skyq.sync.layout import SameLayout, SenderLayout, WireItem, expand_units, item_signature
 from skyq.sync.values import FLOATS
@@ -224,17 +224,27 @@ class WeightSender:
         """Send `weights` (HF name, full-precision tensor; or names and a stack of them) as weight
         version `version`."""
         start = time.perf_counter()
-        items, gather_s, quantize_s = build_items(weights, self._serialize, version)
-        transfer_start = time.perf_counter()
-        cached, self._layout = self._layout, None  # set again only once the engine committed
-        full = cached is None or cached.signature != item_signature(items)
-        if full:
-            check_unique_names(items)
-            layout = SenderLayout.build(items, bucket_bytes=self._bucket_bytes, version=version)
-        else:
-            layout = cached
-        bufs = layout.pack(items)
-        checksums = bucket_checksums(bufs)
+        try:
+            with deferred_finite_checks():
+                items, gather_s, quantize_s = _build_items(weights, self._serialize, version)
+                transfer_start = time.perf_counter()
+                cached = self._layout
+                full = cached is None or cached.signature != item_signature(items)
+                if full:
+                    check_unique_names(items)
+                    layout = SenderLayout.build(items, bucket_bytes=self._bucket_bytes, version=version)
+                else:
+                    layout = cached
+                # Packing and the checksum sums are queued on the device before the finite checks
+                # are read: leaving the scope waits once for all of it, and nothing is sent before.
+                bufs = layout.pack(items)
+                pending = PendingChecksums(bufs)
+        except QuantizationError as exc:
+            raise SyncRefused(
+                f"weight sync of version {version} refused before sending anything: {exc}"
+            ) from exc
+        self._layout = None  # set again only once the engine committed
+        checksums = pending.read()[0]
         if full:
             manifest = layout.manifest(version, checksums)
             manifest.validate()

@@ -64,9 +64,11 @@ def _bad(flat: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.isfinite(flat.sum(dtype=acc)).logical_not()
 
 
-def spans_look_valid(frames: Sequence[Tensor], spans: Sequence[Sequence[Span]]) -> bool:
-    """True when no span of any frame holds a non-finite float sum or an e4m3 NaN code."""
-    flags: dict[torch.device, list[Tensor]] = {}
+def span_flags(frames: Sequence[Tensor], spans: Sequence[Sequence[Span]]) -> Tensor | None:
+    """One bool per span of every frame, True where the span holds a non-finite float sum or an
+    e4m3 NaN code, on the first frame's device and not read (None when there is no span): device
+    work only, so the caller can read it together with other device values."""
+    flags: list[Tensor] = []
     for frame, bucket_spans in zip(frames, spans):
         for start, end, dtype in bucket_spans:
             raw = frame[start:end]
@@ -75,8 +77,14 @@ def spans_look_valid(frames: Sequence[Tensor], spans: Sequence[Sequence[Span]]) 
                 if dtype == torch.float8_e4m3fn
                 else view_bytes(raw, dtype, (raw.numel() // dtype.itemsize,))
             )
-            flags.setdefault(frame.device, []).append(_bad(values, dtype).reshape(1))
-    return not any(bool(torch.cat(f).any()) for f in flags.values())
+            flags.append(_bad(values, dtype).reshape(1).to(frames[0].device))
+    return torch.cat(flags) if flags else None
+
+
+def spans_look_valid(frames: Sequence[Tensor], spans: Sequence[Sequence[Span]]) -> bool:
+    """True when no span of any frame holds a non-finite float sum or an e4m3 NaN code."""
+    flags = span_flags(frames, spans)
+    return flags is None or not bool(flags.any())
 
 
 def check_received_values(wire: dict[str, Tensor]) -> None:

@@ -27,7 +27,7 @@ class WireState(Mapping[str, Tensor]):
     a whole run at a time (views into the frames, one `unbind` per run): a commit that copies
     `word_runs()` makes no typed view at all."""
 
-    __slots__ = ("_frames", "_runs", "_index", "_views", "layout")
+    __slots__ = ("_frames", "_runs", "_index", "_views", "_words", "layout")
 
     def __init__(
         self,
@@ -42,6 +42,7 @@ class WireState(Mapping[str, Tensor]):
         self._index = index
         """Name -> (bucket, run, member), in byte order (`wire_index`)."""
         self._views: dict[tuple[int, int], Sequence[Tensor]] = {}
+        self._words: list[WordRun] | None = None
         self.layout = layout
         """The digest of the layout the frames follow: equal digests, equal runs."""
 
@@ -63,11 +64,14 @@ class WireState(Mapping[str, Tensor]):
 
     def word_runs(self) -> list[WordRun]:
         """The tensors (of more than 0 bytes, not bool) as flat integer-word views of their bytes, run
-        by run (`byte_runs.word_runs`): the same bytes as the typed views."""
-        out: list[WordRun] = []
-        for frame, runs in zip(self._frames, self._runs, strict=True):
-            out.extend(word_runs(frame, runs))
-        return out
+        by run (`byte_runs.word_runs`): the same bytes as the typed views. Made once, then kept (the
+        receiver makes them while the device verifies the frames)."""
+        if self._words is None:
+            out: list[WordRun] = []
+            for frame, runs in zip(self._frames, self._runs, strict=True):
+                out.extend(word_runs(frame, runs))
+            self._words = out
+        return self._words
 
 
 def wire_index(runs: Sequence[Sequence[Run]]) -> dict[str, tuple[int, int, int]]:
