@@ -12,7 +12,7 @@ bf16 side: `F.linear` (cuBLAS). FP8 side: `dispatch.fp8_weight_only_linear` (Tri
 in registers). One decode step of each side is captured in a CUDA graph and replayed, so launch
 overhead is equal and small. tokens/s = batch / step time; medians over repeats with the spread.
 
-    python benchmarks/decode.py [--layers 8] [--repeats 15]
+    python benchmarks/decode.py [--layers 8] [--repeats 15] [--fused]
 """
 
 from __future__ import annotations
@@ -31,23 +31,44 @@ SHAPES = {"q": (Q_OUT, HIDDEN), "k": (KV_OUT, HIDDEN), "v": (KV_OUT, HIDDEN), "o
           "gate": (MLP, HIDDEN), "up": (MLP, HIDDEN), "down": (HIDDEN, MLP)}  # fmt: skip
 
 
-def make_layers(n_layers: int, gen: torch.Generator) -> list[dict[str, torch.Tensor]]:
+FUSED_SHAPES = {"qkv": (Q_OUT + 2 * KV_OUT, HIDDEN), "o": (HIDDEN, Q_OUT), "gate_up": (2 * MLP, HIDDEN),
+                "down": (HIDDEN, MLP)}  # fmt: skip
+"""`--fused`: q/k/v one weight and gate/up one weight (as vLLM's QKV and merged column linears hold them),
+on both sides. Every row count is a multiple of 128, so the fused FP8 weight's codes and block scales are
+the separate weights' stacked: one launch instead of three (two) over the same bytes."""
+
+
+def make_layers(n_layers: int, gen: torch.Generator, fused: bool = False) -> list[dict[str, torch.Tensor]]:
+    shapes = FUSED_SHAPES if fused else SHAPES
     return [
         {
             name: (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16).cuda()
-            for name, shape in SHAPES.items()
+            for name, shape in shapes.items()
         }
         for _ in range(n_layers)
     ]
 
 
 def step(x: torch.Tensor, layers: list[dict], linear) -> torch.Tensor:
+    if "qkv" in layers[0]:
+        return step_fused(x, layers, linear)
     for w in layers:  # RMS norms before each block keep random weights from overflowing
         h = F.rms_norm(x, (HIDDEN,))
         q, _k, _v = linear(h, w["q"]), linear(h, w["k"]), linear(h, w["v"])
         x = x + linear(q, w["o"])
         h = F.rms_norm(x, (HIDDEN,))
         x = x + linear(F.silu(linear(h, w["gate"])) * linear(h, w["up"]), w["down"])
+    return x
+
+
+def step_fused(x: torch.Tensor, layers: list[dict], linear) -> torch.Tensor:
+    for w in layers:
+        h = F.rms_norm(x, (HIDDEN,))
+        q = linear(h, w["qkv"])[:, :Q_OUT]  # k and v (the rest) feed attention, left out here
+        x = x + linear(q, w["o"])
+        h = F.rms_norm(x, (HIDDEN,))
+        gate, up = linear(h, w["gate_up"]).split(MLP, dim=-1)
+        x = x + linear(F.silu(gate) * up, w["down"])
     return x
 
 
@@ -246,6 +267,7 @@ def main() -> None:
         help="model (PDL on, then off), sweep, then model with the sweep's best",
     )
     ap.add_argument("--only", choices=["model", "per-shape", "sweep"], default=None)
+    ap.add_argument("--fused", action="store_true", help="q/k/v and gate/up as one weight each, both sides")
     ap.add_argument("--sweep-seconds", type=float, default=1e9, help="stop sweeping after this long")
     ap.add_argument("--sweep-log", default=None, help="append the sweep's timings here, JSON lines")
     args = ap.parse_args()
@@ -260,10 +282,11 @@ def main() -> None:
     if args.only == "sweep":
         sweep(gen, args.batches, deadline, args.sweep_log)
         return
-    layers = make_layers(args.layers, gen)
+    layers = make_layers(args.layers, gen, args.fused)
     fp8 = [{name: dispatch.quantize_fp8_blockwise(w) for name, w in layer.items()} for layer in layers]
     n_params = sum(w.numel() for layer in layers for w in layer.values())
-    print(f"dense Qwen3-30B-A3B-active-shaped stack: {args.layers} layers, {n_params / 1e6:.0f}M params")
+    print(f"dense Qwen3-30B-A3B-active-shaped stack: {args.layers} layers, {n_params / 1e6:.0f}M params"
+          + (", q/k/v and gate/up fused" if args.fused else ""))  # fmt: skip
 
     def bf16_linear(x, w):
         return F.linear(x, w)
