@@ -29,6 +29,8 @@ Cost: about a minute on the H200 for 2 layers and 5 repeats (results in docs/ben
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import sys
 import threading
@@ -40,12 +42,13 @@ import torch
 from skyq.config.enums import Precision
 from skyq.config.schema import ModelConfig, PrecisionConfig, WeightSyncConfig
 from skyq.quant.kernels import dispatch
+from skyq.quant.kernels.dispatch import deferred_finite_checks
 from skyq.quant.plan import build_plan
 from skyq.quant.strategies import get_strategy
 from skyq.sync.in_process import in_process_pair
 from skyq.sync.plan_wire import expected_units, plan_serializer
 from skyq.sync.receiver import WeightReceiver
-from skyq.sync.sender import WeightSender
+from skyq.sync.sender import WeightSender, serialize_stack_item, serialize_unit
 from skyq.sync.wire_state import WireCopier
 
 
@@ -299,7 +302,39 @@ def profile_steady(fmt: str, model_cfg: ModelConfig, gen: torch.Generator, devic
     print(f"aten op calls {aten}, self CPU {sum(e.self_cpu_time_total for e in events) / 1e3:.1f} ms, "
           f"device time {cuda_s * 1e3:.1f} ms")  # fmt: skip
     print(f"python calls: main (sender) {calls[True]}, receiver thread {calls[False]}")
+    quantize_items(trainer, pair.sender, device)
+    prof = cProfile.Profile()
+    trainer.flip()
+    synchronize(device)
+    prof.enable()
+    pair.sync(trainer.weights(), 5)
+    prof.disable()
+    print("sender thread, cProfile of one more steady sync, top functions by own time:")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(12)
     return {"wall": wall, "waits": waits, "calls": calls[True] + calls[False], "aten_ops": aten}
+
+
+def quantize_items(trainer: Trainer, sender: WeightSender, device: torch.device) -> None:
+    """The sender's quantize stage item by item: host time of each serialize call, and the time
+    until the device finished it; prints the five slowest by host time and the totals."""
+    serialize = sender._serialize
+    rows = []
+    synchronize(device)
+    with deferred_finite_checks():
+        for name, tensor in trainer.weights():
+            start = time.perf_counter()
+            if isinstance(name, str):
+                serialize_unit(name, tensor, serialize, 0)
+            else:
+                serialize_stack_item(tuple(name), tensor, serialize, 0)
+            host = time.perf_counter() - start
+            synchronize(device)
+            label = name if isinstance(name, str) else f"{name[0]} (+{len(name) - 1})"
+            rows.append((host, time.perf_counter() - start, label))
+    print(f"quantize stage, {len(rows)} items: host {sum(r[0] for r in rows) * 1e3:.2f} ms, "
+          f"host + device {sum(r[1] for r in rows) * 1e3:.2f} ms; slowest by host time:")  # fmt: skip
+    for host, done, label in sorted(rows, reverse=True)[:5]:
+        print(f"  {host * 1e3:7.3f} ms host {done * 1e3:7.3f} ms done  {label}")
 
 
 def main(argv: list[str] | None = None) -> dict:
