@@ -102,7 +102,9 @@ class Trainer:
 
     def _random(self, shape, gen) -> torch.Tensor:
         return (
-            (torch.randn(shape, generator=gen, dtype=torch.float32) * 0.02).to(torch.bfloat16).to(self.device)
+            (torch.randn(shape, generator=gen, dtype=torch.float32, device=gen.device) * 0.02)
+            .to(torch.bfloat16)
+            .to(self.device)
         )
 
     @staticmethod
@@ -220,7 +222,10 @@ def check_engine(trainer: Trainer, strategy, plan, engine: dict[str, torch.Tenso
 
 def finite_check_cost(gen: torch.Generator, n: int = 384) -> tuple[float, float]:
     """Quantizing n expert-shaped tensors (768 x 2048) with fp8: per-call sync vs one deferred sync."""
-    ws = [(torch.randn(768, 2048, generator=gen) * 0.02).to(torch.bfloat16).cuda() for _ in range(n)]
+    ws = [
+        (torch.randn(768, 2048, generator=gen, device=gen.device) * 0.02).to(torch.bfloat16).cuda()
+        for _ in range(n)
+    ]
     for w in ws[:4]:
         dispatch.quantize_fp8_blockwise(w)
 
@@ -353,7 +358,8 @@ def main(argv: list[str] | None = None) -> dict:
     dev = torch.device(args.device)
     device = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     print(f"device {device}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, layers {args.layers}")
-    gen = torch.Generator().manual_seed(0)
+    # on the GPU the weights are drawn there (a CPU draw of a 4-layer stack takes minutes of the call)
+    gen = torch.Generator(device=dev).manual_seed(0)
     model_cfg = model_config(args.layers, args.hidden, args.expert_width)
     if args.profile:
         return {fmt: profile_steady(fmt, model_cfg, gen, dev) for fmt in ("bf16", "fp8_blockwise")}
