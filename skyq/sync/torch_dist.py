@@ -59,6 +59,23 @@ def connect_store(port: int, timeout_s: float, host: str = LOOPBACK) -> dist.TCP
         ) from exc
 
 
+def await_work(work, timeout_s: float, what: str) -> None:
+    """Poll a collective's `Work` until it completes, or raise `SyncTimeout` naming `what` once
+    `timeout_s` passes. `Work.wait(timeout)` on NCCL polls in whole-millisecond sleeps: on two H200s
+    that made every bucket cost >= 1.2 ms (a 66 MB broadcast takes a fraction of that), so a plain
+    broadcast of 2.5 GB ran at 53 GB/s; this yields for the first 2 ms, then sleeps 50 us at a time."""
+    start = time.monotonic()
+    deadline = start + timeout_s
+    while not work.is_completed():
+        now = time.monotonic()
+        if now > deadline:
+            raise SyncTimeout(
+                f"{what}: no transfer between trainer and engine within {timeout_s:g} s "
+                "(rollout.weight_sync.timeout_s); is the other side still running?"
+            )
+        time.sleep(0 if now - start < 2e-3 else 5e-5)
+
+
 class TorchDistChannel:
     """One end of a two-rank frame channel over broadcast collectives."""
 
@@ -103,28 +120,12 @@ class TorchDistChannel:
                 work.wait(self._timeout)
                 return
             if host_waits:
-                self._await(work, what)
+                await_work(work, self._timeout.total_seconds(), what)
             work.wait()  # the current stream waits for the collective; the host does not
         except (RuntimeError, dist.DistError) as exc:
             # gloo reports both a peer that closed its socket and a passed deadline as RuntimeError.
             kind = SyncTimeout if "imeout" in str(exc) or "imed out" in str(exc) else SyncError
             raise kind(f"{what}: transfer between trainer and engine failed: {exc}") from exc
-
-    def _await(self, work: dist.Work, what: str) -> None:
-        """Poll an NCCL collective until it completes or the deadline passes. `Work.wait` with a
-        timeout polls in whole-millisecond sleeps: on two H200s that made every bucket cost >= 1.2 ms
-        (a 66 MB broadcast takes a fraction of that), so a plain broadcast of 2.5 GB ran at 53 GB/s."""
-        start = time.monotonic()
-        deadline = start + self._timeout.total_seconds()
-        while not work.is_completed():
-            now = time.monotonic()
-            if now > deadline:
-                raise SyncTimeout(
-                    f"{what}: no transfer between trainer and engine within {self._timeout.total_seconds():.0f} s "
-                    "(rollout.weight_sync.timeout_s); is the other side still running?"
-                )
-            # yield for the first 2 ms (a bucket's time), then sleep in 50 us steps
-            time.sleep(0 if now - start < 2e-3 else 5e-5)
 
     def broadcast(self, t: Tensor, root: int, *, host_waits: bool = True) -> None:
         """A plain broadcast of `t` from rank `root` on the channel's group (no frame header): the
