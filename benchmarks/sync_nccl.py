@@ -187,12 +187,20 @@ def run(args) -> dict[str, dict]:
     receiver.start()
     reports: dict[str, dict] = {}
     expected = 2 * len(args.formats)
+    limit_s = TIMEOUT_S * (1 + len(args.formats))
+    deadline = time.monotonic() + limit_s  # a wedged rank fails the run instead of hanging it
     while expected:  # drain while the ranks run: a full queue would block them
         try:
             side, fmt, report = out.get(timeout=5)
-        except Exception:  # queue.Empty: check the ranks are alive
+        except Exception:  # queue.Empty: check the ranks are alive and the run is on time
             if sender.exitcode not in (None, 0) or receiver.exitcode not in (None, 0):
                 break
+            if time.monotonic() > deadline:
+                for p in (sender, receiver):
+                    p.kill()
+                raise RuntimeError(
+                    f"sync benchmark: the ranks did not finish within {limit_s:.0f} s; killed"
+                ) from None
             continue
         reports.setdefault(fmt, {})[side] = report
         expected -= 1
