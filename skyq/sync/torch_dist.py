@@ -5,8 +5,10 @@ Rank 0 is the trainer (sender), rank 1 the engine (receiver); both bind to loopb
 trainer that runs its own torch.distributed world keeps it. The store is created by rank 0 on a
 socket it binds to `127.0.0.1`, port 0: the OS picks a free port and the store holds it from then
 on, so there is no probe-then-bind race between sibling runs. Gloo's data connections bind to
-loopback too (NCCL's bootstrap follows NCCL_SOCKET_IFNAME). Every collective is waited on with the
-sync deadline.
+loopback too (NCCL's bootstrap follows NCCL_SOCKET_IFNAME). Every host wait has the sync deadline:
+with gloo each collective is waited on; with NCCL the sender enqueues its frames (stream-ordered, no
+host wait) and the host waits, polling, where it needs data: frame headers, the receiver's payload
+and the engine's answer, which the sender cannot pass without its frames having gone through.
 """
 
 from __future__ import annotations

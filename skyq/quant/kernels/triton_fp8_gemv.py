@@ -16,8 +16,8 @@ bfloat16).float().T` up to fp32 summation order (tiles, MMA, split-K), then one 
 dtype: the same value a bf16 GEMM with fp32 accumulation gives on that weight, not always the same
 bits. The GPU tests bound the difference from both. (The kernel used to scale each tile's fp32
 partial sum instead, `sum(x * q) * s`: one multiply per output rather than per weight, but without
-the bf16 rounding of `q * s` that the trainer's weight has, the suspected cause of fp8's remaining
-train/rollout mismatch in docs/benchmarks.md, M5; issue #6.)
+the bf16 rounding of `q * s` that the trainer's weight has: on the H200 that alone put fp8's
+train/rollout mismatch at 1.71x bf16's, and 0 with this rounding; docs/benchmarks.md, M5.)
 
 When too few output tiles exist to fill the GPU, K is split across programs. Each writes an fp32
 partial and bumps a per-tile arrival counter; the last program to arrive sums the partials in
