@@ -9,22 +9,28 @@ import io
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only: no display on a training box
-
-import matplotlib.pyplot as plt  # noqa: E402
-
-from skyq.checkpoint.atomic import atomic_write_bytes  # noqa: E402
+from skyq.checkpoint.atomic import atomic_write_bytes
 
 RUN_PANELS = (("reward", "reward (mean)"), ("mismatch/mean_abs_dlogp", "train/rollout mean |dlogp|"))
 SWEEP_PANELS = (*RUN_PANELS, ("sync/total_s", "sync time (s)"))
 
 
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend, imported when a plot is drawn: importing it
+    costs every process that loads the run loop ~1 s (and a first import on a fresh machine builds
+    matplotlib's font cache, seconds more), Ray workers included."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on a training box
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def _save(fig: Any, out: Path) -> Path:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    _pyplot().close(fig)
     atomic_write_bytes(out, buffer.getvalue())
     return out
 
@@ -49,7 +55,7 @@ def _panel(ax: Any, rows: list[dict[str, Any]], key: str, label: str | None) -> 
 
 def plot_run(rows: list[dict[str, Any]], out: Path, *, title: str) -> Path:
     """Reward and mismatch against step, one panel each."""
-    fig, axes = plt.subplots(1, len(RUN_PANELS), figsize=(10, 3.6))
+    fig, axes = _pyplot().subplots(1, len(RUN_PANELS), figsize=(10, 3.6))
     for ax, (key, ylabel) in zip(axes, RUN_PANELS):
         _panel(ax, rows, key, None)
         ax.set_xlabel("step")
@@ -61,7 +67,7 @@ def plot_run(rows: list[dict[str, Any]], out: Path, *, title: str) -> Path:
 
 def plot_sweep(runs: dict[str, list[dict[str, Any]]], out: Path, *, title: str) -> Path:
     """Reward, mismatch and sync time against step, one line per run."""
-    fig, axes = plt.subplots(1, len(SWEEP_PANELS), figsize=(15, 3.8))
+    fig, axes = _pyplot().subplots(1, len(SWEEP_PANELS), figsize=(15, 3.8))
     for ax, (key, ylabel) in zip(axes, SWEEP_PANELS):
         for label, rows in runs.items():
             _panel(ax, rows, key, label)

@@ -70,3 +70,16 @@ def test_a_dir_without_runs_is_refused(tmp_path, capsys):
     assert "no runs under" in capsys.readouterr().err
     with pytest.raises(ValueError, match="no runs under"):
         write_report(tmp_path)
+
+
+def test_the_run_loop_does_not_import_matplotlib_until_it_plots():
+    """matplotlib costs every process that loads the run loop (Ray workers too) ~1 s to import; it is
+    imported when a plot is drawn."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, skyq.train, skyq.launch.embedded, skyq.launch.actors; print('matplotlib' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
