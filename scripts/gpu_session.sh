@@ -38,7 +38,7 @@ case "${1:-}" in
   nccl)
     step nccl_check 120 python3 -m tests.sync.nccl_check
     step sync_nccl 240 python3 benchmarks/sync_nccl.py --layers 2 --repeats 5
-    step run_2gpu 300 python3 -m skyq.train recipe=small_moe_fp8_blockwise_1gpu topology=2gpu \
+    step run_2gpu 300 python3 -m skyq.train recipe=small_moe_fp8_blockwise_2gpu \
       algorithm.num_steps=24 logger.progress_bar=false output_root=/tmp/runs_2gpu
     cp /tmp/runs_2gpu/*/metrics.jsonl "$out/run_2gpu_metrics.jsonl" 2>/dev/null
     tails="nccl_check:. sync_nccl:M2|GB|format run_2gpu:run|reward|step"
