@@ -67,7 +67,7 @@ def check_hardware(cfg: TrainConfig) -> None:
         raise HardwareMissingError(
             f"trainer={cfg.trainer.backend.value} rollout={cfg.rollout.backend.value}: the Megatron-core/TE "
             "trainer and vLLM rollout backends are not in this build of skyq yet; run trainer=torch "
-            "rollout=embedded (topology=1gpu or cpu), or add dry_run=true to print the plan."
+            "rollout=embedded (topology=cpu, 1gpu or 2gpu), or add dry_run=true to print the plan."
         )
 
 
