@@ -9,8 +9,9 @@ it committed with version N only if N and D match what it holds, and refuses the
 either side drops its cached layout after a failed sync, so the next one goes in full.
 
 Both sides also keep what they derived from the layout: the sender the byte ranges it copies
-(`Copy`s: a stack's members at once), the receiver the runs it views with one `unbind` and the byte spans it
-value-checks with one reduction each.
+(`Copy`s: a stack's members at once), the receiver the runs it views with one `unbind`, and both the
+byte spans they value-check and the chunk table (`scan.ScanPlan`) that checksums and value-checks
+every bucket in one pass.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from skyq.sync.byte_runs import Copy, Run, find_runs, gather, plan_copies
 from skyq.sync.checksums import checksum_algorithm
 from skyq.sync.errors import SyncRefused
 from skyq.sync.manifest import MANIFEST_FORMAT, BucketEntry, SyncManifest, expect_keys, expect_value
+from skyq.sync.scan import ScanPlan
 from skyq.sync.values import Span, find_spans
 from skyq.sync.wire_dtypes import as_bytes
 from skyq.sync.wire_state import WireState, wire_index
@@ -116,6 +118,9 @@ class SenderLayout:
     digest: str
     copies: tuple[tuple[Copy, ...], ...]
     """Per bucket, the byte ranges that lay it (`byte_runs.plan_copies`)."""
+    spans: tuple[tuple[Span, ...], ...]
+    """Per bucket, the byte spans of checked dtypes: the sender value-checks what it packed."""
+    scan: ScanPlan
     num_tensors: int
     total_bytes: int
 
@@ -140,12 +145,15 @@ class SenderLayout:
             )
             start += len(group)
         manifest = SyncManifest(version=version, buckets=tuple(buckets))
+        spans = tuple(find_spans(find_runs(b.tensors)) for b in buckets)
         return cls(
             version=version,
             signature=item_signature(items),
             buckets=manifest.buckets,
             digest=manifest.layout_digest(),
             copies=tuple(copies),
+            spans=spans,
+            scan=ScanPlan.of([b.nbytes for b in buckets], spans),
             num_tensors=sum(len(b.tensors) for b in buckets),
             total_bytes=manifest.total_bytes,
         )
@@ -183,6 +191,7 @@ class ReceiverLayout:
     bucket_nbytes: tuple[int, ...]
     runs: tuple[tuple[Run, ...], ...]
     spans: tuple[tuple[Span, ...], ...]
+    scan: ScanPlan
     num_tensors: int
     total_bytes: int
     index: dict[str, tuple[int, int, int]] = field(compare=False, hash=False, repr=False)
@@ -192,12 +201,14 @@ class ReceiverLayout:
     def of(cls, manifest: SyncManifest, digest: str) -> ReceiverLayout:
         """The layout of a validated manifest, whose `layout_digest()` is `digest`."""
         runs = tuple(find_runs(b.tensors) for b in manifest.buckets)
+        spans = tuple(find_spans(r) for r in runs)
         return cls(
             version=manifest.version,
             digest=digest,
             bucket_nbytes=tuple(b.nbytes for b in manifest.buckets),
             runs=runs,
-            spans=tuple(find_spans(r) for r in runs),
+            spans=spans,
+            scan=ScanPlan.of([b.nbytes for b in manifest.buckets], spans),
             num_tensors=sum(len(b.tensors) for b in manifest.buckets),
             total_bytes=manifest.total_bytes,
             index=wire_index(runs),

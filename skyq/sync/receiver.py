@@ -18,11 +18,12 @@ import torch
 from torch import Tensor
 
 from skyq.sync.channel import Channel, recv_json_bytes, send_json
-from skyq.sync.checksums import PendingChecksums, checksum_algorithm
+from skyq.sync.checksums import checksum_algorithm
 from skyq.sync.errors import SyncError, SyncRefused
 from skyq.sync.layout import ReceiverLayout, SameLayout, no_layout_refusal
 from skyq.sync.manifest import SyncManifest, parse_message_json
-from skyq.sync.values import check_received_values, span_flags
+from skyq.sync.scan import PendingScan
+from skyq.sync.values import check_received_values
 from skyq.sync.wire_dtypes import dtype_name
 from skyq.sync.wire_state import WireState
 
@@ -173,30 +174,29 @@ class WeightReceiver:
         """The frames as a `WireState`, refused if a frame has the wrong size, (when enabled) its
         checksum differs, or a value is non-finite / a NaN code. The device work of the checksums
         and the value checks is queued first and read back in one host transfer, and the commit's
-        word views are made while the device runs it."""
+        word views are made while the device runs it (one pass over the bytes with the Triton scan
+        kernel on CUDA, `scan.PendingScan`)."""
         for i, (frame, nbytes) in enumerate(zip(frames, layout.bucket_nbytes)):
             if frame.dtype != torch.uint8 or frame.ndim != 1 or frame.numel() != nbytes:
                 raise SyncRefused(
                     f"weight version {version}, bucket {i}: received {frame.numel()} bytes ({frame.dtype}), "
                     f"the layout says {nbytes}"
                 )
-        pending = (
-            PendingChecksums(frames, [checksum_algorithm(c) for c in checksums])
-            if self._verify_checksum
-            else None
+        scan = PendingScan(
+            frames,
+            layout.spans,
+            layout.scan,
+            [checksum_algorithm(c) for c in checksums],
+            checksums=self._verify_checksum,
         )
-        flags = span_flags(frames, layout.spans)
         wire = layout.unpack(frames)
         if len(wire) != layout.num_tensors:
             raise SyncError(f"weight version {version}: placed {len(wire)} of {layout.num_tensors} tensors")
         if frames and frames[0].device.type != "cpu":
             wire.word_runs()  # host work that overlaps the queued device work (cached for the commit)
-        if pending is None:
-            bad = flags is not None and bool(flags.any())
-        else:
-            got, flag_values = pending.read(extra=flags)
-            bad = any(flag_values)
-            for i, (have, want) in enumerate(zip(got, checksums)):
+        got, bad = scan.read()
+        if self._verify_checksum:
+            for i, (have, want) in enumerate(zip(got, checksums, strict=True)):
                 if have != want:
                     names = ", ".join(r.names[0] for r in layout.runs[i][:3])
                     raise SyncRefused(

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from skyq.quant.errors import QuantizationError
+from skyq.quant.errors import QuantizationError, check_finite
 from skyq.quant.kernels.dispatch import (
     check_finite_deferred,
     check_finite_stack_deferred,
@@ -25,10 +25,10 @@ from skyq.quant.kernels.dispatch import (
 )
 from skyq.sync.buckets import WireStack, WireUnit
 from skyq.sync.channel import Channel, recv_json, send_bytes, send_json
-from skyq.sync.checksums import PendingChecksums
 from skyq.sync.errors import SyncError, SyncRefused
 from skyq.sync.layout import SameLayout, SenderLayout, WireItem, expand_units, item_signature
-from skyq.sync.values import FLOATS
+from skyq.sync.scan import PendingScan
+from skyq.sync.values import FLOATS, check_received_values
 
 Serializer = Callable[[str, Tensor], dict[str, Tensor]]
 """`QuantizationStrategy.serialize`: one source tensor -> its wire tensors (weight and scales).
@@ -67,10 +67,14 @@ class SyncStats:
         return {f"sync/{key}": float(value) for key, value in asdict(self).items()}
 
 
-def serialize_unit(name: str, tensor: Tensor, serialize: Serializer, version: int) -> WireUnit:
-    """One source tensor through the strategy, refused (naming it) if it is not finite."""
+def serialize_unit(
+    name: str, tensor: Tensor, serialize: Serializer, version: int, *, check: bool = True
+) -> WireUnit:
+    """One source tensor through the strategy, refused (naming it) if it is not finite.
+    `check=False` leaves the input check to the caller (`WeightSender` checks what it packed)."""
     try:
-        check_finite_deferred(tensor, name)
+        if check:
+            check_finite_deferred(tensor, name)
         wire = serialize(name, tensor)
     except QuantizationError as exc:
         raise SyncRefused(f"weight sync of version {version} refused before sending anything: {exc}") from exc
@@ -78,7 +82,7 @@ def serialize_unit(name: str, tensor: Tensor, serialize: Serializer, version: in
 
 
 def serialize_stack_item(
-    names: Sequence[str], stack: Tensor, serialize: Serializer, version: int
+    names: Sequence[str], stack: Tensor, serialize: Serializer, version: int, *, check: bool = True
 ) -> WireStack | list[WireUnit]:
     """A stack [E, ...] of source tensors (`stack[i]` is `names[i]`) through the strategy: one finite
     check and, when the serializer has `serialize_stack_tensors`, one quantizer call for all of them,
@@ -89,7 +93,8 @@ def serialize_stack_item(
             f"a stacked weight item has {len(names)} names for a tensor of shape {tuple(stack.shape)}"
         )
     try:
-        _check_stack_finite(stack, names)
+        if check:
+            _check_stack_finite(stack, names)
         whole = getattr(serialize, "serialize_stack_tensors", None)
         columns = whole(names, stack) if whole is not None else None
         if columns is not None:
@@ -163,8 +168,15 @@ def build_items(
 
 
 def _build_items(
-    weights: Iterable[WeightItem], serialize: Serializer, version: int
+    weights: Iterable[WeightItem],
+    serialize: Serializer,
+    version: int,
+    *,
+    sources: list[WeightItem] | None = None,
 ) -> tuple[list[WireItem], float, float]:
+    """`sources`: when given, the input checks are left out and every item is appended to it
+    (for the caller's value check of the packed buckets and its exact check on failure)."""
+    check = sources is None
     items: list[WireItem] = []
     gather_s = quantize_s = 0.0
     iterator = iter(weights)
@@ -175,11 +187,13 @@ def _build_items(
         if item is None:
             break
         name, tensor = item
+        if sources is not None:
+            sources.append(item)
         start = time.perf_counter()
         if isinstance(name, str):
-            items.append(serialize_unit(name, tensor, serialize, version))
+            items.append(serialize_unit(name, tensor, serialize, version, check=check))
         else:
-            new = serialize_stack_item(tuple(name), tensor, serialize, version)
+            new = serialize_stack_item(tuple(name), tensor, serialize, version, check=check)
             if isinstance(new, WireStack):
                 items.append(new)
             else:
@@ -188,6 +202,36 @@ def _build_items(
     if not items:
         raise SyncRefused(f"weight sync of version {version}: the trainer produced no weights to send")
     return items, gather_s, quantize_s
+
+
+def first_non_finite(sources: Sequence[WeightItem], items: Sequence[WireItem]) -> QuantizationError | None:
+    """The error naming the first non-finite source tensor (stack members one by one), in order;
+    else the first non-finite float or e4m3 NaN code among the wire tensors (a cast that
+    overflowed); None when every value is good. Only a failed check pays for this exact pass."""
+    try:
+        for name, tensor in sources:
+            if not tensor.is_floating_point():
+                continue
+            if isinstance(name, str):
+                check_finite(tensor, name)
+            else:
+                for i, member in enumerate(name):
+                    check_finite(tensor[i], member)
+        for item in items:
+            if isinstance(item, WireStack):
+                pairs = (
+                    (member, t[i])
+                    for names, t in zip(item.names, item.tensors)
+                    for i, member in enumerate(names)
+                )
+            else:
+                pairs = iter(item.tensors.items())
+            check_received_values(dict(pairs))
+    except QuantizationError as exc:
+        return exc
+    except SyncRefused as exc:  # check_received_values wraps the QuantizationError
+        return exc.__cause__ if isinstance(exc.__cause__, QuantizationError) else None
+    return None
 
 
 def check_unique_names(items: Sequence[WireItem]) -> None:
@@ -204,6 +248,10 @@ def check_unique_names(items: Sequence[WireItem]) -> None:
                     f"wire name `{wire_name}` produced by both `{seen[wire_name]}` and `{source}`"
                 )
             seen[wire_name] = source
+
+
+def _refusal(version: int, problem: Exception) -> SyncRefused:
+    return SyncRefused(f"weight sync of version {version} refused before sending anything: {problem}")
 
 
 class WeightSender:
@@ -224,9 +272,13 @@ class WeightSender:
         """Send `weights` (HF name, full-precision tensor; or names and a stack of them) as weight
         version `version`."""
         start = time.perf_counter()
+        sources: list[WeightItem] = []
+        items: list[WireItem] = []
         try:
             with deferred_finite_checks():
-                items, gather_s, quantize_s = _build_items(weights, self._serialize, version)
+                # No separate input checks: the quantizer kernels flag non-finite inputs (read as the
+                # scope closes) and the scan below checks every float / e4m3 byte that was packed.
+                items, gather_s, quantize_s = _build_items(weights, self._serialize, version, sources=sources)
                 transfer_start = time.perf_counter()
                 cached = self._layout
                 full = cached is None or cached.signature != item_signature(items)
@@ -235,16 +287,22 @@ class WeightSender:
                     layout = SenderLayout.build(items, bucket_bytes=self._bucket_bytes, version=version)
                 else:
                     layout = cached
-                # Packing and the checksum sums are queued on the device before the finite checks
-                # are read: leaving the scope waits once for all of it, and nothing is sent before.
+                # Packing, checksums and value flags are queued on the device before the kernels'
+                # flags are read: leaving the scope waits once for all of it; nothing is sent before.
                 bufs = layout.pack(items)
-                pending = PendingChecksums(bufs)
+                scan = PendingScan(bufs, layout.spans, layout.scan)
         except QuantizationError as exc:
-            raise SyncRefused(
-                f"weight sync of version {version} refused before sending anything: {exc}"
-            ) from exc
+            raise _refusal(version, first_non_finite(sources, items) or exc) from exc
+        except SyncRefused as exc:
+            if isinstance(exc.__cause__, QuantizationError):  # a quantizer refused an input at once
+                raise _refusal(version, first_non_finite(sources, []) or exc.__cause__) from exc
+            raise
+        checksums, bad = scan.read()
+        if bad:
+            problem = first_non_finite(sources, items)
+            if problem is not None:  # else a false alarm: a finite value above 2^127
+                raise _refusal(version, problem)
         self._layout = None  # set again only once the engine committed
-        checksums = pending.read()[0]
         if full:
             manifest = layout.manifest(version, checksums)
             manifest.validate()
