@@ -9,10 +9,12 @@ the strategy quantizes with one batched Triton call), `WeightSender` (finite che
 with one cat per bucket, device-side wsum64 checksums), the in-process transport (frames stay on
 the GPU: a device clone per bucket), and `WeightReceiver` (checksum verification, unpacking to
 views, value checks, accounting) whose commit copies every wire tensor into preallocated engine
-buffers with `WireCopier` (one `torch._foreach_copy_` per integer word size over int64 views of the
-bytes where they allow, destination views built once per layout; the H200 runs of 2026-11-29 used
-one `_foreach_copy_` per wire dtype, which copies e4m3 codes one byte per element). Bucket size and checksum verification are the
-`WeightSyncConfig` defaults.
+buffers with `WireCopier` (integer words; destination views built once per layout). The engine
+holds each projection's experts stacked, one [E, ...] buffer per wire position (`engine_buffers`),
+as serving engines do (vLLM's fused-MoE weights), so a run of experts installs with one copy; the
+runs before session 5 (2026-11-29) gave every wire tensor its own buffer. Checksums and value
+checks are one pass per bucket on each side (`skyq.sync.scan`). Bucket size and checksum
+verification are the `WeightSyncConfig` defaults.
 
 Per format: one warm-up sync (Triton compiles); `--repeats` *first* syncs, each by a fresh sender
 and receiver (full manifest, accounting against the plan); then `--repeats` *steady-state* syncs by
@@ -183,7 +185,7 @@ def run_format(
     plan = build_plan(model_cfg, precision)
     strategy = get_strategy(precision)
     trainer = Trainer(plan, gen, device)
-    engine = {w.name: torch.empty(w.shape, dtype=w.dtype, device=device) for p in plan for w in p.wire}
+    engine = engine_buffers(plan, device)
     first, steady = [], []
     pair = None
     for version in range(1, 2 * repeats + 2):
@@ -204,6 +206,28 @@ def run_format(
     return {"first": statistics.median(s.total_s for s in first), "total": statistics.median(totals),
             "min": min(totals), "max": max(totals), "bytes": steady[0].bytes, "tensors": steady[0].num_tensors,
             "buckets": steady[0].num_buckets, **med}  # fmt: skip
+
+
+def engine_buffers(plan, device: torch.device) -> dict[str, torch.Tensor]:
+    """The engine's buffers: wire name -> tensor of the plan's shape and dtype; the experts of one
+    (layer, projection, wire tensor) are rows of one stacked [E, ...] buffer, in expert order."""
+    groups: dict[tuple[str, str], list[tuple[int, object]]] = {}
+    engine: dict[str, torch.Tensor] = {}
+    for p in plan:
+        for w in p.wire:
+            if ".mlp.experts." in w.name:
+                prefix, rest = w.name.split(".mlp.experts.")
+                index, tail = rest.split(".", 1)
+                groups.setdefault((prefix, tail), []).append((int(index), w))
+            else:
+                engine[w.name] = torch.empty(w.shape, dtype=w.dtype, device=device)
+    for members in groups.values():
+        members.sort(key=lambda m: m[0])
+        first = members[0][1]
+        stacked = torch.empty((len(members), *first.shape), dtype=first.dtype, device=device)
+        for row, (_, w) in zip(stacked, members):
+            engine[w.name] = row
+    return engine
 
 
 def check_engine(trainer: Trainer, strategy, plan, engine: dict[str, torch.Tensor]) -> None:
@@ -266,7 +290,7 @@ def profile_steady(fmt: str, model_cfg: ModelConfig, gen: torch.Generator, devic
     plan = build_plan(model_cfg, precision)
     strategy = get_strategy(precision)
     trainer = Trainer(plan, gen, device)
-    engine = {w.name: torch.empty(w.shape, dtype=w.dtype, device=device) for p in plan for w in p.wire}
+    engine = engine_buffers(plan, device)
     pair = Pair(plan, strategy, engine, device)
     for version in (1, 2, 3):
         trainer.flip()

@@ -52,6 +52,7 @@ def _sibling(name: str):
 
 _sync_bench = _sibling("sync")
 FORMATS, Trainer, model_config = _sync_bench.FORMATS, _sync_bench.Trainer, _sync_bench.model_config
+engine_buffers = _sync_bench.engine_buffers
 
 from skyq.config.enums import Precision  # noqa: E402
 from skyq.config.schema import PrecisionConfig, WeightSyncConfig  # noqa: E402
@@ -153,7 +154,7 @@ def _receiver(args, port, out) -> None:
     cfg = WeightSyncConfig()
     for fmt in args.formats:
         plan, _ = _plan(fmt, args)
-        engine = {w.name: torch.empty(w.shape, dtype=w.dtype, device=device) for p in plan for w in p.wire}
+        engine = engine_buffers(plan, device)
         copier = WireCopier(engine)
         receiver = WeightReceiver(channel, expected_units(plan), verify_checksum=cfg.verify_checksum)
 

@@ -199,17 +199,23 @@ def word_dtype(*numbers: int) -> torch.dtype:
 
 
 class WordRun(NamedTuple):
-    """A run's members as flat views of their bytes in one integer word (`WORDS`): what a commit
-    copies with a multi-tensor copy, so a 1-byte dtype costs as few elements as an 8-byte one."""
+    """A run's members as the rows of one [count, words] view of their bytes in one integer word
+    (`WORDS`): what a commit copies, so a 1-byte dtype costs as few elements as an 8-byte one."""
 
     word: torch.dtype
     names: tuple[str, ...]
-    views: Sequence[Tensor]
+    whole: Tensor
+    """[count, member bytes / word size], row i the member `names[i]` (rows `stride` bytes apart)."""
+
+    @property
+    def views(self) -> Sequence[Tensor]:
+        """Each member's flat word view (one `unbind`; a copy into one stacked destination needs none)."""
+        return self.whole.unbind(0)
 
 
 def word_runs(buf: Tensor, runs: Sequence[Run]) -> list[WordRun]:
     """Every run of `buf` with members (of more than 0 bytes, not bool) as `WordRun`s: the widest word
-    that divides the member size, the pitch and the address, one `unbind` per run."""
+    that divides the member size, the pitch and the address; no per-member view."""
     out: list[WordRun] = []
     for run in runs:
         if run.nbytes == 0 or run.dtype == torch.bool:
@@ -220,5 +226,5 @@ def word_runs(buf: Tensor, runs: Sequence[Run]) -> list[WordRun]:
             raw = raw.as_strided((run.count, run.nbytes), (run.stride, 1))
         else:
             raw = raw.view(run.count, run.nbytes)
-        out.append(WordRun(word, run.names, raw.view(word).unbind(0)))
+        out.append(WordRun(word, run.names, raw.view(word)))
     return out

@@ -6,8 +6,9 @@ runs it was cut from. `WireCopier`
 copies one into an engine's preallocated tensors with one multi-tensor copy per integer word size,
 each tensor's bytes seen as 8-byte words where its size and address allow: a copy of e4m3 codes
 then moves as few elements as one of int64, so an fp8 sync copies half the elements of a bf16 one,
-not as many. The destination views are built once per layout and kept; no per-tensor Python runs
-on a repeat sync. Any other mapping (or a tensor that cannot be copied as bytes) takes the typed
+not as many. A run whose destinations lie stacked in one storage (a serving engine's [E, N, K]
+experts) is one strided copy instead, with no per-member view on either side. The destination
+views are built once per layout and kept; no per-tensor Python runs on a repeat sync. Any other mapping (or a tensor that cannot be copied as bytes) takes the typed
 path: one multi-tensor copy per device and dtype pair.
 """
 
@@ -96,20 +97,49 @@ def _word_view(t: Tensor, word: torch.dtype) -> Tensor | None:
     return t.reshape(-1).view(torch.uint8).view(word)
 
 
+def stacked_view(targets: Sequence[Tensor]) -> Tensor | None:
+    """The flat, equal-sized word views `targets` as the rows of ONE strided [n, words] view, when
+    they lie in one storage at one constant pitch in order (an engine that holds a projection's
+    experts stacked, as serving engines do): a whole run then installs with one copy. None when
+    they do not (separate allocations, gaps that vary, overlap)."""
+    if len(targets) < 2:
+        return None
+    first = targets[0]
+    size, item = first.numel(), first.element_size()
+    pitch = targets[1].data_ptr() - first.data_ptr()
+    if pitch <= 0 or pitch % item or pitch // item < size:
+        return None
+    storage = first.untyped_storage().data_ptr()
+    for i, t in enumerate(targets):
+        if (
+            t.numel() != size
+            or t.dtype != first.dtype
+            or t.data_ptr() != first.data_ptr() + i * pitch
+            or t.untyped_storage().data_ptr() != storage
+        ):
+            return None
+    return first.as_strided((len(targets), size), (pitch // item, 1))
+
+
 class _Plan:
-    """For one layout and word grouping: the destination word views, per word, in the order the
-    runs list them, and the names that go through the typed path instead."""
+    """For one layout and word grouping: per run, one stacked destination view (`stacked_view`) or
+    the destination word views of its members (per word, in the order the runs list them), and the
+    names that go through the typed path instead."""
 
     def __init__(self, dest: Mapping[str, Tensor], wire: WireState, groups: list[WordRun]) -> None:
         self.dest_words: dict[torch.dtype, list[Tensor]] = {}
         self.fast_runs: list[bool] = []
+        self.stacked: list[Tensor | None] = []
         fast: set[str] = set()
         for run in groups:
             targets = [self._target(dest, wire, name, run.word) for name in run.names]
             ok = all(t is not None for t in targets)
             self.fast_runs.append(ok)
-            if ok:
+            whole = stacked_view(targets) if ok else None  # type: ignore[arg-type]
+            self.stacked.append(whole)
+            if ok and whole is None:
                 self.dest_words.setdefault(run.word, []).extend(targets)  # type: ignore[arg-type]
+            if ok:
                 fast.update(run.names)
         self.typed = [name for name in wire if name not in fast]
 
@@ -147,10 +177,12 @@ class WireCopier:
             self._plan = (key, _Plan(self._dest, wire, groups))
         plan = self._plan[1]
         sources: dict[torch.dtype, list[Tensor]] = {}
-        for run, fast in zip(groups, plan.fast_runs):
-            if fast:
-                sources.setdefault(run.word, []).extend(run.views)
         with torch.no_grad():
+            for run, fast, whole in zip(groups, plan.fast_runs, plan.stacked):
+                if whole is not None:
+                    whole.copy_(run.whole)  # a run into a stacked destination: one copy
+                elif fast:
+                    sources.setdefault(run.word, []).extend(run.views)
             for word, dsts in plan.dest_words.items():
                 torch._foreach_copy_(dsts, sources[word])
         if plan.typed:

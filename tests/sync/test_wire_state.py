@@ -108,6 +108,41 @@ def test_copier_installs_bit_identical_weights_and_keeps_its_plan_per_layout(gen
     assert_same_bytes(dest, wire)
 
 
+def test_a_run_into_stacked_destinations_is_one_copy_with_no_member_views(gen):
+    """An engine that holds the experts stacked ([E, ...] per wire position, as serving engines
+    do): each run of the stack installs with one strided copy; a destination whose members are
+    not at one pitch in one storage takes the per-member path, bit-identical either way."""
+    n = 6
+    wire = received([*units_of(gen), stack_of(gen, n)])
+    dest = engine_like(wire)
+    codes = torch.zeros(n, 4, 24, dtype=torch.float8_e4m3fn)
+    scales = torch.zeros(n + 1, 1, 3)[1:]  # stacked, starting at an offset into its storage
+    for e in range(n):
+        dest[f"experts.{e}.weight"], dest[f"experts.{e}.weight_scale_inv"] = codes[e], scales[e]
+    copier = WireCopier(dest)
+    copier.copy(wire)
+    assert_same_bytes(dest, wire)
+    stacked = [w for w in copier._plan[1].stacked if w is not None]
+    assert len(stacked) == 2 and {w.shape[0] for w in stacked} == {n}
+    assert {w.untyped_storage().data_ptr() for w in stacked} == {
+        codes.untyped_storage().data_ptr(),
+        scales.untyped_storage().data_ptr(),
+    }
+    for _ in range(2):  # new values, same plan: no member view on the receiving side
+        wire = received([*units_of(gen), stack_of(gen, n)])
+        copier.copy(wire)
+        made = {name for (b, r) in wire._views for name in wire._runs[b][r].names}
+        assert not any(name.startswith("experts.") for name in made), made
+        assert_same_bytes(dest, wire)
+    # members out of order in the stack, or in separate storages: one copy each, same bytes
+    shuffled = dict(dest)
+    shuffled["experts.0.weight"], shuffled["experts.1.weight"] = codes[1], codes[0]
+    copier = WireCopier(shuffled)
+    copier.copy(wire)
+    assert_same_bytes(shuffled, wire)
+    assert sum(w is not None for w in copier._plan[1].stacked) == 1  # the scales only
+
+
 def test_copier_takes_the_typed_path_for_destinations_it_cannot_view_as_words(gen):
     wire = received([*units_of(gen), stack_of(gen)])
     dest = engine_like(wire)
