@@ -25,8 +25,9 @@ from skyq.sync.checksums import WSUM64, PendingChecksums, _wsum64_digest
 from skyq.sync.errors import SyncError
 from skyq.sync.values import Span, span_flags
 
-CHUNK_BYTES = 64 * 1024
+CHUNK_BYTES = 32 * 1024
 """Bytes per kernel program at most (`triton_bytescan.CHUNK_BYTES`)."""
+_MODULUS = 65521  # where the wsum64 weights start over (`checksums`)
 
 WORD_MASKS: dict[torch.dtype, tuple[int, int]] = {
     torch.float8_e4m3fn: (1, 0x7F),
@@ -57,7 +58,9 @@ class ScanPlan:
         """Split each bucket into segments (a span of one checked dtype, zero padding to the next
         16-byte boundary included, or the unchecked bytes between spans) and the segments into
         chunks of at most `CHUNK_BYTES`. Every chunk starts 16-byte aligned (tensor offsets in a
-        bucket are), so a word's most significant byte is found from its offset alone."""
+        bucket are), so a word's most significant byte is found from its offset alone; a chunk is
+        also cut 16-aligned just before each multiple of 65521, so the wsum64 weights start over,
+        if at all, within a chunk's first 16 bytes (what the kernel corrects for)."""
         if len(spans) != len(bucket_nbytes):
             raise SyncError(f"{len(spans)} span lists for {len(bucket_nbytes)} buckets")
         rows: list[tuple[int, int, int, int]] = []
@@ -65,8 +68,15 @@ class ScanPlan:
         for nbytes, bucket_spans in zip(bucket_nbytes, spans):
             first.append(len(rows))
             for start, end, word, mask in _segments(nbytes, bucket_spans):
-                for lo in range(start, end, CHUNK_BYTES):
-                    rows.append((lo, min(end, lo + CHUNK_BYTES), word - 1, mask))
+                lo = start
+                while lo < end:
+                    hi = min(end, lo + CHUNK_BYTES)
+                    restart = (lo // _MODULUS + 1) * _MODULUS  # the next multiple after lo
+                    cut = restart // ALIGN_BYTES * ALIGN_BYTES
+                    if lo < cut < hi:
+                        hi = cut
+                    rows.append((lo, hi, word - 1, mask))
+                    lo = hi
             counts.append(len(rows) - first[-1])
         return cls(nbytes=tuple(bucket_nbytes), rows=tuple(rows), first=tuple(first), counts=tuple(counts))
 

@@ -25,10 +25,10 @@ from skyq.sync.scan import CHUNK_BYTES, WORD_MASKS, PendingScan, ScanPlan
 from skyq.sync.values import Span
 
 if __package__:
-    from .scan_fixtures import SPAN_DTYPES, poison, random_bucket
+    from .scan_fixtures import poison, random_bucket
 else:  # run as a script by the interpreter test
     sys.path.insert(0, str(Path(__file__).parent))
-    from scan_fixtures import SPAN_DTYPES, poison, random_bucket  # type: ignore[no-redef]
+    from scan_fixtures import poison, random_bucket  # type: ignore[no-redef]
 
 ROOT = Path(__file__).resolve().parents[2]
 SIZES = [[1], [7, 300, 65_536, 9], [40_000, 3, 17, 70_000], [0, 5], []]
@@ -60,6 +60,8 @@ def test_the_chunk_table_tiles_each_bucket_in_aligned_chunks_with_its_spans_mask
         covering = [r for r in rows if r[0] < span.end and r[1] > span.start]
         assert covering[0][0] <= span.start and covering[-1][1] >= span.end
         assert all(r[2:] == (word - 1, mask) for r in covering)
+    for restart in range(65521, bucket.numel(), 65521):  # the wsum64 weights start over near a chunk's start
+        assert any(r[0] <= restart < min(r[1], r[0] + 16) for r in rows), restart
     checked = sum(r[1] - r[0] for r in rows if r[3])
     assert checked >= sum(s.end - s.start for s in spans)
     assert plan.counts[1] == 1 and plan.rows[plan.first[1]] == (0, 100, 0, 0)
@@ -101,18 +103,29 @@ def test_the_kernel_under_the_triton_interpreter_gives_the_reference_partials():
 def _interpreter_check() -> None:
     from skyq.quant.kernels import triton_bytescan
 
-    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
-    frames, spans = zip(*(random_bucket(gen, s) for s in ([7, 300, 17_000, 9], [20_000, 3, 5], [1])))
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    layouts = ([7, 300, 17_000, 9], [20_000, 3, 5], [1], [70_000, 40_000])
+    frames, spans = zip(*(random_bucket(gen, s) for s in layouts))
     frames = list(frames)
-    span = next(s for s in spans[1] if s.dtype in SPAN_DTYPES)
-    poison(frames[1], span, gen, "nan")
     plan = ScanPlan.of([f.numel() for f in frames], spans)
+    assert any(r[0] % 65521 and r[0] // 65521 != (r[0] + 15) // 65521 for r in plan.rows)  # a restart inside
     rows, _ = plan.tables(torch.device("cpu"))
-    part = triton_bytescan.launch(frames, rows, list(plan.first), list(plan.counts))
-    for frame, first, n in zip(frames, plan.first, plan.counts):
-        want = reference_partials(frame, rows[first : first + n])
-        assert torch.equal(part[first : first + n], want), (part[first : first + n], want)
-    assert part[:, 2].any()
+
+    def check(frames) -> torch.Tensor:
+        part = triton_bytescan.launch(frames, rows, list(plan.first), list(plan.counts))
+        for frame, first, n in zip(frames, plan.first, plan.counts):
+            want = reference_partials(frame, rows[first : first + n])
+            assert torch.equal(part[first : first + n], want), (part[first : first + n], want)
+        return part
+
+    assert not check(frames)[:, 2].any()
+    for b, bucket_spans in enumerate(spans):  # one bad value per span, each dtype's word position
+        for span in bucket_spans:
+            broken = [f.clone() for f in frames]
+            poison(broken[b], span, gen, "nan")
+            assert check(broken)[:, 2].any(), span
     print("interpreter check passed")
 
 

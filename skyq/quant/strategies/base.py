@@ -61,6 +61,8 @@ class QuantizationStrategy(ABC):
                 f"precision.name={precision_cfg.name.value} given to the {self.precision.value} strategy"
             )
         self.precision_cfg = precision_cfg
+        self._stack_layouts: dict[tuple[object, ...], tuple] = {}
+        """`serialize_stack_tensors`' treatment and member names per (names, shape, role)."""
 
     # scope -------------------------------------------------------------------------------------
 
@@ -136,29 +138,44 @@ class QuantizationStrategy(ABC):
                 f"serialize_stack: {len(names)} names for a stack of shape {tuple(stack.shape)}"
             )
         shape = tuple(stack.shape[1:])
-        specs = self.wire_specs(names[0], shape, role)
-        # `quantizes_param` of every member: role and shape are shared, only the names differ.
-        weights = sum(name.endswith(".weight") for name in names)
-        if not self.quantizes_param(names[0], shape, role):
-            if self.quantizes(role) and len(shape) == 2 and weights:
-                return None
-            return [(tuple(names), stack.to(specs[0].dtype))]
-        if weights != len(names):
+        key = (tuple(names), shape, role)
+        layout = self._stack_layouts.get(key)
+        if layout is None:  # a trainer sends the same stacks every sync: names worked out once
+            layout = self._stack_layouts[key] = self._stack_layout(key[0], shape, role)
+        kind, stems, out_names, specs = layout
+        if kind == "members":
             return None
-        stems = [name[: -len("weight")] for name in names]
+        if kind == "whole":
+            return [(out_names[0], stack.to(specs[0].dtype))]
         whole = self._encode_stack(stems, stack)
         # Every member has the specs of the first with its own stem (same shape, same role).
         assert len(whole) == len(specs), (stems[0], len(whole), specs)
-        out = []
         for spec, t in zip(specs, whole):
             assert (tuple(t.shape), t.dtype) == ((len(names), *spec.shape), spec.dtype), (
                 spec,
                 t.shape,
                 t.dtype,
             )
-            suffix = spec.name[len(stems[0]) :]
-            out.append((tuple(stem + suffix for stem in stems), t))
-        return out
+        return list(zip(out_names, whole))
+
+    def _stack_layout(
+        self, names: tuple[str, ...], shape: tuple[int, ...], role: Role
+    ) -> tuple[str, list[str], list[tuple[str, ...]], list[WireSpec]]:
+        """How `serialize_stack_tensors` treats a stack of `names` (member shape `shape`): "members"
+        (one at a time), "whole" (passed through as is) or "quantized", with the stems, the member
+        names of each wire position and the first member's wire specs."""
+        specs = self.wire_specs(names[0], shape, role)
+        # `quantizes_param` of every member: role and shape are shared, only the names differ.
+        weights = sum(name.endswith(".weight") for name in names)
+        if not self.quantizes_param(names[0], shape, role):
+            if self.quantizes(role) and len(shape) == 2 and weights:
+                return "members", [], [], specs
+            return "whole", [], [names], specs
+        if weights != len(names):
+            return "members", [], [], specs
+        stems = [name[: -len("weight")] for name in names]
+        out_names = [tuple(stem + spec.name[len(stems[0]) :] for stem in stems) for spec in specs]
+        return "quantized", stems, out_names, specs
 
     def _encode_stack(self, stems: Sequence[str], stack: Tensor) -> tuple[Tensor, ...]:
         """The wire tensors of every matrix of `stack`, stacked [E, ...] per wire position (in
