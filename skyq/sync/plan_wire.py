@@ -51,13 +51,33 @@ class PlanSerializer:
         """`strategy.serialize_stack_tensors` (whole wire tensors) when every member has one role;
         None otherwise (the sender then serializes member by member)."""
         key = tuple(names)
-        if key not in self._stack_roles:  # a trainer sends the same stacks every sync
-            roles = {self.plan[name].role for name in key}
-            self._stack_roles[key] = roles.pop() if len(roles) == 1 else None
-        role = self._stack_roles[key]
+        role = self._stack_role(key)
         if role is None or stack.ndim != 3:
             return None
         return self.strategy.serialize_stack_tensors(key, stack, role=role)
+
+    def _stack_role(self, key: tuple[str, ...]) -> Role | None:
+        if key not in self._stack_roles:  # a trainer sends the same stacks every sync
+            roles = {self.plan[name].role for name in key}
+            self._stack_roles[key] = roles.pop() if len(roles) == 1 else None
+        return self._stack_roles[key]
+
+    def serialize_many(
+        self, items: Sequence[tuple[str | tuple[str, ...], Tensor]]
+    ) -> list[dict[str, Tensor] | list[tuple[tuple[str, ...], Tensor]] | None]:
+        """Per item, `self(name, tensor)` for a name and `serialize_stack_tensors(names, stack)` for
+        a tuple of names (None: serialize that stack member by member), with the quantizer calls of
+        all items batched by the strategy (`QuantizationStrategy.serialize_many`)."""
+        out: list = [None] * len(items)
+        entries, where = [], []
+        for i, (name, t) in enumerate(items):
+            role = self.plan[name].role if isinstance(name, str) else self._stack_role(name)
+            if role is not None and (isinstance(name, str) or t.ndim == 3):
+                entries.append((name, t, role))
+                where.append(i)
+        for i, wire in zip(where, self.strategy.serialize_many(entries)):
+            out[i] = wire
+        return out
 
 
 def plan_serializer(strategy: QuantizationStrategy, plan: QuantPlan) -> Serializer:

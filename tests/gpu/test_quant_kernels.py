@@ -224,3 +224,21 @@ def test_int4_codes_on_and_next_to_rounding_ties_match_reference(gen, grid, dtyp
     codes_ref, scale_ref = int4.quantize(w, group_size=g, grid=grid)
     assert_same_bits(codes, codes_ref)
     assert_same_bits(scale_k, scale_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pow2", [False, True])
+def test_grouped_fp8_quantize_gives_each_tensors_reference_bits(make_weight, dtype, pow2):
+    """One launch for many tensors of many shapes and layouts (`quantize_fp8_blockwise_group`),
+    the same bits as the reference of each; a non-finite input is refused naming its tensor."""
+    ws = [make_weight(shape, dtype, layout) for shape, layout in zip(SHAPES, LAYOUTS * 3)]
+    names = [f"w{i}.weight" for i in range(len(ws))]
+    got = dispatch.quantize_fp8_blockwise_group(ws, names, pow2_scale=pow2)
+    for w, (q, s) in zip(ws, got):
+        rq, rs = fp8_blockwise.quantize(w.cpu(), block_size=(128, 128), pow2_scale=pow2)
+        assert_same_bits(q.cpu(), rq)
+        assert_same_bits(s.cpu(), rs)
+    bad = [w.clone() for w in ws]
+    bad[3].view(-1)[7] = float("nan")
+    with pytest.raises(QuantizationError, match="w3.weight: 1 NaN"):
+        dispatch.quantize_fp8_blockwise_group(bad, names, pow2_scale=pow2)

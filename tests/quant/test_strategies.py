@@ -349,3 +349,49 @@ def test_serialize_stack_refuses_a_stack_its_names_do_not_match(gen):
     s = strategy(Precision.fp8_blockwise)
     with pytest.raises(StrategyError, match="2 names"):
         s.serialize_stack(["a.weight", "b.weight"], fresh(gen, 3, 128, 128), role=Role.routed_expert)
+
+
+@pytest.mark.parametrize(
+    "precision_cfg",
+    [
+        PrecisionConfig(name=Precision.bf16),
+        PrecisionConfig(name=Precision.fp8_blockwise, scale_format=ScaleFormat.fp32),
+        PrecisionConfig(name=Precision.fp8_blockwise, scale_format=ScaleFormat.ue8m0),
+        PrecisionConfig(name=Precision.mxfp8),
+        PrecisionConfig(name=Precision.int4_qat, int4_group_size=32),
+    ],
+)
+def test_serialize_many_is_bitwise_each_entry_on_its_own(gen, precision_cfg):
+    """Matrices, stacks, an unquantized tensor and a stack whose members are not all weights (the
+    caller then goes member by member: None), in one call, as a weight sync hands them over."""
+    s = get_strategy(precision_cfg)
+    experts = tuple(f"model.layers.0.mlp.experts.{i}.up_proj.weight" for i in range(3))
+    mixed = ("model.layers.1.mlp.experts.0.up_proj.weight", "model.layers.1.mlp.experts.1.up_proj.bias")
+    entries = [
+        ("model.layers.0.self_attn.q_proj.weight", fresh(gen, 256, 384), Role.attention),
+        (experts, fresh(gen, 3, 96, 256), Role.routed_expert),
+        ("model.norm.weight", fresh(gen, 256), Role.norm),
+        ("model.layers.0.self_attn.o_proj.weight", fresh(gen, 384, 256).t(), Role.attention),  # strided
+        (mixed, fresh(gen, 2, 96, 256), Role.routed_expert),
+    ]
+    got = s.serialize_many(entries)
+    assert len(got) == len(entries)
+    for (name, t, role), out in zip(entries, got):
+        if isinstance(name, str):
+            want = s.serialize(name, t.clone(), role=role)
+            assert _wire_bytes(out).keys() == _wire_bytes(want).keys()
+            for n, (dtype, shape, raw) in _wire_bytes(want).items():
+                assert _wire_bytes(out)[n][:2] == (dtype, shape) and torch.equal(
+                    _wire_bytes(out)[n][2], raw
+                ), n
+            continue
+        want = s.serialize_stack_tensors(name, t.clone(), role=role)
+        if want is None:
+            assert out is None
+            continue
+        assert [names for names, _ in out] == [names for names, _ in want]
+        for (_, a), (_, b) in zip(out, want):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    with pytest.raises(StrategyError, match="2 names"):
+        s.serialize_many([(("a.weight", "b.weight"), fresh(gen, 3, 128, 128), Role.routed_expert)])

@@ -182,3 +182,63 @@ def test_a_wire_name_produced_twice_is_refused_before_sending(gen):
         build_units(items, WholeSerializer(), 1)
     with pytest.raises(SyncError):  # nothing reached the receiver's end
         recv_end.recv_frame(1 << 20, "a frame that must not exist")
+
+
+def _plan_trainer(gen, precision: Precision):
+    """A one-layer Qwen3-MoE-shaped plan and its trainer's items: dense tensors by name, each
+    projection's experts as one (names, stack) item, as `WeightSender` gets them from a trainer."""
+    from skyq.config.schema import ModelConfig
+    from skyq.quant.plan import build_plan
+    from skyq.sync.plan_wire import plan_serializer
+
+    cfg = ModelConfig(
+        name="tiny_moe_for_sync", hidden_size=256, num_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, moe_intermediate_size=128, intermediate_size=512, num_experts=4, num_experts_per_tok=2,
+        vocab_size=64,
+    )  # fmt: skip
+    precision_cfg = PrecisionConfig(name=precision)
+    plan = build_plan(cfg, precision_cfg)
+    strategy = get_strategy(precision_cfg)
+    dense, stacks = [], {}
+    for p in plan:
+        t = (torch.randn(p.shape, generator=gen) * 0.05).to(torch.bfloat16)
+        if ".mlp.experts." in p.name:
+            prefix, rest = p.name.split(".mlp.experts.")
+            stacks.setdefault((prefix, rest.split(".", 1)[1]), []).append((p.name, t))
+        else:
+            dense.append((p.name, t))
+    items = dense + [(tuple(n for n, _ in m), torch.stack([t for _, t in m])) for m in stacks.values()]
+    return plan, strategy, plan_serializer(strategy, plan), items
+
+
+@pytest.mark.parametrize("precision", [Precision.fp8_blockwise, Precision.mxfp8, Precision.int4_qat])
+def test_a_plan_sender_batches_its_quantization_and_the_engine_gets_each_tensors_serialize(gen, precision):
+    """`PlanSerializer.serialize_many`: every item serialized in one call (fp8: one quantizer launch
+    for all matrices and stacks on CUDA), the same wire bytes as serializing each tensor."""
+    from skyq.sync.plan_wire import expected_units
+
+    plan, strategy, serialize, items = _plan_trainer(gen, precision)
+    send_end, recv_end = in_process_pair(timeout_s=10.0)
+    engine = DictEngine()
+    receiver = WeightReceiver(recv_end, expected_units(plan), verify_checksum=True)
+    thread = threading.Thread(target=lambda: receiver.receive(current_version=0, commit=engine.commit))
+    thread.start()
+    WeightSender(send_end, serialize=serialize, bucket_bytes=1 << 16).sync(items, 1)
+    thread.join(timeout=20)
+    want = {}
+    for name, t in items:
+        members = [(name, t)] if isinstance(name, str) else list(zip(name, t.unbind(0)))
+        for n, m in members:
+            want.update(strategy.serialize(n, m.clone(), role=plan[n].role))
+    assert engine.version == 1 and engine.snapshot() == (1, {n: raw_bytes(t) for n, t in want.items()})
+
+
+def test_a_plan_sender_refuses_a_non_finite_stack_member_naming_it_and_sends_nothing(gen):
+    plan, _, serialize, items = _plan_trainer(gen, Precision.fp8_blockwise)
+    names, stack = next((n, t) for n, t in items if not isinstance(n, str) and "down_proj" in n[0])
+    stack[2, 3, 5] = float("inf")
+    send_end, recv_end = in_process_pair(timeout_s=0.3)
+    with pytest.raises(SyncRefused, match=rf"{names[2].replace('.', '[.]')}: 0 NaN and 1 inf"):
+        WeightSender(send_end, serialize=serialize, bucket_bytes=1 << 16).sync(items, 1)
+    with pytest.raises(SyncError):  # nothing left the sender
+        recv_end.recv_frame(1 << 20, "anything")

@@ -57,6 +57,42 @@ def quantize_fp8_blockwise(
     return fp8_blockwise.quantize(w, block_size=block_size, pow2_scale=pow2_scale, name=name)
 
 
+def quantize_fp8_blockwise_group(
+    ws: Sequence[Tensor],
+    names: Sequence[str],
+    *,
+    block_size: tuple[int, int] = (128, 128),
+    pow2_scale: bool = False,
+) -> list[tuple[Tensor, Tensor]]:
+    """`quantize_fp8_blockwise(ws[i], name=names[i])` for every i, the same bits: on CUDA one kernel
+    launch for all of them (the per-call launch cost, not bandwidth, bounds a weight sync's many
+    small quantizations) and one finite check for the group; elsewhere one call each."""
+    if (
+        ws
+        and all(uses_kernel(w) and _float_input(w) and w.device == ws[0].device for w in ws)
+        and _int_pair(block_size)
+    ):
+        from skyq.quant.kernels import triton_fp8_blockwise as kernels
+
+        if kernels.group_supports(list(ws), tuple(block_size)):
+            qs, ss, flags = kernels.launch_quantize_group(
+                list(ws), block_size=tuple(block_size), pow2_scale=pow2_scale
+            )
+
+            def validate() -> None:  # the first non-finite input, named as the per-call check names it
+                for w, name in zip(ws, names):
+                    fp8_blockwise.quantize(w, block_size=block_size, name=name)
+
+            _common.raise_if_flagged(flags.amax(), validate)
+            return [
+                (q.reshape(w.shape), s.reshape(*w.shape[:-2], *s.shape[-2:])) for w, q, s in zip(ws, qs, ss)
+            ]
+    return [
+        quantize_fp8_blockwise(w, block_size=block_size, pow2_scale=pow2_scale, name=name)
+        for w, name in zip(ws, names)
+    ]
+
+
 def dequantize_fp8_blockwise(
     q: Tensor,
     scale_inv: Tensor,

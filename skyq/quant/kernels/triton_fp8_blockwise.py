@@ -124,6 +124,63 @@ def _quant_kernel(
             tl.store(s2_ptr + b * s2b + pid_k * s2k + pid_n * s2n + zero, inv)
 
 
+GROUP_COLS = 11
+"""Per tensor of a grouped quantize: x, q, scale addresses, N, K, x strides (3), first program,
+tiles per matrix, tiles along K."""
+
+
+@triton.jit
+def _quant_group_kernel(
+    tbl_ptr, flag_ptr, n_tensors,
+    TN: tl.constexpr, TK: tl.constexpr, POW2: tl.constexpr, LOG: tl.constexpr, DT: tl.constexpr,
+):  # fmt: skip
+    """`_quant_kernel` (whole TN x TK blocks in registers) over many tensors in one launch: row
+    `t` of the int64 table [n_tensors, GROUP_COLS] describes tensor t (x [B, N, K] of dtype DT (0
+    bf16, 1 fp16, 2 fp32) at any strides -> q [B, N, K] contiguous e4m3, scale_inv [B, nN, nK]
+    contiguous fp32), whose programs start at its `first`; a program finds its tensor by a binary
+    search over the `first` column (LOG steps) and bumps `flag_ptr[t]` on a non-finite input."""
+    pid = tl.program_id(0).to(tl.int64)
+    lo = pid * 0
+    hi = lo + n_tensors
+    for _ in tl.static_range(LOG):
+        mid = (lo + hi) // 2
+        go = tl.load(tbl_ptr + mid * GROUP_COLS + 8) <= pid
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid)
+    row = tbl_ptr + lo * GROUP_COLS
+    if DT == 0:
+        x_ptr = tl.load(row).to(tl.pointer_type(tl.bfloat16))
+    elif DT == 1:
+        x_ptr = tl.load(row).to(tl.pointer_type(tl.float16))
+    else:
+        x_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+    q_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float8e4nv))
+    s_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    n = tl.load(row + 3)
+    k = tl.load(row + 4)
+    sxb = tl.load(row + 5)
+    sxn = tl.load(row + 6)
+    sxk = tl.load(row + 7)
+    tiles = tl.load(row + 9)
+    n_tiles_k = tl.load(row + 10)
+    local = pid - tl.load(row + 8)
+    b = local // tiles
+    tile = local % tiles
+    pid_n = tile // n_tiles_k
+    pid_k = tile % n_tiles_k
+    rk = pid_k * TK + tl.arange(0, TK)
+    rn = pid_n * TN + tl.arange(0, TN)
+    mask = (rn[:, None] < n) & (rk[None, :] < k)
+    x = tl.load(x_ptr + b * sxb + rn[:, None] * sxn + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
+    ax = tl.abs(x)
+    flag_if(nonfinite_2d(ax), flag_ptr + lo)
+    amax = tl.max(tl.max(ax, axis=1, keep_dims=True), axis=0, keep_dims=True)
+    scale = fp8_scale(amax, POW2)
+    tl.store(q_ptr + b * n * k + rn[:, None] * k + rk[None, :], to_e4m3(x * scale), mask=mask)
+    inv = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
+    tl.store(s_ptr + b * tiles + tile + tl.zeros([1, 1], dtype=tl.int64), inv)
+
+
 @triton.jit
 def _dequant_kernel(
     q_ptr, s_ptr, out_ptr, flag_ptr,
@@ -223,6 +280,66 @@ def quantize(
     q, s, flag = launch_quantize(w, block_size=block_size, pow2_scale=pow2_scale)
     raise_if_flagged(flag, lambda: fp8_blockwise.quantize(w, block_size=block_size, name=name))
     return q.reshape(w.shape), s.reshape(*w.shape[:-2], *s.shape[-2:])
+
+
+_GROUP_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
+def group_supports(ws: list[Tensor], block_size: tuple[int, int]) -> bool:
+    """Whether `launch_quantize_group` takes these tensors: one dtype of bf16 / fp16 / fp32, 2-D or
+    3-D, non-empty, and a block the whole-block path holds (bn > 1, at most 128 x 128)."""
+    bn, bk = block_size
+    return (
+        bool(ws)
+        and supports(block_size)
+        and 1 < bn <= BLOCK_SUB_ROWS
+        and all(w.dtype == ws[0].dtype and w.ndim in (2, 3) and w.numel() for w in ws)
+        and ws[0].dtype in _GROUP_DTYPES
+    )
+
+
+def launch_quantize_group(
+    ws: list[Tensor], *, block_size: tuple[int, int], pow2_scale: bool
+) -> tuple[list[Tensor], list[Tensor], Tensor]:
+    """One launch for all of `ws` (`group_supports`), no host sync: `(q [B, N, K] per tensor,
+    scale_inv [B, nN, nK] per tensor, flags int32 [len(ws)])`, the same bits as `launch_quantize`
+    of each; flag t > 0 means a non-finite input in `ws[t]`."""
+    bn, bk = block_size
+    device = ws[0].device
+    rows, qs, ss = [], [], []
+    first = 0
+    for w in ws:
+        x = as_3d(w)
+        nb, n, k = x.shape
+        n_tiles_n, n_tiles_k = cdiv(n, bn), cdiv(k, bk)
+        q = torch.empty((nb, n, k), dtype=torch.float8_e4m3fn, device=device)
+        s = torch.empty((nb, n_tiles_n, n_tiles_k), dtype=torch.float32, device=device)
+        rows.append(
+            (
+                x.data_ptr(),
+                q.data_ptr(),
+                s.data_ptr(),
+                n,
+                k,
+                *x.stride(),
+                first,
+                n_tiles_n * n_tiles_k,
+                n_tiles_k,
+            )
+        )
+        qs.append(q)
+        ss.append(s)
+        first += nb * n_tiles_n * n_tiles_k
+    table = torch.tensor(rows, dtype=torch.int64)
+    if device.type == "cuda":  # a pinned staging copy: queued on the stream like the launch, no host wait
+        table = table.pin_memory().to(device, non_blocking=True)
+    flags = torch.zeros(len(ws), dtype=torch.int32, device=device)
+    _quant_group_kernel[(first,)](
+        table, flags, len(ws),
+        TN=bn, TK=bk, POW2=pow2_scale, LOG=max(1, (len(ws) - 1).bit_length()), DT=_GROUP_DTYPES[ws[0].dtype],
+        num_warps=BLOCK_NUM_WARPS,
+    )  # fmt: skip
+    return qs, ss, flags
 
 
 def _dequantize_args_ok(q: Tensor, scale_inv: Tensor, bn: int, bk: int) -> bool:

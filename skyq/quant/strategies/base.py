@@ -106,7 +106,10 @@ class QuantizationStrategy(ABC):
         specs = self.wire_specs(name, shape, role)
         if not self.quantizes_param(name, shape, role):
             return {name: tensor.to(specs[0].dtype)}
-        wire = self._encode(name[: -len("weight")], tensor)
+        return self._checked(self._encode(name[: -len("weight")], tensor), specs)
+
+    @staticmethod
+    def _checked(wire: dict[str, Tensor], specs: Sequence[WireSpec]) -> dict[str, Tensor]:
         for spec in specs:  # the plan promised these; a format change that breaks it must not ship
             got = wire[spec.name]
             assert (tuple(got.shape), got.dtype) == (spec.shape, spec.dtype), (spec, got.shape, got.dtype)
@@ -133,6 +136,30 @@ class QuantizationStrategy(ABC):
         `member names[i]`, bit for bit. One quantizer call and one shape check per wire position: no
         per-member tensor work. None when the members are not all serialized alike (then use
         `serialize` per member)."""
+        kind, stems, out_names, specs = self._stack_plan(names, stack, role)
+        if kind == "members":
+            return None
+        if kind == "whole":
+            return [(out_names[0], stack.to(specs[0].dtype))]
+        return self._stack_columns(stems, out_names, specs, self._encode_stack(stems, stack))
+
+    def serialize_many(
+        self, entries: Sequence[tuple[str | tuple[str, ...], Tensor, Role]]
+    ) -> list[dict[str, Tensor] | list[tuple[tuple[str, ...], Tensor]] | None]:
+        """Per entry, `serialize(name, tensor)` for a name, `serialize_stack_tensors(names, stack)`
+        for a tuple of names: the same wire tensors, bit for bit. Formats override it to quantize
+        every entry with one batched call (`Fp8BlockwiseStrategy`)."""
+        return [
+            self.serialize(name, t, role=role)
+            if isinstance(name, str)
+            else self.serialize_stack_tensors(name, t, role=role)
+            for name, t, role in entries
+        ]
+
+    def _stack_plan(
+        self, names: Sequence[str], stack: Tensor, role: Role
+    ) -> tuple[str, list[str], list[tuple[str, ...]], list[WireSpec]]:
+        """`_stack_layout` of a stack, checked against its names and kept per (names, shape, role)."""
         if stack.ndim != 3 or len(names) != stack.shape[0]:
             raise StrategyError(
                 f"serialize_stack: {len(names)} names for a stack of shape {tuple(stack.shape)}"
@@ -142,16 +169,19 @@ class QuantizationStrategy(ABC):
         layout = self._stack_layouts.get(key)
         if layout is None:  # a trainer sends the same stacks every sync: names worked out once
             layout = self._stack_layouts[key] = self._stack_layout(key[0], shape, role)
-        kind, stems, out_names, specs = layout
-        if kind == "members":
-            return None
-        if kind == "whole":
-            return [(out_names[0], stack.to(specs[0].dtype))]
-        whole = self._encode_stack(stems, stack)
+        return layout
+
+    @staticmethod
+    def _stack_columns(
+        stems: Sequence[str],
+        out_names: Sequence[tuple[str, ...]],
+        specs: Sequence[WireSpec],
+        whole: Sequence[Tensor],
+    ) -> list[tuple[tuple[str, ...], Tensor]]:
         # Every member has the specs of the first with its own stem (same shape, same role).
         assert len(whole) == len(specs), (stems[0], len(whole), specs)
         for spec, t in zip(specs, whole):
-            assert (tuple(t.shape), t.dtype) == ((len(names), *spec.shape), spec.dtype), (
+            assert (tuple(t.shape), t.dtype) == ((len(stems), *spec.shape), spec.dtype), (
                 spec,
                 t.shape,
                 t.dtype,

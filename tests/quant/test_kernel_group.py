@@ -1,0 +1,59 @@
+"""The grouped FP8 quantize kernel (`triton_fp8_blockwise.launch_quantize_group`: one launch for
+many tensors) gives the bits of the per-tensor kernel for each, checked under the Triton
+interpreter where Triton is importable (skipped in CI, which has no Triton; a subprocess, since
+TRITON_INTERPRET must be set before `@triton.jit` runs). On the GPU it is checked against the
+reference in tests/gpu/test_quant_kernels.py; without CUDA `dispatch.quantize_fp8_blockwise_group`
+is the per-tensor reference, checked in tests/quant/test_strategies.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (not installed in CI)")
+def test_the_grouped_kernel_gives_the_per_tensor_kernels_bits_under_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, __file__, "--interpret"], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "interpreter check passed" in result.stdout
+
+
+def _interpreter_check() -> None:
+    from skyq.quant.kernels import triton_fp8_blockwise as kernels
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    ws = [
+        torch.randn(3, 130, 250, generator=gen).to(torch.bfloat16),
+        torch.randn(256, 128, generator=gen).to(torch.bfloat16) * 1e3,
+        torch.randn(128, 384, generator=gen).to(torch.bfloat16).t(),  # transposed
+        torch.randn(7, 600, generator=gen).to(torch.bfloat16)[:, ::2],  # strided
+        torch.randn(1, 1, generator=gen).to(torch.bfloat16),
+    ]
+    ws[3][2, 5] = float("inf")
+    for pow2 in (False, True):
+        qs, ss, flags = kernels.launch_quantize_group(ws, block_size=(128, 128), pow2_scale=pow2)
+        assert flags.tolist() == [0, 0, 0, 1, 0], flags
+        for i, w in enumerate(ws):
+            q, s, flag = kernels.launch_quantize(w, block_size=(128, 128), pow2_scale=pow2)
+            assert int(flag) == (i == 3)
+            if i != 3:
+                assert torch.equal(qs[i].view(torch.uint8), q.view(torch.uint8)), i
+                assert torch.equal(ss[i], s), i
+    print("interpreter check passed")
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:
+    _interpreter_check()
