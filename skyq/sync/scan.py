@@ -111,11 +111,11 @@ def _segments(nbytes: int, spans: Sequence[Span]) -> list[tuple[int, int, int, i
 
 
 def scan_kernel_applies(frames: Sequence[Tensor], algorithms: Sequence[str | None] | None) -> bool:
-    """Whether `PendingScan` runs the Triton kernel: every frame a CUDA tensor (Triton importable)
-    on one device and every checksum wsum64 (the default for device buffers)."""
+    """Whether `PendingScan` runs the Triton kernel: every frame a 16-byte aligned CUDA tensor
+    (Triton importable) on one device and every checksum wsum64 (the default for device buffers)."""
     return (
         bool(frames)
-        and all(uses_kernel(f) and f.device == frames[0].device for f in frames)
+        and all(uses_kernel(f) and f.device == frames[0].device and f.data_ptr() % 16 == 0 for f in frames)
         and (algorithms is None or all(a in (None, WSUM64) for a in algorithms))
     )
 

@@ -52,6 +52,13 @@ def _interpreter_check() -> None:
             if i != 3:
                 assert torch.equal(qs[i].view(torch.uint8), q.view(torch.uint8)), i
                 assert torch.equal(ss[i], s), i
+    # K-contiguous, 16-byte rows, K a multiple of 16: the vectorized (ALIGNED) path.
+    aligned = [torch.randn(2, 136, 272, generator=gen).to(torch.bfloat16), torch.randn(130, 16, generator=gen)]
+    for group in (aligned[:1], aligned[1:]):
+        qs, ss, flags = kernels.launch_quantize_group(group, block_size=(128, 128), pow2_scale=False)
+        for w, gq, gs in zip(group, qs, ss):
+            q, s, _ = kernels.launch_quantize(w, block_size=(128, 128), pow2_scale=False)
+            assert torch.equal(gq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(gs, s)
     print("interpreter check passed")
 
 

@@ -63,14 +63,15 @@ def _scan_kernel(frame_ptr, desc_ptr, part_ptr, first, WB: tl.constexpr, ITERS: 
     i_w = (lane * low).to(tl.uint32)
     h_w = (lane * tl.where(vmask == 0, 0, 0x80)).to(tl.uint32)
 
-    words = frame_ptr.to(tl.pointer_type(tl.uint32)) + tl.multiple_of(start // 4, 4)
+    # 16-byte aligned (frames are allocations, chunk starts 16-aligned): one 16-byte load per thread.
+    words = tl.multiple_of(frame_ptr.to(tl.pointer_type(tl.uint32)) + start // 4, 16)
     pe = tl.zeros([WB], dtype=tl.uint32)
     po = tl.zeros([WB], dtype=tl.uint32)
     qe = tl.zeros([WB], dtype=tl.uint32)
     qo = tl.zeros([WB], dtype=tl.uint32)
     bad = tl.zeros([WB], dtype=tl.uint32)
     for it in range(0, ITERS):
-        x = tl.load(words + it * WB + j, mask=(j < WB) & (it < nfull), other=0)
+        x = tl.load(words + it * WB + j, mask=it < nfull, other=0)
         pe += x & 0x00FF00FF
         po += (x >> 8) & 0x00FF00FF
         qe += pe

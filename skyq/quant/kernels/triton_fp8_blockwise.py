@@ -124,7 +124,7 @@ def _quant_kernel(
             tl.store(s2_ptr + b * s2b + pid_k * s2k + pid_n * s2n + zero, inv)
 
 
-GROUP_COLS = 11
+GROUP_COLS = tl.constexpr(11)
 """Per tensor of a grouped quantize: x, q, scale addresses, N, K, x strides (3), first program,
 tiles per matrix, tiles along K."""
 
@@ -133,12 +133,16 @@ tiles per matrix, tiles along K."""
 def _quant_group_kernel(
     tbl_ptr, flag_ptr, n_tensors,
     TN: tl.constexpr, TK: tl.constexpr, POW2: tl.constexpr, LOG: tl.constexpr, DT: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):  # fmt: skip
     """`_quant_kernel` (whole TN x TK blocks in registers) over many tensors in one launch: row
     `t` of the int64 table [n_tensors, GROUP_COLS] describes tensor t (x [B, N, K] of dtype DT (0
     bf16, 1 fp16, 2 fp32) at any strides -> q [B, N, K] contiguous e4m3, scale_inv [B, nN, nK]
     contiguous fp32), whose programs start at its `first`; a program finds its tensor by a binary
-    search over the `first` column (LOG steps) and bumps `flag_ptr[t]` on a non-finite input."""
+    search over the `first` column (LOG steps) and bumps `flag_ptr[t]` on a non-finite input.
+    ALIGNED: every x is K-contiguous with 16-byte aligned rows and K is a multiple of 16, so rows
+    load and store as 16-byte vectors (addresses read from a table carry no alignment Triton could
+    see otherwise)."""
     pid = tl.program_id(0).to(tl.int64)
     lo = pid * 0
     hi = lo + n_tensors
@@ -171,12 +175,27 @@ def _quant_group_kernel(
     rk = pid_k * TK + tl.arange(0, TK)
     rn = pid_n * TN + tl.arange(0, TN)
     mask = (rn[:, None] < n) & (rk[None, :] < k)
-    x = tl.load(x_ptr + b * sxb + rn[:, None] * sxn + rk[None, :] * sxk, mask=mask, other=0.0).to(tl.float32)
+    if ALIGNED:
+        x_ptr = tl.multiple_of(x_ptr, 16)
+        q_ptr = tl.multiple_of(q_ptr, 16)
+        k = tl.multiple_of(k, 16)
+        mask = (rn[:, None] < n) & (rk[None, :] < k)
+        if DT == 2:
+            x_rows = tl.multiple_of(b * sxb + rn * sxn, 4)
+        else:
+            x_rows = tl.multiple_of(b * sxb + rn * sxn, 8)
+        q_rows = tl.multiple_of(b * n * k + rn * k, 16)[:, None]
+        x = tl.load(x_ptr + x_rows[:, None] + rk[None, :], mask=mask, other=0.0).to(tl.float32)
+    else:
+        q_rows = b * n * k + rn[:, None] * k
+        x = tl.load(x_ptr + b * sxb + rn[:, None] * sxn + rk[None, :] * sxk, mask=mask, other=0.0).to(
+            tl.float32
+        )
     ax = tl.abs(x)
     flag_if(nonfinite_2d(ax), flag_ptr + lo)
     amax = tl.max(tl.max(ax, axis=1, keep_dims=True), axis=0, keep_dims=True)
     scale = fp8_scale(amax, POW2)
-    tl.store(q_ptr + b * n * k + rn[:, None] * k + rk[None, :], to_e4m3(x * scale), mask=mask)
+    tl.store(q_ptr + q_rows + rk[None, :], to_e4m3(x * scale), mask=mask)
     inv = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
     tl.store(s_ptr + b * tiles + tile + tl.zeros([1, 1], dtype=tl.int64), inv)
 
@@ -308,10 +327,21 @@ def launch_quantize_group(
     device = ws[0].device
     rows, qs, ss = [], [], []
     first = 0
+    words = 16 // ws[0].element_size()
+    aligned = True
     for w in ws:
         x = as_3d(w)
         nb, n, k = x.shape
         n_tiles_n, n_tiles_k = cdiv(n, bn), cdiv(k, bk)
+        sb, sn, sk = x.stride()
+        aligned = (
+            aligned
+            and sk == 1
+            and k % 16 == 0
+            and x.data_ptr() % 16 == 0
+            and sb % words == 0
+            and sn % words == 0
+        )
         q = torch.empty((nb, n, k), dtype=torch.float8_e4m3fn, device=device)
         s = torch.empty((nb, n_tiles_n, n_tiles_k), dtype=torch.float32, device=device)
         rows.append(
@@ -337,7 +367,7 @@ def launch_quantize_group(
     _quant_group_kernel[(first,)](
         table, flags, len(ws),
         TN=bn, TK=bk, POW2=pow2_scale, LOG=max(1, (len(ws) - 1).bit_length()), DT=_GROUP_DTYPES[ws[0].dtype],
-        num_warps=BLOCK_NUM_WARPS,
+        ALIGNED=aligned, num_warps=BLOCK_NUM_WARPS,
     )  # fmt: skip
     return qs, ss, flags
 
