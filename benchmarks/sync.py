@@ -5,7 +5,8 @@ per layer 3 x 128 expert linears + attention + router + norms) with `--layers` l
 vocabulary (2048, so a few-layer stack is not dominated by embeddings that no format quantizes).
 The whole pipeline runs as a trainer would: the trainer's bf16 weights on the GPU (experts held
 stacked per projection and handed to the sender as one (names, stack) item per projection, which
-the strategy quantizes with one batched Triton call), `WeightSender` (finite checks, bucket packing
+the strategy quantizes with one batched Triton call; fp8 quantizes every matrix and stack of a sync in
+one grouped launch), `WeightSender` (value checks of what it packed, bucket packing
 with one cat per bucket, device-side wsum64 checksums), the in-process transport (frames stay on
 the GPU: a device clone per bucket), and `WeightReceiver` (checksum verification, unpacking to
 views, value checks, accounting) whose commit copies every wire tensor into preallocated engine

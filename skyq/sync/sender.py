@@ -1,7 +1,11 @@
 """Trainer side of a weight sync: serialize -> bucket -> send -> wait for the engine's accounting.
 
 The whole sync is serialized and checked before the first byte leaves, so a non-finite weight is
-refused with nothing sent. A repeat sync of an unchanged layout sends a short `SameLayout` message
+refused with nothing sent: the quantizer kernels flag a non-finite input, and one pass over the packed
+buckets (`scan.PendingScan`, with the checksums) flags every non-finite float and e4m3 NaN code of
+what goes out; only a flag pays for the exact per-tensor check that names the first bad tensor. With
+a plan serializer every item is serialized by one call (`serialize_many`: one grouped quantizer
+launch for all fp8 matrices and stacks of the sync). A repeat sync of an unchanged layout sends a short `SameLayout` message
 in place of the full manifest (see layout.py). The sender waits for two acknowledgements: the engine accepts the
 manifest (version and names), then reports what it committed; a sync counts as done only when the
 committed tensor and byte counts equal the manifest's.
