@@ -309,17 +309,17 @@ def _wire_bytes(wire):
     }
 
 
-@pytest.mark.parametrize(
-    "precision_cfg",
-    [
-        PrecisionConfig(name=Precision.bf16),
-        PrecisionConfig(name=Precision.fp8_blockwise, scale_format=ScaleFormat.fp32),
-        PrecisionConfig(name=Precision.fp8_blockwise, scale_format=ScaleFormat.ue8m0),
-        PrecisionConfig(name=Precision.mxfp8),
-        PrecisionConfig(name=Precision.int4_qat, int4_group_size=32),
-        PrecisionConfig(name=Precision.int4_qat, int4_group_size=128, int4_grid=Int4Grid.rtn),
-    ],
-)
+STACK_PRECISIONS = [
+    PrecisionConfig(name=Precision.bf16),
+    PrecisionConfig(name=Precision.fp8_blockwise, scale_format=ScaleFormat.fp32),
+    PrecisionConfig(name=Precision.fp8_blockwise, scale_format=ScaleFormat.ue8m0),
+    PrecisionConfig(name=Precision.mxfp8),
+    PrecisionConfig(name=Precision.int4_qat, int4_group_size=32),
+    PrecisionConfig(name=Precision.int4_qat, int4_group_size=128, int4_grid=Int4Grid.rtn),
+]
+
+
+@pytest.mark.parametrize("precision_cfg", STACK_PRECISIONS)
 @pytest.mark.parametrize("shape", [(5, 96, 256), (3, 200, 384)])
 def test_serialize_stack_is_bitwise_the_per_tensor_serialize(gen, precision_cfg, shape):
     s = get_strategy(precision_cfg)
@@ -351,16 +351,7 @@ def test_serialize_stack_refuses_a_stack_its_names_do_not_match(gen):
         s.serialize_stack(["a.weight", "b.weight"], fresh(gen, 3, 128, 128), role=Role.routed_expert)
 
 
-@pytest.mark.parametrize(
-    "precision_cfg",
-    [
-        PrecisionConfig(name=Precision.bf16),
-        PrecisionConfig(name=Precision.fp8_blockwise, scale_format=ScaleFormat.fp32),
-        PrecisionConfig(name=Precision.fp8_blockwise, scale_format=ScaleFormat.ue8m0),
-        PrecisionConfig(name=Precision.mxfp8),
-        PrecisionConfig(name=Precision.int4_qat, int4_group_size=32),
-    ],
-)
+@pytest.mark.parametrize("precision_cfg", STACK_PRECISIONS)
 def test_serialize_many_is_bitwise_each_entry_on_its_own(gen, precision_cfg):
     """Matrices, stacks, an unquantized tensor and a stack whose members are not all weights (the
     caller then goes member by member: None), in one call, as a weight sync hands them over."""
