@@ -211,6 +211,11 @@ def _build_items(
     return items, gather_s, quantize_s
 
 
+BATCH_BYTES = 2 << 30
+"""Source bytes serialized per `serialize_many` call at most: a trainer's weight iterator may yield
+temporaries (bf16 copies of fp32 masters), and a batch keeps its inputs alive until its call."""
+
+
 def _build_items_batched(
     weights: Iterable[WeightItem],
     serialize: Serializer,
@@ -218,29 +223,54 @@ def _build_items_batched(
     version: int,
     sources: list[WeightItem],
 ) -> tuple[list[WireItem], float, float]:
-    """`_build_items` without input checks for a serializer with `serialize_many`: every item
-    serialized by one call (the format batches its quantizer launches); stacks it leaves (None)
-    go member by member."""
-    start = time.perf_counter()
-    for name, tensor in weights:
-        key = name if isinstance(name, str) else tuple(name)
-        if not isinstance(key, str) and (tensor.ndim < 1 or tensor.shape[0] != len(key) or not key):
-            raise SyncError(
-                f"a stacked weight item has {len(key)} names for a tensor of shape {tuple(tensor.shape)}"
-            )
-        sources.append((key, tensor))
-    gather_s = time.perf_counter() - start
-    if not sources:
+    """`_build_items` without input checks for a serializer with `serialize_many`: the items
+    serialized a batch (up to `BATCH_BYTES` of sources) per call, so the format batches its quantizer
+    launches; stacks it leaves (None) go member by member."""
+    items: list[WireItem] = []
+    gather_s = quantize_s = 0.0
+    batch: list[tuple[Any, Tensor]] = []
+    batch_bytes = 0
+    iterator = iter(weights)
+    while True:
+        start = time.perf_counter()
+        item = next(iterator, None)
+        gather_s += time.perf_counter() - start
+        if item is not None:
+            name, tensor = item
+            key = name if isinstance(name, str) else tuple(name)
+            if not isinstance(key, str) and (tensor.ndim < 1 or tensor.shape[0] != len(key) or not key):
+                raise SyncError(
+                    f"a stacked weight item has {len(key)} names for a tensor of shape {tuple(tensor.shape)}"
+                )
+            sources.append((key, tensor))
+            batch.append((key, tensor))
+            batch_bytes += tensor.numel() * tensor.element_size()
+        if batch and (item is None or batch_bytes >= BATCH_BYTES):
+            start = time.perf_counter()
+            items.extend(_serialize_batch(batch, serialize, many, version))
+            quantize_s += time.perf_counter() - start
+            batch, batch_bytes = [], 0
+        if item is None:
+            break
+    if not items:
         raise SyncRefused(f"weight sync of version {version}: the trainer produced no weights to send")
-    start = time.perf_counter()
+    return items, gather_s, quantize_s
+
+
+def _serialize_batch(
+    batch: list[tuple[Any, Tensor]],
+    serialize: Serializer,
+    many: Callable[[list[tuple[Any, Tensor]]], list[Any]],
+    version: int,
+) -> list[WireItem]:
     try:
-        wires = many(sources)
+        wires = many(batch)
     except QuantizationError as exc:
         raise SyncRefused(f"weight sync of version {version} refused before sending anything: {exc}") from exc
-    if len(wires) != len(sources):
-        raise SyncError(f"serializing {len(sources)} weight items produced {len(wires)} results")
+    if len(wires) != len(batch):
+        raise SyncError(f"serializing {len(batch)} weight items produced {len(wires)} results")
     items: list[WireItem] = []
-    for (name, tensor), wire in zip(sources, wires):
+    for (name, tensor), wire in zip(batch, wires):
         if isinstance(name, str):
             items.append(_unit(name, wire))
         elif wire is not None:
@@ -248,7 +278,7 @@ def _build_items_batched(
         else:
             new = serialize_stack_item(name, tensor, serialize, version, check=False)
             items.extend([new] if isinstance(new, WireStack) else new)
-    return items, gather_s, time.perf_counter() - start
+    return items
 
 
 def first_non_finite(sources: Sequence[WeightItem], items: Sequence[WireItem]) -> QuantizationError | None:

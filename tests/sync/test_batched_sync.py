@@ -211,11 +211,19 @@ def _plan_trainer(gen, precision: Precision):
     return plan, strategy, plan_serializer(strategy, plan), items
 
 
+@pytest.mark.parametrize("batch_bytes", [None, 1])
 @pytest.mark.parametrize("precision", [Precision.fp8_blockwise, Precision.mxfp8, Precision.int4_qat])
-def test_a_plan_sender_batches_its_quantization_and_the_engine_gets_each_tensors_serialize(gen, precision):
-    """`PlanSerializer.serialize_many`: every item serialized in one call (fp8: one quantizer launch
-    for all matrices and stacks on CUDA), the same wire bytes as serializing each tensor."""
+def test_a_plan_sender_batches_its_quantization_and_the_engine_gets_each_tensors_serialize(
+    gen, precision, batch_bytes, monkeypatch
+):
+    """`PlanSerializer.serialize_many`: the items serialized in one call (fp8: one quantizer launch
+    for all matrices and stacks on CUDA), or one call per item when `BATCH_BYTES` is that small, the
+    same wire bytes as serializing each tensor."""
+    from skyq.sync import sender
     from skyq.sync.plan_wire import expected_units
+
+    if batch_bytes is not None:
+        monkeypatch.setattr(sender, "BATCH_BYTES", batch_bytes)
 
     plan, strategy, serialize, items = _plan_trainer(gen, precision)
     send_end, recv_end = in_process_pair(timeout_s=10.0)
