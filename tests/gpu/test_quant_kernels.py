@@ -242,3 +242,19 @@ def test_grouped_fp8_quantize_gives_each_tensors_reference_bits(make_weight, dty
     bad[3].view(-1)[7] = float("nan")
     with pytest.raises(QuantizationError, match="w3.weight: 1 NaN"):
         dispatch.quantize_fp8_blockwise_group(bad, names, pow2_scale=pow2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_mxfp8_quantize_gives_each_tensors_reference_bits(make_weight, dtype):
+    shapes = [(1, 32), (7, 320), (129, 256), (300, 1024), (2, 130, 96), (4, 256, 768)]
+    ws = [make_weight(shape, dtype, layout) for shape, layout in zip(shapes, LAYOUTS * 2)]
+    names = [f"m{i}.weight" for i in range(len(ws))]
+    for group in (ws, [w.contiguous() for w in ws]):  # strided members, then the vectorized path
+        for w, (q, s) in zip(group, dispatch.quantize_mxfp8_group(group, names)):
+            rq, rs = mxfp8.quantize(w.cpu())
+            assert_same_bits(q.cpu(), rq)
+            assert_same_bits(s.cpu(), rs)
+    bad = [w.contiguous() for w in ws]
+    bad[2].view(-1)[5] = float("inf")
+    with pytest.raises(QuantizationError, match="m2.weight: 0 NaN and 1 inf"):
+        dispatch.quantize_mxfp8_group(bad, names)

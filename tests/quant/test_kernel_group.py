@@ -1,5 +1,5 @@
-"""The grouped FP8 quantize kernel (`triton_fp8_blockwise.launch_quantize_group`: one launch for
-many tensors) gives the bits of the per-tensor kernel for each, checked under the Triton
+"""The grouped FP8 blockwise and MXFP8 quantize kernels (`launch_quantize_group`: one launch for
+many tensors) give the bits of the per-tensor kernels for each, checked under the Triton
 interpreter where Triton is importable (skipped in CI, which has no Triton; a subprocess, since
 TRITON_INTERPRET must be set before `@triton.jit` runs). On the GPU it is checked against the
 reference in tests/gpu/test_quant_kernels.py; without CUDA `dispatch.quantize_fp8_blockwise_group`
@@ -55,7 +55,27 @@ def _interpreter_check() -> None:
         for w, gq, gs in zip(group, qs, ss):
             q, s, _ = kernels.launch_quantize(w, block_size=(128, 128), pow2_scale=False)
             assert torch.equal(gq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(gs, s)
+    _mxfp8_check(gen)
     print("interpreter check passed")
+
+
+def _mxfp8_check(gen: torch.Generator) -> None:
+    from skyq.quant.kernels import triton_mxfp8 as kernels
+
+    ws = [
+        torch.randn(3, 20, 96, generator=gen).to(torch.bfloat16),
+        torch.randn(64, 40, generator=gen).to(torch.bfloat16).t() * 1e-3,  # transposed: the strided path
+        torch.randn(17, 544, generator=gen).to(torch.bfloat16),
+    ]
+    ws[2][4, 100] = float("nan")
+    for group in (ws, [ws[0], ws[2]]):  # with a strided member, then the aligned (vectorized) path
+        qs, ss, flags = kernels.launch_quantize_group(group)
+        for i, w in enumerate(group):
+            q, s, flag = kernels.launch_quantize(w)
+            assert int(flags[i]) == int(flag), (i, flags)
+            if not int(flag):
+                assert torch.equal(qs[i].view(torch.uint8), q.view(torch.uint8)) and torch.equal(ss[i], s), i
+        assert int(flags[-1]) == 1
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:

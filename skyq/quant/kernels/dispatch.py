@@ -128,6 +128,26 @@ def quantize_mxfp8(w: Tensor, *, name: str = "tensor", allow_pad: bool = False) 
     return mxfp8.quantize(w, name=name, allow_pad=allow_pad)
 
 
+def quantize_mxfp8_group(ws: Sequence[Tensor], names: Sequence[str]) -> list[tuple[Tensor, Tensor]]:
+    """`quantize_mxfp8(ws[i], name=names[i])` for every i, the same bits: on CUDA one kernel launch
+    for all of them and one finite check for the group; elsewhere one call each."""
+    if ws and all(uses_kernel(w) and _float_input(w) and w.device == ws[0].device for w in ws):
+        from skyq.quant.kernels import triton_mxfp8 as kernels
+
+        if kernels.group_supports(list(ws)):
+            qs, ss, flags = kernels.launch_quantize_group(list(ws))
+
+            def validate() -> None:  # the first non-finite input, named as the per-call check names it
+                for w, name in zip(ws, names):
+                    mxfp8.quantize(w, name=name)
+
+            _common.raise_if_flagged(flags.amax(), validate)
+            return [
+                (q.reshape(w.shape), s.reshape(*w.shape[:-1], s.shape[-1])) for w, q, s in zip(ws, qs, ss)
+            ]
+    return [quantize_mxfp8(w, name=name) for w, name in zip(ws, names)]
+
+
 def dequantize_mxfp8(
     q: Tensor, scale_u8: Tensor, *, dtype: torch.dtype = torch.bfloat16, name: str = "tensor"
 ) -> Tensor:

@@ -147,13 +147,46 @@ class QuantizationStrategy(ABC):
         self, entries: Sequence[tuple[str | tuple[str, ...], Tensor, Role]]
     ) -> list[dict[str, Tensor] | list[tuple[tuple[str, ...], Tensor]] | None]:
         """Per entry, `serialize(name, tensor)` for a name, `serialize_stack_tensors(names, stack)`
-        for a tuple of names: the same wire tensors, bit for bit. Formats override it to quantize
-        every entry with one batched call (`Fp8BlockwiseStrategy`)."""
+        for a tuple of names: the same wire tensors, bit for bit, with every quantized matrix and
+        stack of the entries encoded by one `_encode_group` call (a format batches its quantizer
+        launches there)."""
+        out: list = [None] * len(entries)
+        todo: list[tuple[int, object]] = []  # (entry, its wire specs or its stack plan), in group order
+        inputs: list[Tensor] = []
+        stems: list[Sequence[str]] = []
+        for i, (name, t, role) in enumerate(entries):
+            if isinstance(name, str):
+                if not self.quantizes_param(name, tuple(t.shape), role):
+                    out[i] = self.serialize(name, t, role=role)
+                    continue
+                todo.append((i, self.wire_specs(name, tuple(t.shape), role)))
+                stems.append([name[: -len("weight")]])
+            else:
+                plan = self._stack_plan(name, t, role)
+                if plan[0] != "quantized":
+                    out[i] = self.serialize_stack_tensors(name, t, role=role)
+                    continue
+                todo.append((i, plan))
+                stems.append(plan[1])
+            inputs.append(t)
+        for (i, meta), wire in zip(todo, self._encode_group(inputs, stems) if inputs else []):
+            if isinstance(meta, list):  # one matrix: its wire specs
+                named = wire if isinstance(wire, dict) else dict(zip((spec.name for spec in meta), wire))
+                out[i] = self._checked(named, meta)
+            else:
+                _, member_stems, out_names, specs = meta
+                out[i] = self._stack_columns(member_stems, out_names, specs, wire)
+        return out
+
+    def _encode_group(
+        self, inputs: Sequence[Tensor], stems: Sequence[Sequence[str]]
+    ) -> list[tuple[Tensor, ...]]:
+        """The wire tensors (in `wire_specs` order) of each quantized input: a matrix [N, K] with
+        its one stem, or a stack [E, N, K] with its members' stems. This default encodes one input
+        at a time; formats override it with one batched call."""
         return [
-            self.serialize(name, t, role=role)
-            if isinstance(name, str)
-            else self.serialize_stack_tensors(name, t, role=role)
-            for name, t, role in entries
+            tuple(self._encode_stack(s, t)) if t.ndim == 3 else tuple(self._encode(s[0], t).values())
+            for t, s in zip(inputs, stems)
         ]
 
     def _stack_plan(

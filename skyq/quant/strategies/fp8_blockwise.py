@@ -73,40 +73,14 @@ class Fp8BlockwiseStrategy(QuantizationStrategy):
             stack, block_size=self.block_size, pow2_scale=self.pow2_scale, name=stems[0] + "weight"
         )
 
-    def serialize_many(
-        self, entries: Sequence[tuple[str | tuple[str, ...], Tensor, Role]]
-    ) -> list[dict[str, Tensor] | list[tuple[tuple[str, ...], Tensor]] | None]:
-        """`QuantizationStrategy.serialize_many` with every quantized matrix and stack of the
-        entries quantized by one `dispatch.quantize_fp8_blockwise_group` call (one launch on CUDA)."""
-        out: list = [None] * len(entries)
-        todo: list[tuple[int, object]] = []  # (entry, its specs or stack plan), in group order
-        inputs: list[Tensor] = []
-        names: list[str] = []
-        for i, (name, t, role) in enumerate(entries):
-            if isinstance(name, str):
-                if not self.quantizes_param(name, tuple(t.shape), role):
-                    out[i] = self.serialize(name, t, role=role)
-                    continue
-                todo.append((i, self.wire_specs(name, tuple(t.shape), role)))
-                names.append(name)
-            else:
-                plan = self._stack_plan(name, t, role)
-                if plan[0] != "quantized":
-                    out[i] = self.serialize_stack_tensors(name, t, role=role)
-                    continue
-                todo.append((i, plan))
-                names.append(plan[1][0] + "weight")
-            inputs.append(t)
-        quantized = dispatch.quantize_fp8_blockwise_group(
-            inputs, names, block_size=self.block_size, pow2_scale=self.pow2_scale
+    def _encode_group(
+        self, inputs: Sequence[Tensor], stems: Sequence[Sequence[str]]
+    ) -> list[tuple[Tensor, ...]]:
+        """Every matrix and stack of a `serialize_many` call by one
+        `dispatch.quantize_fp8_blockwise_group` call (one launch on CUDA)."""
+        return dispatch.quantize_fp8_blockwise_group(
+            inputs, [s[0] + "weight" for s in stems], block_size=self.block_size, pow2_scale=self.pow2_scale
         )
-        for (i, meta), (q, scale_inv) in zip(todo, quantized):
-            if isinstance(meta, list):  # one matrix: its wire specs
-                out[i] = self._checked({meta[0].name: q, meta[1].name: scale_inv}, meta)
-            else:
-                _, stems, out_names, specs = meta
-                out[i] = self._stack_columns(stems, out_names, specs, (q, scale_inv))
-        return out
 
     def _decode(self, stem: str, wire: Mapping[str, Tensor], dtype: torch.dtype) -> Tensor:
         return fp8_blockwise.dequantize(

@@ -80,6 +80,13 @@ class Mxfp8Strategy(QuantizationStrategy):
     def _encode_stack(self, stems: Sequence[str], stack: Tensor) -> tuple[Tensor, ...]:
         return dispatch.quantize_mxfp8(stack, name=stems[0] + "weight")
 
+    def _encode_group(
+        self, inputs: Sequence[Tensor], stems: Sequence[Sequence[str]]
+    ) -> list[tuple[Tensor, ...]]:
+        """Every matrix and stack of a `serialize_many` call by one `dispatch.quantize_mxfp8_group`
+        call (one launch on CUDA)."""
+        return dispatch.quantize_mxfp8_group(inputs, [s[0] + "weight" for s in stems])
+
     def _decode(self, stem: str, wire: Mapping[str, Tensor], dtype: torch.dtype) -> Tensor:
         return mxfp8.dequantize(
             wire[stem + "weight"], wire[stem + "weight_scale"], dtype=dtype, name=stem + "weight"
