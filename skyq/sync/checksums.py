@@ -24,7 +24,8 @@ from skyq.sync.errors import SyncRefused
 
 BLAKE2B = "blake2b-128"
 WSUM64 = "wsum64"
-_MODULUS = 65521  # the largest prime below 2^16: weights stay < 2^16, byte * weight < 2^24
+WSUM64_PERIOD = 65521  # the largest prime below 2^16: weights stay < 2^16, byte * weight < 2^24
+_MODULUS = WSUM64_PERIOD
 CHUNK_BYTES = 1 << 30  # rows per column sum: column sums < 2^14 * 255, weighted sums far below 2^63
 
 
@@ -85,7 +86,8 @@ def _column_sums(rows: Tensor) -> Tensor:
     return parts[0] if len(parts) == 1 else parts[0].add_(parts[1])
 
 
-def _wsum64_digest(n: int, plain: int, weighted: int) -> str:
+def wsum64_digest(n: int, plain: int, weighted: int) -> str:
+    """The wsum64 digest string of `n` bytes with these byte and weighted sums (taken modulo 2^64)."""
     mask = (1 << 64) - 1
     return f"{n:x}-{plain & mask:016x}{weighted & mask:016x}"
 
@@ -94,7 +96,7 @@ def wsum64(buf: Tensor, chunk_bytes: int = CHUNK_BYTES) -> str:
     """The wsum64 digest of a flat uint8 buffer (independent of `chunk_bytes` and device): a few
     kernels and one host read."""
     plain, weighted = _wsum64_sums(buf, chunk_bytes).tolist()
-    return _wsum64_digest(buf.numel(), plain, weighted)
+    return wsum64_digest(buf.numel(), plain, weighted)
 
 
 def bucket_checksum(buf: Tensor, algorithm: str | None = None) -> str:
@@ -150,7 +152,7 @@ class PendingChecksums:
             if tail:
                 flat, extra_values = flat[:-tail], flat[-tail:]
             for k, (i, _) in enumerate(sums):
-                self._out[i] = f"{WSUM64}:{_wsum64_digest(self._sizes[i], flat[2 * k], flat[2 * k + 1])}"
+                self._out[i] = f"{WSUM64}:{wsum64_digest(self._sizes[i], flat[2 * k], flat[2 * k + 1])}"
         self._pending = {}
         return [c for c in self._out if c is not None], extra_values
 

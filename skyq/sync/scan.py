@@ -21,13 +21,13 @@ from torch import Tensor
 
 from skyq.quant.kernels.dispatch import uses_kernel
 from skyq.sync.byte_runs import ALIGN_BYTES, aligned
-from skyq.sync.checksums import WSUM64, PendingChecksums, _wsum64_digest
+from skyq.sync.checksums import WSUM64, WSUM64_PERIOD, PendingChecksums, wsum64_digest
 from skyq.sync.errors import SyncError
 from skyq.sync.values import Span, span_flags
 
 CHUNK_BYTES = 32 * 1024
 """Bytes per kernel program at most (`triton_bytescan.CHUNK_BYTES`)."""
-_MODULUS = 65521  # where the wsum64 weights start over (`checksums`)
+_MODULUS = WSUM64_PERIOD  # where the wsum64 weights start over
 
 WORD_MASKS: dict[torch.dtype, tuple[int, int]] = {
     torch.float8_e4m3fn: (1, 0x7F),
@@ -150,6 +150,8 @@ class PendingScan:
                 raise SyncError(
                     f"scan plan for buckets of {list(plan.nbytes)} bytes given frames of {self._sizes}"
                 )
+            # The kernel reads at most its chunk size per program: the plan must not cut larger.
+            assert triton_bytescan.CHUNK_BYTES == CHUNK_BYTES, (triton_bytescan.CHUNK_BYTES, CHUNK_BYTES)
             rows, bucket = plan.tables(frames[0].device)
             part = triton_bytescan.launch(list(frames), rows, list(plan.first), list(plan.counts))
             # Per bucket: the int64 sums of its rows (exact; flags counted), one kernel.
@@ -174,4 +176,4 @@ class PendingScan:
         bad = any(v[2] for v in values)
         if not self._checksums:
             return [], bad
-        return [f"{WSUM64}:{_wsum64_digest(n, v[0], v[1])}" for n, v in zip(self._sizes, values)], bad
+        return [f"{WSUM64}:{wsum64_digest(n, v[0], v[1])}" for n, v in zip(self._sizes, values)], bad
