@@ -386,3 +386,20 @@ def test_serialize_many_is_bitwise_each_entry_on_its_own(gen, precision_cfg):
             assert torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
     with pytest.raises(StrategyError, match="2 names"):
         s.serialize_many([(("a.weight", "b.weight"), fresh(gen, 3, 128, 128), Role.routed_expert)])
+
+
+def test_int4_serialize_many_keeps_its_weight_shape_rows_between_calls(gen):
+    """A sync's int4 `weight_shape` tensors are made once per shape (and device), not copied from
+    the host every sync; the bytes are those of `serialize`."""
+    s = strategy(Precision.int4_qat, int4_group_size=32)
+    names = tuple(f"model.layers.0.mlp.experts.{i}.up_proj.weight" for i in range(3))
+    entries = [
+        ("model.layers.0.mlp.experts.5.up_proj.weight", fresh(gen, 64, 128), Role.routed_expert),
+        (names, fresh(gen, 3, 64, 128), Role.routed_expert),
+    ]
+    first, second = s.serialize_many(entries), s.serialize_many(entries)
+    unit_shape = "model.layers.0.mlp.experts.5.up_proj.weight_shape"
+    assert first[0][unit_shape] is second[0][unit_shape]
+    assert first[0][unit_shape].tolist() == [64, 128]
+    assert first[1][2][1] is second[1][2][1] and first[1][2][1].tolist() == [[64, 128]] * 3
+    assert first[1][2][0] == tuple(n.replace(".weight", ".weight_shape") for n in names)
