@@ -136,7 +136,9 @@ class TorchDistChannel:
 
     def send_frame(self, payload: Tensor) -> None:
         payload = payload.reshape(-1).to(self.device)
-        header = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
+        # Filled on the device: `torch.tensor([n], device=cuda)` is a blocking host-to-device copy,
+        # which would make the host wait for every frame queued before this one.
+        header = torch.full((1,), payload.numel(), dtype=torch.int64, device=self.device)
         self._broadcast(header, self.rank, "frame header", host_waits=False)
         if payload.numel():
             self._broadcast(
