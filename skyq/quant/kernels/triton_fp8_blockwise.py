@@ -19,6 +19,7 @@ from torch import Tensor
 
 from skyq.quant import fp8_blockwise
 from skyq.quant.kernels._common import as_3d, cdiv, new_flag, raise_if_flagged
+from skyq.quant.kernels._group import GroupTable, group_member, group_ok
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 _EXPONENT_BITS = tl.constexpr(0x7F800000)
@@ -124,34 +125,17 @@ def _quant_kernel(
             tl.store(s2_ptr + b * s2b + pid_k * s2k + pid_n * s2n + zero, inv)
 
 
-GROUP_COLS = tl.constexpr(11)
-"""Per tensor of a grouped quantize: x, q, scale addresses, N, K, x strides (3), first program,
-tiles per matrix, tiles along K."""
-
-
 @triton.jit
 def _quant_group_kernel(
     tbl_ptr, flag_ptr, n_tensors,
     TN: tl.constexpr, TK: tl.constexpr, POW2: tl.constexpr, LOG: tl.constexpr, DT: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):  # fmt: skip
-    """`_quant_kernel` (whole TN x TK blocks in registers) over many tensors in one launch: row
-    `t` of the int64 table [n_tensors, GROUP_COLS] describes tensor t (x [B, N, K] of dtype DT (0
-    bf16, 1 fp16, 2 fp32) at any strides -> q [B, N, K] contiguous e4m3, scale_inv [B, nN, nK]
-    contiguous fp32), whose programs start at its `first`; a program finds its tensor by a binary
-    search over the `first` column (LOG steps) and bumps `flag_ptr[t]` on a non-finite input.
-    ALIGNED: every x is K-contiguous with 16-byte aligned rows and K is a multiple of 16, so rows
-    load and store as 16-byte vectors (addresses read from a table carry no alignment Triton could
-    see otherwise)."""
-    pid = tl.program_id(0).to(tl.int64)
-    lo = pid * 0
-    hi = lo + n_tensors
-    for _ in tl.static_range(LOG):
-        mid = (lo + hi) // 2
-        go = tl.load(tbl_ptr + mid * GROUP_COLS + 8) <= pid
-        lo = tl.where(go, mid, lo)
-        hi = tl.where(go, hi, mid)
-    row = tbl_ptr + lo * GROUP_COLS
+    """`_quant_kernel` (whole TN x TK blocks in registers) over many tensors in one launch (rows as
+    `_group` describes them): x [B, N, K] of dtype DT at any strides -> q [B, N, K] e4m3 and
+    scale_inv [B, nN, nK] fp32, both contiguous; bumps `flag_ptr[t]` on a non-finite input.
+    ALIGNED: rows load and store as 16-byte vectors (`GroupTable.aligned`)."""
+    t, row, local = group_member(tbl_ptr, n_tensors, LOG)
     if DT == 0:
         x_ptr = tl.load(row).to(tl.pointer_type(tl.bfloat16))
     elif DT == 1:
@@ -167,7 +151,6 @@ def _quant_group_kernel(
     sxk = tl.load(row + 7)
     tiles = tl.load(row + 9)
     n_tiles_k = tl.load(row + 10)
-    local = pid - tl.load(row + 8)
     b = local // tiles
     tile = local % tiles
     pid_n = tile // n_tiles_k
@@ -192,7 +175,7 @@ def _quant_group_kernel(
             tl.float32
         )
     ax = tl.abs(x)
-    flag_if(nonfinite_2d(ax), flag_ptr + lo)
+    flag_if(nonfinite_2d(ax), flag_ptr + t)
     amax = tl.max(tl.max(ax, axis=1, keep_dims=True), axis=0, keep_dims=True)
     scale = fp8_scale(amax, POW2)
     tl.store(q_ptr + q_rows + rk[None, :], to_e4m3(x * scale), mask=mask)
@@ -301,20 +284,11 @@ def quantize(
     return q.reshape(w.shape), s.reshape(*w.shape[:-2], *s.shape[-2:])
 
 
-_GROUP_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-
-
 def group_supports(ws: list[Tensor], block_size: tuple[int, int]) -> bool:
-    """Whether `launch_quantize_group` takes these tensors: one dtype of bf16 / fp16 / fp32, 2-D or
-    3-D, non-empty, and a block the whole-block path holds (bn > 1, at most 128 x 128)."""
-    bn, bk = block_size
-    return (
-        bool(ws)
-        and supports(block_size)
-        and 1 < bn <= BLOCK_SUB_ROWS
-        and all(w.dtype == ws[0].dtype and w.ndim in (2, 3) and w.numel() for w in ws)
-        and ws[0].dtype in _GROUP_DTYPES
-    )
+    """Whether `launch_quantize_group` takes these tensors (`_group.group_ok`) with this block: one
+    the whole-block path holds (bn > 1, at most 128 x 128)."""
+    bn, _ = block_size
+    return supports(block_size) and 1 < bn <= BLOCK_SUB_ROWS and group_ok(ws)
 
 
 def launch_quantize_group(
@@ -324,50 +298,19 @@ def launch_quantize_group(
     scale_inv [B, nN, nK] per tensor, flags int32 [len(ws)])`, the same bits as `launch_quantize`
     of each; flag t > 0 means a non-finite input in `ws[t]`."""
     bn, bk = block_size
-    device = ws[0].device
-    rows, qs, ss = [], [], []
-    first = 0
-    words = 16 // ws[0].element_size()
-    aligned = True
+    group = GroupTable(ws)
+    qs, ss = [], []
     for w in ws:
-        x = as_3d(w)
-        nb, n, k = x.shape
+        nb, n, k = as_3d(w).shape
         n_tiles_n, n_tiles_k = cdiv(n, bn), cdiv(k, bk)
-        sb, sn, sk = x.stride()
-        aligned = (
-            aligned
-            and sk == 1
-            and k % 16 == 0
-            and x.data_ptr() % 16 == 0
-            and sb % words == 0
-            and sn % words == 0
-        )
-        q = torch.empty((nb, n, k), dtype=torch.float8_e4m3fn, device=device)
-        s = torch.empty((nb, n_tiles_n, n_tiles_k), dtype=torch.float32, device=device)
-        rows.append(
-            (
-                x.data_ptr(),
-                q.data_ptr(),
-                s.data_ptr(),
-                n,
-                k,
-                *x.stride(),
-                first,
-                n_tiles_n * n_tiles_k,
-                n_tiles_k,
-            )
-        )
-        qs.append(q)
-        ss.append(s)
-        first += nb * n_tiles_n * n_tiles_k
-    table = torch.tensor(rows, dtype=torch.int64)
-    if device.type == "cuda":  # a pinned staging copy: queued on the stream like the launch, no host wait
-        table = table.pin_memory().to(device, non_blocking=True)
-    flags = torch.zeros(len(ws), dtype=torch.int32, device=device)
-    _quant_group_kernel[(first,)](
-        table, flags, len(ws),
-        TN=bn, TK=bk, POW2=pow2_scale, LOG=max(1, (len(ws) - 1).bit_length()), DT=_GROUP_DTYPES[ws[0].dtype],
-        ALIGNED=aligned, num_warps=BLOCK_NUM_WARPS,
+        qs.append(torch.empty((nb, n, k), dtype=torch.float8_e4m3fn, device=group.device))
+        ss.append(torch.empty((nb, n_tiles_n, n_tiles_k), dtype=torch.float32, device=group.device))
+        group.add(w, qs[-1], ss[-1], n_tiles_n * n_tiles_k, n_tiles_k)
+    table, flags, log = group.args()
+    _quant_group_kernel[(group.programs,)](
+        table, flags, group.n,
+        TN=bn, TK=bk, POW2=pow2_scale, LOG=log, DT=group.dtype_code, ALIGNED=group.aligned,
+        num_warps=BLOCK_NUM_WARPS,
     )  # fmt: skip
     return qs, ss, flags
 

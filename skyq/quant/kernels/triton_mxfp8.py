@@ -14,6 +14,7 @@ from torch import Tensor
 
 from skyq.quant import mxfp8
 from skyq.quant.kernels._common import as_3d, cdiv, new_flag, raise_if_flagged
+from skyq.quant.kernels._group import GroupTable, group_member, group_ok
 from skyq.quant.kernels.triton_fp8_blockwise import to_e4m3
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
@@ -28,6 +29,24 @@ def pow2_from_biased(u):
     """Exact fp32 2^(u - 127) for int32 u in [0, 254]; u = 0 gives the subnormal 2^-127."""
     bits = tl.where(u == 0, _SUBNORMAL_2_POW_M127, u << 23)
     return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def encode_blocks(x, flag_ptr):
+    """(e4m3 codes, biased E8M0 exponents u) of a [TN, TG, 32] fp32 tile of 1 x 32 blocks, as the
+    reference: TE's round-up exponent of amax / 448 from the fp32 bits, codes x * 2^(127 - u) (a
+    power of two built from bits, so exact); bumps `flag_ptr` when the tile holds NaN or inf."""
+    ax = tl.abs(x)
+    bad = tl.max(tl.max(tl.max(tl.where(ax <= _FLT_MAX, 0, 1), axis=2), axis=1), axis=0)
+    if bad > 0:
+        tl.atomic_add(flag_ptr, 1)
+    t = tl.max(ax, axis=2, keep_dims=True) * _INV_448
+    bits = t.to(tl.int32, bitcast=True)
+    biased = (bits >> 23) & 0xFF
+    mantissa = bits & 0x7FFFFF
+    round_up = tl.where(biased == 0, mantissa > _HALF_MANTISSA, mantissa != 0)
+    u = tl.minimum(biased + round_up.to(tl.int32), 254)
+    return to_e4m3(x * pow2_from_biased(254 - u)), u
 
 
 @triton.jit
@@ -48,24 +67,9 @@ def _quant_kernel(
     rk = rg * 32 + tl.arange(0, 32)[None, None, :]
     mask = (rn < N) & (rk < K)
     x = tl.load(x_ptr + b * sxb + rn * sxn + rk * sxk, mask=mask, other=0.0).to(tl.float32)
-    ax = tl.abs(x)
-    bad = tl.max(tl.max(tl.max(tl.where(ax <= _FLT_MAX, 0, 1), axis=2), axis=1), axis=0)
-    if bad > 0:
-        tl.atomic_add(flag_ptr, 1)
-    t = tl.max(ax, axis=2, keep_dims=True) * _INV_448
-    bits = t.to(tl.int32, bitcast=True)
-    biased = (bits >> 23) & 0xFF
-    mantissa = bits & 0x7FFFFF
-    round_up = tl.where(biased == 0, mantissa > _HALF_MANTISSA, mantissa != 0)
-    u = tl.minimum(biased + round_up.to(tl.int32), 254)
-    q = to_e4m3(x * pow2_from_biased(254 - u))
+    q, u = encode_blocks(x, flag_ptr)
     tl.store(q_ptr + b * N * K + rn * K + rk, q, mask=mask)
     tl.store(s_ptr + b * N * KB + rn * KB + rg, u.to(tl.uint8), mask=(rn < N) & (rg < KB))
-
-
-GROUP_COLS = tl.constexpr(12)
-"""Per tensor of a grouped quantize: x, q, scale addresses, N, K, KB, x strides (3), first program,
-tiles per matrix, tiles along K."""
 
 
 @triton.jit
@@ -73,21 +77,11 @@ def _quant_group_kernel(
     tbl_ptr, flag_ptr, n_tensors,
     TN: tl.constexpr, TG: tl.constexpr, LOG: tl.constexpr, DT: tl.constexpr, ALIGNED: tl.constexpr,
 ):  # fmt: skip
-    """`_quant_kernel` over many tensors in one launch: row t of the int64 table [n_tensors,
-    GROUP_COLS] describes x_t [B, N, K] (dtype DT: 0 bf16, 1 fp16, 2 fp32; any strides) -> q [B, N,
-    K] e4m3 and scale [B, N, KB] uint8, both contiguous; a program finds its tensor by a binary
-    search over the `first` column and bumps `flag_ptr[t]` on a non-finite input. ALIGNED: every x
-    is K-contiguous with 16-byte aligned rows (K is a multiple of 32), so rows move as 16-byte
-    vectors (table addresses carry no alignment Triton could see otherwise)."""
-    pid = tl.program_id(0).to(tl.int64)
-    lo = pid * 0
-    hi = lo + n_tensors
-    for _ in tl.static_range(LOG):
-        mid = (lo + hi) // 2
-        go = tl.load(tbl_ptr + mid * GROUP_COLS + 9) <= pid
-        lo = tl.where(go, mid, lo)
-        hi = tl.where(go, hi, mid)
-    row = tbl_ptr + lo * GROUP_COLS
+    """`_quant_kernel` over many tensors in one launch (rows as `_group` describes them): x [B, N,
+    K] of dtype DT at any strides -> q [B, N, K] e4m3 and scale [B, N, K/32] uint8, both
+    contiguous; bumps `flag_ptr[t]` on a non-finite input. ALIGNED: rows move as 16-byte vectors
+    (`GroupTable.aligned`; K is a multiple of 32)."""
+    t, row, local = group_member(tbl_ptr, n_tensors, LOG)
     if DT == 0:
         x_ptr = tl.load(row).to(tl.pointer_type(tl.bfloat16))
     elif DT == 1:
@@ -98,13 +92,12 @@ def _quant_group_kernel(
     s_ptr = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
     n = tl.load(row + 3)
     k = tl.load(row + 4)
-    kb = tl.load(row + 5)
-    sxb = tl.load(row + 6)
-    sxn = tl.load(row + 7)
-    sxk = tl.load(row + 8)
-    tiles = tl.load(row + 10)
-    n_tiles_k = tl.load(row + 11)
-    local = pid - tl.load(row + 9)
+    kb = k // 32
+    sxb = tl.load(row + 5)
+    sxn = tl.load(row + 6)
+    sxk = tl.load(row + 7)
+    tiles = tl.load(row + 9)
+    n_tiles_k = tl.load(row + 10)
     b = local // tiles
     tile = local % tiles
     pid_n = tile // n_tiles_k
@@ -128,17 +121,7 @@ def _quant_group_kernel(
         q_rows = b * n * k + rn * k
         mask = (rn < n) & (rk < k)
         x = tl.load(x_ptr + b * sxb + rn * sxn + rk * sxk, mask=mask, other=0.0).to(tl.float32)
-    ax = tl.abs(x)
-    bad = tl.max(tl.max(tl.max(tl.where(ax <= _FLT_MAX, 0, 1), axis=2), axis=1), axis=0)
-    if bad > 0:
-        tl.atomic_add(flag_ptr + lo, 1)
-    t = tl.max(ax, axis=2, keep_dims=True) * _INV_448
-    bits = t.to(tl.int32, bitcast=True)
-    biased = (bits >> 23) & 0xFF
-    mantissa = bits & 0x7FFFFF
-    round_up = tl.where(biased == 0, mantissa > _HALF_MANTISSA, mantissa != 0)
-    u = tl.minimum(biased + round_up.to(tl.int32), 254)
-    q = to_e4m3(x * pow2_from_biased(254 - u))
+    q, u = encode_blocks(x, flag_ptr + t)
     tl.store(q_ptr + q_rows + rk, q, mask=mask)
     tl.store(s_ptr + b * n * kb + rn * kb + rg, u.to(tl.uint8), mask=(rn < n) & (rg < kb))
 
@@ -187,19 +170,10 @@ def launch_quantize(w: Tensor, *, num_warps: int = 4) -> tuple[Tensor, Tensor, T
     return q, s, flag
 
 
-_GROUP_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-
-
 def group_supports(ws: list[Tensor]) -> bool:
-    """Whether `launch_quantize_group` takes these tensors: one dtype of bf16 / fp16 / fp32, 2-D or
-    3-D, non-empty, K a multiple of 32 (no padding)."""
-    return (
-        bool(ws)
-        and ws[0].dtype in _GROUP_DTYPES
-        and all(
-            w.dtype == ws[0].dtype and w.ndim in (2, 3) and w.numel() and w.shape[-1] % BLOCK == 0 for w in ws
-        )
-    )
+    """Whether `launch_quantize_group` takes these tensors (`_group.group_ok`, K a multiple of 32:
+    no padding)."""
+    return group_ok(ws) and all(w.shape[-1] % BLOCK == 0 for w in ws)
 
 
 def launch_quantize_group(
@@ -207,47 +181,18 @@ def launch_quantize_group(
 ) -> tuple[list[Tensor], list[Tensor], Tensor]:
     """One launch for all of `ws` (`group_supports`), no host sync: `(q [B, N, K] per tensor, scale
     [B, N, K/32] per tensor, flags int32 [len(ws)])`, the same bits as `launch_quantize` of each."""
-    device = ws[0].device
-    words = 16 // ws[0].element_size()
-    rows, qs, ss = [], [], []
-    first = 0
-    aligned = True
+    group = GroupTable(ws)
+    qs, ss = [], []
     for w in ws:
-        x = as_3d(w)
-        nb, n, k = x.shape
-        kb = k // BLOCK
-        n_tiles_n, n_tiles_k = cdiv(n, _TN), cdiv(kb, _TG)
-        sb, sn, sk = x.stride()
-        aligned = aligned and sk == 1 and x.data_ptr() % 16 == 0 and sb % words == 0 and sn % words == 0
-        q = torch.empty((nb, n, k), dtype=torch.float8_e4m3fn, device=device)
-        s = torch.empty((nb, n, kb), dtype=torch.uint8, device=device)
-        rows.append(
-            (
-                x.data_ptr(),
-                q.data_ptr(),
-                s.data_ptr(),
-                n,
-                k,
-                kb,
-                sb,
-                sn,
-                sk,
-                first,
-                n_tiles_n * n_tiles_k,
-                n_tiles_k,
-            )
-        )
-        qs.append(q)
-        ss.append(s)
-        first += nb * n_tiles_n * n_tiles_k
-    table = torch.tensor(rows, dtype=torch.int64)
-    if device.type == "cuda":  # a pinned staging copy: queued on the stream like the launch, no host wait
-        table = table.pin_memory().to(device, non_blocking=True)
-    flags = torch.zeros(len(ws), dtype=torch.int32, device=device)
-    _quant_group_kernel[(first,)](
-        table, flags, len(ws),
-        TN=_TN, TG=_TG, LOG=max(1, (len(ws) - 1).bit_length()), DT=_GROUP_DTYPES[ws[0].dtype], ALIGNED=aligned,
-        num_warps=num_warps,
+        nb, n, k = as_3d(w).shape
+        n_tiles_k = cdiv(k // BLOCK, _TG)
+        qs.append(torch.empty((nb, n, k), dtype=torch.float8_e4m3fn, device=group.device))
+        ss.append(torch.empty((nb, n, k // BLOCK), dtype=torch.uint8, device=group.device))
+        group.add(w, qs[-1], ss[-1], cdiv(n, _TN) * n_tiles_k, n_tiles_k)
+    table, flags, log = group.args()
+    _quant_group_kernel[(group.programs,)](
+        table, flags, group.n,
+        TN=_TN, TG=_TG, LOG=log, DT=group.dtype_code, ALIGNED=group.aligned, num_warps=num_warps,
     )  # fmt: skip
     return qs, ss, flags
 
