@@ -42,11 +42,11 @@ value or NaN code has all set; see `triton_bytescan`)."""
 
 @dataclass(frozen=True, slots=True)
 class ScanPlan:
-    """The chunk table of a layout's buckets: rows (start, end, word - 1, mask) in bucket order;
-    bucket `b` owns rows `first[b] : first[b] + counts[b]`."""
+    """The chunk table of a layout's buckets: rows (start, end, word - 1, mask, bucket) in bucket
+    order; bucket `b` owns rows `first[b] : first[b] + counts[b]`."""
 
     nbytes: tuple[int, ...]
-    rows: tuple[tuple[int, int, int, int], ...]
+    rows: tuple[tuple[int, int, int, int, int], ...]
     first: tuple[int, ...]
     counts: tuple[int, ...]
     _tables: dict[torch.device, tuple[Tensor, Tensor]] = field(
@@ -63,9 +63,9 @@ class ScanPlan:
         if at all, within a chunk's first 16 bytes (what the kernel corrects for)."""
         if len(spans) != len(bucket_nbytes):
             raise SyncError(f"{len(spans)} span lists for {len(bucket_nbytes)} buckets")
-        rows: list[tuple[int, int, int, int]] = []
+        rows: list[tuple[int, int, int, int, int]] = []
         first, counts = [], []
-        for nbytes, bucket_spans in zip(bucket_nbytes, spans):
+        for b, (nbytes, bucket_spans) in enumerate(zip(bucket_nbytes, spans)):
             first.append(len(rows))
             for start, end, word, mask in _segments(nbytes, bucket_spans):
                 lo = start
@@ -75,21 +75,17 @@ class ScanPlan:
                     cut = restart // ALIGN_BYTES * ALIGN_BYTES
                     if lo < cut < hi:
                         hi = cut
-                    rows.append((lo, hi, word - 1, mask))
+                    rows.append((lo, hi, word - 1, mask, b))
                     lo = hi
             counts.append(len(rows) - first[-1])
         return cls(nbytes=tuple(bucket_nbytes), rows=tuple(rows), first=tuple(first), counts=tuple(counts))
 
     def tables(self, device: torch.device) -> tuple[Tensor, Tensor]:
-        """(the rows as int64 [chunks, 4], each row's bucket as int64 [chunks]) on `device`, made
+        """(the rows as int64 [chunks, 5], each row's bucket as int64 [chunks]) on `device`, made
         once per device."""
         if device not in self._tables:
-            rows = torch.tensor(self.rows, dtype=torch.int64).reshape(-1, 4)
-            bucket = torch.repeat_interleave(
-                torch.arange(len(self.counts), dtype=torch.int64),
-                torch.tensor(self.counts, dtype=torch.int64),
-            )
-            self._tables[device] = (rows.to(device), bucket.to(device))
+            rows = torch.tensor(self.rows, dtype=torch.int64).reshape(-1, 5).to(device)
+            self._tables[device] = (rows, rows[:, 4].contiguous())
         return self._tables[device]
 
 
@@ -153,7 +149,7 @@ class PendingScan:
             # The kernel reads at most its chunk size per program: the plan must not cut larger.
             assert triton_bytescan.CHUNK_BYTES == CHUNK_BYTES, (triton_bytescan.CHUNK_BYTES, CHUNK_BYTES)
             rows, bucket = plan.tables(frames[0].device)
-            part = triton_bytescan.launch(list(frames), rows, list(plan.first), list(plan.counts))
+            part = triton_bytescan.launch(list(frames), rows)  # every bucket, one launch
             # Per bucket: the int64 sums of its rows (exact; flags counted), one kernel.
             self._sums = part.new_zeros((len(frames), 3)).index_add_(0, bucket, part)
             return

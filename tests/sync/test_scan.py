@@ -33,10 +33,11 @@ SIZES = [[1], [7, 300, 65_536, 9], [40_000, 3, 17, 70_000], [0, 5], []]
 
 
 def reference_partials(frame: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """What the kernel writes per chunk row (start, end, word - 1, mask): the byte sum, the sum of
-    byte * (index mod 65521 + 1), and whether a word's most significant byte has all mask bits."""
+    """What the kernel writes per chunk row (start, end, word - 1, mask, bucket) of `frame`: the byte
+    sum, the sum of byte * (index mod 65521 + 1), and whether a word's most significant byte has all
+    mask bits."""
     out = []
-    for start, end, wmask, mask in rows.tolist():
+    for start, end, wmask, mask, _ in rows.tolist():
         b = frame[start:end].to(torch.int64)
         idx = torch.arange(start, end, dtype=torch.int64)
         msb = ((idx - start) & wmask) == wmask
@@ -57,14 +58,14 @@ def test_the_chunk_table_tiles_each_bucket_in_aligned_chunks_with_its_spans_mask
         word, mask = WORD_MASKS[span.dtype]
         covering = [r for r in rows if r[0] < span.end and r[1] > span.start]
         assert covering[0][0] <= span.start and covering[-1][1] >= span.end
-        assert all(r[2:] == (word - 1, mask) for r in covering)
+        assert all(r[2:] == (word - 1, mask, 0) for r in covering)
     for restart in range(65521, bucket.numel(), 65521):  # the wsum64 weights start over near a chunk's start
         assert any(r[0] <= restart < min(r[1], r[0] + 16) for r in rows), restart
     checked = sum(r[1] - r[0] for r in rows if r[3])
     assert checked >= sum(s.end - s.start for s in spans)
-    assert plan.counts[1] == 1 and plan.rows[plan.first[1]] == (0, 100, 0, 0)
+    assert plan.counts[1] == 1 and plan.rows[plan.first[1]] == (0, 100, 0, 0, 1)
     table, bucket_of = plan.tables(torch.device("cpu"))
-    assert table.shape == (len(plan.rows), 4) and bucket_of.tolist() == [0] * plan.counts[0] + [1]
+    assert table.shape == (len(plan.rows), 5) and bucket_of.tolist() == [0] * plan.counts[0] + [1]
 
 
 def test_a_misaligned_span_is_refused_naming_it():
@@ -109,7 +110,7 @@ def _interpreter_check() -> None:
     rows, _ = plan.tables(torch.device("cpu"))
 
     def check(frames) -> torch.Tensor:
-        part = triton_bytescan.launch(frames, rows, list(plan.first), list(plan.counts))
+        part = triton_bytescan.launch(frames, rows)
         for frame, first, n in zip(frames, plan.first, plan.counts):
             want = reference_partials(frame, rows[first : first + n])
             assert torch.equal(part[first : first + n], want), (part[first : first + n], want)

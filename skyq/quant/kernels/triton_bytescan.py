@@ -1,10 +1,13 @@
 """Triton kernel for `skyq.sync.scan`: the wsum64 sums and value flags of a weight-sync bucket in
 one pass over its bytes.
 
-A bucket is described by a table of chunks (`start, end, word - 1, mask` per row, int64; at most
+A sync's buckets are described by one table of chunks (`start, end, word - 1, mask, bucket` per row,
+int64; at most
 `CHUNK_BYTES` each, starts 16-byte aligned, and a multiple of 65521 (where the wsum64 weights start
-over) never more than 15 bytes after a chunk's start: `scan.ScanPlan` cuts them so). One program
-reads one chunk once and writes one row of int64 partials: the byte sum, the weighted byte sum
+over) never more than 15 bytes after a chunk's start: `scan.ScanPlan` cuts them so). One launch
+covers every bucket of a sync (a program finds its bucket's address in a small table: the launch
+cost, not the bytes, bounds the scan of a sync of many small buckets). One program reads one chunk
+once and writes one row of int64 partials: the byte sum, the weighted byte sum
 (weights `i mod 65521 + 1`, `i` the byte's index in the bucket) and a flag.
 
 The bytes are read as 32-bit words, four bytes per lane, with a few integer operations per word
@@ -42,15 +45,17 @@ weights)."""
 NUM_WARPS = 8
 
 
-@triton.jit(do_not_specialize=["first"])
-def _scan_kernel(frame_ptr, desc_ptr, part_ptr, first, WB: tl.constexpr, ITERS: tl.constexpr):
+@triton.jit
+def _scan_kernel(addr_ptr, desc_ptr, part_ptr, WB: tl.constexpr, ITERS: tl.constexpr):
     BLOCK: tl.constexpr = 4 * WB
-    c = tl.program_id(0).to(tl.int64) + first
-    d = desc_ptr + c * 4
+    c = tl.program_id(0).to(tl.int64)
+    d = desc_ptr + c * 5
     start = tl.multiple_of(tl.load(d), 16)
     n = tl.load(d + 1) - start
     wmask = tl.load(d + 2)
     vmask = tl.load(d + 3)
+    frame_ptr = tl.load(addr_ptr + tl.load(d + 4)).to(tl.pointer_type(tl.uint8))
+    frame_ptr = tl.multiple_of(frame_ptr, 16)  # frames are 16-byte aligned (`scan_kernel_applies`)
     nfull = n // BLOCK
     j = tl.arange(0, WB)
 
@@ -119,12 +124,15 @@ def _scan_kernel(frame_ptr, desc_ptr, part_ptr, first, WB: tl.constexpr, ITERS: 
     tl.store(out + 2, flag)
 
 
-def launch(frames: list[Tensor], desc: Tensor, first: list[int], counts: list[int]) -> Tensor:
-    """Partials [chunks, 3] int64 (byte sum, weighted sum, flag) of every chunk of every frame:
-    frame `f` owns rows `first[f] : first[f] + counts[f]` of `desc` [chunks, 4] int64 (on the
-    frames' device). One launch per non-empty frame, no host sync."""
+def launch(frames: list[Tensor], desc: Tensor) -> Tensor:
+    """Partials [chunks, 3] int64 (byte sum, weighted sum, flag) of every chunk of every frame, in
+    one launch: row r of `desc` [chunks, 5] int64 (on the frames' device) is a chunk of frame
+    `desc[r, 4]`. No host sync: the frames' addresses go up through a pinned staging copy."""
     part = torch.empty((desc.shape[0], 3), dtype=torch.int64, device=desc.device)
-    for frame, row, n in zip(frames, first, counts):
-        if n:
-            _scan_kernel[(n,)](frame, desc, part, row, WB=WORDS, ITERS=ITERS, num_warps=NUM_WARPS)
+    if desc.shape[0] == 0:
+        return part
+    addrs = torch.tensor([f.data_ptr() for f in frames], dtype=torch.int64)
+    if desc.device.type == "cuda":
+        addrs = addrs.pin_memory().to(desc.device, non_blocking=True)
+    _scan_kernel[(desc.shape[0],)](addrs, desc, part, WB=WORDS, ITERS=ITERS, num_warps=NUM_WARPS)
     return part
