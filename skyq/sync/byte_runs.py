@@ -170,13 +170,22 @@ def run_views(buf: Tensor, run: Run) -> Sequence[Tensor]:
 def _run_view(buf: Tensor, run: Run) -> Tensor | None:
     """The run's members as one [count, *shape] view into `buf` (strided over the padding when
     there is any), or None when the bytes are not aligned for the dtype."""
-    raw = buf[run.offset : run.end]
-    size = run.dtype.itemsize
-    if raw.data_ptr() % size or run.nbytes % size or run.stride % size:
+    return member_view(buf, run.offset, run.count, run.nbytes, run.stride, run.dtype, run.shape)
+
+
+def member_view(
+    buf: Tensor, offset: int, count: int, nbytes: int, stride: int, dtype: torch.dtype, shape: Sequence[int]
+) -> Tensor | None:
+    """`count` tensors of `dtype` and `shape` (`nbytes` each) at `offset` of the uint8 `buf`, one
+    every `stride` bytes, as one [count, *shape] view (strided over any padding); None when the
+    bytes are not aligned for the dtype."""
+    raw = buf[offset : offset + (count - 1) * stride + nbytes]
+    size = dtype.itemsize
+    if raw.data_ptr() % size or nbytes % size or stride % size:
         return None
-    if run.stride != run.nbytes:
-        raw = raw.as_strided((run.count, run.nbytes), (run.stride, 1))
-    return raw.view(run.dtype).view(run.count, *run.shape)
+    if stride != nbytes:
+        raw = raw.as_strided((count, nbytes), (stride, 1))
+    return raw.view(dtype).view(count, *shape)
 
 
 def unpack_views(buf: Tensor, entries: Sequence[TensorEntry]) -> dict[str, Tensor]:

@@ -27,6 +27,7 @@ from skyq.sync.buckets import WireStack, WireUnit, bucket_entries, plan_buckets
 from skyq.sync.byte_runs import Copy, Run, find_runs, gather, plan_copies
 from skyq.sync.checksums import checksum_algorithm
 from skyq.sync.errors import SyncRefused
+from skyq.sync.fill import FillPlan
 from skyq.sync.manifest import MANIFEST_FORMAT, BucketEntry, SyncManifest, expect_keys, expect_value
 from skyq.sync.scan import ScanPlan
 from skyq.sync.values import Span, find_spans
@@ -123,10 +124,26 @@ class SenderLayout:
     scan: ScanPlan
     num_tensors: int
     total_bytes: int
+    fill: FillPlan | None = None
+    """Where each item goes in one flat buffer of the buckets (`fill.FillPlan`); None when the
+    layout holds a dtype that cannot be viewed in place (bool)."""
+    sources: SourceSignature | None = None
+    """The signature of the trainer's items the layout was built from (`source_signature`), when
+    known: a later sync with the same one is filled in place (`fill`)."""
+    origins: tuple[int, ...] = ()
+    """Per source item, the index of its first wire item (and a last entry: the number of items)."""
 
     @classmethod
-    def build(cls, items: Sequence[WireItem], *, bucket_bytes: int, version: int) -> SenderLayout:
-        """Plan buckets for the units of `items` and lay them out (`buckets.bucket_entries`)."""
+    def build(
+        cls,
+        items: Sequence[WireItem],
+        *,
+        bucket_bytes: int,
+        version: int,
+        sources: Sequence[tuple[Any, Tensor]] | None = None,
+    ) -> SenderLayout:
+        """Plan buckets for the units of `items` and lay them out (`buckets.bucket_entries`).
+        `sources`: the (name or names, tensor) items `items` were serialized from, in order."""
         units, origins = expand_units(items)
         stacked = [isinstance(item, WireStack) for item in items]
         buckets, copies = [], []
@@ -146,9 +163,12 @@ class SenderLayout:
             start += len(group)
         manifest = SyncManifest(version=version, buckets=tuple(buckets))
         spans = tuple(find_spans(find_runs(b.tensors)) for b in buckets)
+        signature = item_signature(items)
+        viewable = all(t.dtype != torch.bool for item in items for t in _tensors(item))
+        origins = _origins(sources, items) if sources is not None else None
         return cls(
             version=version,
-            signature=item_signature(items),
+            signature=signature,
             buckets=manifest.buckets,
             digest=manifest.layout_digest(),
             copies=tuple(copies),
@@ -156,7 +176,15 @@ class SenderLayout:
             scan=ScanPlan.of([b.nbytes for b in buckets], spans),
             num_tensors=sum(len(b.tensors) for b in buckets),
             total_bytes=manifest.total_bytes,
+            fill=FillPlan([b.nbytes for b in buckets], copies, len(items)) if viewable else None,
+            sources=source_signature(sources) if origins is not None else None,
+            origins=origins or (),
         )
+
+    def item_specs(self, item: int) -> tuple[bool, list[tuple[torch.dtype, tuple[int, ...]]]]:
+        """(whether item `item` is a stack, its (dtype, shape) per wire position: a stack's whole shape)."""
+        names, entries = self.signature[item]
+        return not isinstance(names, str), [(dtype, tuple(shape)) for _, dtype, shape in entries]
 
     def pack(self, items: Sequence[WireItem]) -> list[Tensor]:
         """The buckets' bytes for `items` (whose signature must be this layout's)."""
@@ -167,12 +195,58 @@ class SenderLayout:
             bufs.append(gather(sources, copies, bucket.nbytes, device))
         return bufs
 
+    def wire(self, bufs: Sequence[Tensor]) -> WireState:
+        """Every tensor of the packed buckets `bufs`, by name (views; for the exact value check of a
+        sync whose scan raised a flag)."""
+        runs = tuple(find_runs(b.tensors) for b in self.buckets)
+        return WireState(frames=bufs, runs=runs, index=wire_index(runs), layout=self.digest)
+
     def manifest(self, version: int, checksums: Sequence[str]) -> SyncManifest:
         buckets = tuple(
             BucketEntry(index=b.index, nbytes=b.nbytes, checksum=c, tensors=b.tensors)
             for b, c in zip(self.buckets, checksums, strict=True)
         )
         return SyncManifest(version=version, buckets=buckets)
+
+
+SourceSignature = tuple[tuple[object, ...], ...]
+"""Per trainer item: (name or names, shape, dtype, device)."""
+
+
+def source_signature(sources: Sequence[tuple[Any, Tensor]]) -> SourceSignature:
+    """The trainer's items' names, shapes, dtypes and devices, in order: with the same serializer,
+    equal signatures serialize to the same wire layout."""
+    return tuple(
+        (name if isinstance(name, str) else tuple(name), t.shape, t.dtype, t.device) for name, t in sources
+    )
+
+
+def _origins(sources: Sequence[tuple[Any, Tensor]], items: Sequence[WireItem]) -> tuple[int, ...] | None:
+    """Per source, the index of its first wire item, then len(items): a name gives one unit, a stack
+    one `WireStack` or one unit per member. None when `items` do not follow `sources` so."""
+    out, pos = [], 0
+    for name, _ in sources:
+        out.append(pos)
+        if pos >= len(items):
+            return None
+        item = items[pos]
+        if isinstance(name, str):
+            ok, pos = isinstance(item, WireUnit) and item.source == name, pos + 1
+        elif isinstance(item, WireStack):
+            ok, pos = item.sources == tuple(name), pos + 1
+        else:
+            members = items[pos : pos + len(name)]
+            ok = len(members) == len(name) and all(
+                isinstance(u, WireUnit) and u.source == n for u, n in zip(members, name)
+            )
+            pos += len(name)
+        if not ok:
+            return None
+    return (*out, pos) if pos == len(items) else None
+
+
+def _tensors(item: WireItem) -> Sequence[Tensor]:
+    return item.tensors if isinstance(item, WireStack) else list(item.tensors.values())
 
 
 def _source(item: WireItem, copy: Copy) -> Tensor:

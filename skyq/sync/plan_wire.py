@@ -80,6 +80,26 @@ class PlanSerializer:
         return out
 
 
+    def serialize_many_into(
+        self,
+        items: Sequence[tuple[str | tuple[str, ...], Tensor]],
+        outs: Sequence[Sequence[tuple[int, int, tuple[Tensor, ...]]]],
+    ) -> list[bool]:
+        """`serialize_many` written into `outs` where the strategy can
+        (`QuantizationStrategy.serialize_many_into`); per item whether it was written."""
+        done = [False] * len(items)
+        entries, dests, where = [], [], []
+        for i, ((name, t), out) in enumerate(zip(items, outs, strict=True)):
+            role = self.plan[name].role if isinstance(name, str) else self._stack_role(name)
+            if role is not None and (isinstance(name, str) or t.ndim == 3):
+                entries.append((name, t, role))
+                dests.append(out)
+                where.append(i)
+        for i, ok in zip(where, self.strategy.serialize_many_into(entries, dests) if entries else []):
+            done[i] = ok
+        return done
+
+
 def plan_serializer(strategy: QuantizationStrategy, plan: QuantPlan) -> Serializer:
     """`strategy.serialize` with each tensor's role taken from the plan (batches stacked items)."""
     return PlanSerializer(strategy, plan)

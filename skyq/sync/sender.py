@@ -14,7 +14,7 @@ committed tensor and byte counts equal the manifest's.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -30,7 +30,15 @@ from skyq.quant.kernels.dispatch import (
 from skyq.sync.buckets import WireStack, WireUnit
 from skyq.sync.channel import Channel, recv_json, send_bytes, send_json
 from skyq.sync.errors import SyncError, SyncRefused
-from skyq.sync.layout import SameLayout, SenderLayout, WireItem, expand_units, item_signature
+from skyq.sync.fill import copy_into
+from skyq.sync.layout import (
+    SameLayout,
+    SenderLayout,
+    WireItem,
+    expand_units,
+    item_signature,
+    source_signature,
+)
 from skyq.sync.scan import PendingScan
 from skyq.sync.values import FLOATS, check_received_values
 
@@ -57,6 +65,9 @@ class SyncStats:
     bytes: int
     full_manifest: bool
     """True when the sync sent its full manifest, False when it reused the layout of an earlier one."""
+    in_place: bool
+    """True when the buckets were filled in place (`_fill`: quantized straight into them), False
+    when the wire tensors were made first and packed."""
     gather_s: float
     """Producing the trainer's full-precision tensors (the trainer's weight iterator)."""
     quantize_s: float
@@ -281,10 +292,79 @@ def _serialize_batch(
     return items
 
 
-def first_non_finite(sources: Sequence[WeightItem], items: Sequence[WireItem]) -> QuantizationError | None:
+def _collect(weights: Iterable[WeightItem]) -> tuple[list[tuple[Any, Tensor]], float]:
+    """The trainer's items as a list of (name or tuple of names, tensor), stacks checked; and the
+    seconds the iterator took."""
+    out: list[tuple[Any, Tensor]] = []
+    start = time.perf_counter()
+    for name, tensor in weights:
+        key = name if isinstance(name, str) else tuple(name)
+        if not isinstance(key, str) and (tensor.ndim < 1 or tensor.shape[0] != len(key) or not key):
+            raise SyncError(
+                f"a stacked weight item has {len(key)} names for a tensor of shape {tuple(tensor.shape)}"
+            )
+        out.append((key, tensor))
+    return out, time.perf_counter() - start
+
+
+def _fill(
+    layout: SenderLayout, sources: list[tuple[Any, Tensor]], serialize: Serializer, version: int
+) -> list[Tensor] | None:
+    """The buckets of `layout` for `sources` (whose `source_signature` is the layout's), written in
+    place: slices of one flat buffer (`fill.FillPlan`) into which the serializer quantizes what it
+    can (`serialize_many_into`) and the wire tensors of the rest are copied. None, with nothing
+    kept, when the rest do not serialize to the layout's items (the caller then serializes all)."""
+    plan, origins = layout.fill, layout.origins
+    assert plan is not None and len(origins) == len(sources) + 1, (len(origins), len(sources))
+    devices = {t.device for _, t in sources}
+    if len(devices) != 1:
+        return None
+    flat, bufs = plan.allocate(devices.pop())
+    places: dict[int, list[tuple[int, int, tuple[Tensor, ...]]]] = {}
+
+    def destinations(j: int) -> list[tuple[int, int, tuple[Tensor, ...]]]:
+        if j not in places:
+            stacked, specs = layout.item_specs(j)
+            places[j] = plan.destinations(flat, j, specs, stacked)
+        return places[j]
+
+    single = [i for i in range(len(sources)) if origins[i + 1] - origins[i] == 1]
+    into = getattr(serialize, "serialize_many_into", None)
+    done: set[int] = set()
+    if into is not None and single:
+        written = into([sources[i] for i in single], [destinations(origins[i]) for i in single])
+        done = {i for i, ok in zip(single, written, strict=True) if ok}
+    rest = [i for i in range(len(sources)) if i not in done]
+    if rest:
+        items = _build_items(iter([sources[i] for i in rest]), serialize, version, sources=[])[0]
+        pairs: list[tuple[Tensor, Tensor]] = []
+        pos = 0
+        for i in rest:
+            j0, j1 = origins[i], origins[i + 1]
+            got = items[pos : pos + j1 - j0]
+            pos += j1 - j0
+            if item_signature(got) != layout.signature[j0:j1]:
+                return None
+            for j, item in zip(range(j0, j1), got):
+                tensors = item.tensors if isinstance(item, WireStack) else list(item.tensors.values())
+                stacked = isinstance(item, WireStack)
+                for first, count, views in destinations(j):
+                    pairs.extend(
+                        (view, t[first : first + count] if stacked else t) for view, t in zip(views, tensors)
+                    )
+        if pos != len(items):
+            return None
+        copy_into(pairs)
+    return bufs
+
+
+def first_non_finite(
+    sources: Sequence[WeightItem], items: Sequence[WireItem], wire: Mapping[str, Tensor] | None = None
+) -> QuantizationError | None:
     """The error naming the first non-finite source tensor (stack members one by one), in order;
     else the first non-finite float or e4m3 NaN code among the wire tensors (a cast that
-    overflowed); None when every value is good. Only a failed check pays for this exact pass."""
+    overflowed): those of `items`, then those of `wire` (the buckets of a sync filled in place);
+    None when every value is good. Only a failed check pays for this exact pass."""
     try:
         for name, tensor in sources:
             if not tensor.is_floating_point():
@@ -304,6 +384,8 @@ def first_non_finite(sources: Sequence[WeightItem], items: Sequence[WireItem]) -
             else:
                 pairs = iter(item.tensors.items())
             check_received_values(dict(pairs))
+        if wire is not None:
+            check_received_values(wire)
     except QuantizationError as exc:
         return exc
     except SyncRefused as exc:  # check_received_values wraps the QuantizationError
@@ -347,26 +429,54 @@ class WeightSender:
 
     def sync(self, weights: Iterable[WeightItem], version: int) -> SyncStats:
         """Send `weights` (HF name, full-precision tensor; or names and a stack of them) as weight
-        version `version`."""
+        version `version`.
+
+        A sync of the same items (names, shapes, dtypes, devices) as the last committed one is
+        filled in place (`fill`): the layout is known before anything is serialized, so the
+        buckets are slices of one buffer that the quantizers write into directly; any other sync
+        is serialized, laid out and packed."""
         start = time.perf_counter()
         sources: list[WeightItem] = []
         items: list[WireItem] = []
+        bufs: list[Tensor] | None = None
+        filled = False
         try:
             with deferred_finite_checks():
                 # No separate input checks: the quantizer kernels flag non-finite inputs (read as the
                 # scope closes) and the scan below checks every float / e4m3 byte that was packed.
-                items, gather_s, quantize_s = _build_items(weights, self._serialize, version, sources=sources)
-                transfer_start = time.perf_counter()
                 cached = self._layout
-                full = cached is None or cached.signature != item_signature(items)
-                if full:
-                    check_unique_names(items)
-                    layout = SenderLayout.build(items, bucket_bytes=self._bucket_bytes, version=version)
+                gather_s = quantize_s = 0.0
+                if cached is not None and cached.fill is not None and cached.sources is not None:
+                    collected, gather_s = _collect(weights)
+                    weights = collected  # the normal path below takes them if the fill does not
+                    if source_signature(collected) == cached.sources:
+                        begin = time.perf_counter()
+                        sources.extend(collected)  # named by the refusal of a non-finite input
+                        bufs = _fill(cached, collected, self._serialize, version)
+                        quantize_s = time.perf_counter() - begin
+                        if bufs is None:
+                            sources.clear()
+                if bufs is not None:
+                    layout, full, filled = cached, False, True
+                    transfer_start = time.perf_counter()
                 else:
-                    layout = cached
-                # Packing, checksums and value flags are queued on the device before the kernels'
-                # flags are read: leaving the scope waits once for all of it; nothing is sent before.
-                bufs = layout.pack(items)
+                    items, more_gather_s, quantize_s = _build_items(
+                        weights, self._serialize, version, sources=sources
+                    )
+                    gather_s += more_gather_s
+                    transfer_start = time.perf_counter()
+                    full = cached is None or cached.signature != item_signature(items)
+                    if full:
+                        check_unique_names(items)
+                        layout = SenderLayout.build(
+                            items, bucket_bytes=self._bucket_bytes, version=version, sources=sources
+                        )
+                    else:
+                        layout = cached
+                    bufs = layout.pack(items)
+                # Packing / filling, checksums and value flags are queued on the device before the
+                # kernels' flags are read: leaving the scope waits once for all of it; nothing is sent
+                # before.
                 scan = PendingScan(bufs, layout.spans, layout.scan)
         except QuantizationError as exc:
             raise _refusal(version, first_non_finite(sources, items) or exc) from exc
@@ -376,7 +486,7 @@ class WeightSender:
             raise
         checksums, bad = scan.read()
         if bad:
-            problem = first_non_finite(sources, items)
+            problem = first_non_finite(sources, items, layout.wire(bufs) if filled else None)
             if problem is not None:  # else a false alarm: a finite value above 2^127
                 raise _refusal(version, problem)
         self._layout = None  # set again only once the engine committed
@@ -409,6 +519,7 @@ class WeightSender:
             num_buckets=len(bufs),
             bytes=layout.total_bytes,
             full_manifest=full,
+            in_place=filled,
             gather_s=gather_s,
             quantize_s=quantize_s,
             transfer_s=max(end - transfer_start - load_s, 0.0),

@@ -55,8 +55,33 @@ def _interpreter_check() -> None:
         for w, gq, gs in zip(group, qs, ss):
             q, s, _ = kernels.launch_quantize(w, block_size=(128, 128), pow2_scale=False)
             assert torch.equal(gq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(gs, s)
+    _into_check(kernels.launch_quantize_group, aligned + ws[:3], dict(block_size=(128, 128), pow2_scale=False))
     _mxfp8_check(gen)
     print("interpreter check passed")
+
+
+def _into_check(launch, group, kwargs) -> None:
+    """`out=`: the same bits written into given tensors (a weight sync's bucket bytes: views at
+    16-byte aligned offsets of one uint8 buffer), nothing written outside them."""
+    qs, ss, _ = launch(group, **kwargs)
+    sizes = [n for q, s in zip(qs, ss) for n in (q.numel() * q.element_size(), s.numel() * s.element_size())]
+    offsets, pos = [], 16
+    for n in sizes:
+        offsets.append(pos)
+        pos += (n + 31) // 16 * 16  # at least 16 bytes of gap after each
+    buf = torch.full((pos,), 0x5A, dtype=torch.uint8)
+    views = [
+        buf[o : o + n].view(t.dtype).view(t.shape)
+        for o, n, t in zip(offsets, sizes, (t for pair in zip(qs, ss) for t in pair))
+    ]
+    out = list(zip(views[0::2], views[1::2]))
+    launch(group, out=out, **kwargs)
+    for (q, s), (gq, gs) in zip(zip(qs, ss), out):
+        assert torch.equal(gq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(gs.view(torch.uint8), s.view(torch.uint8))
+    mask = torch.ones(pos, dtype=torch.bool)
+    for o, n in zip(offsets, sizes):
+        mask[o : o + n] = False
+    assert bool((buf[mask] == 0x5A).all()), "the kernel wrote outside its outputs"
 
 
 def _mxfp8_check(gen: torch.Generator) -> None:
@@ -76,6 +101,7 @@ def _mxfp8_check(gen: torch.Generator) -> None:
             if not int(flag):
                 assert torch.equal(qs[i].view(torch.uint8), q.view(torch.uint8)) and torch.equal(ss[i], s), i
         assert int(flags[-1]) == 1
+    _into_check(kernels.launch_quantize_group, ws[:2], {})
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:

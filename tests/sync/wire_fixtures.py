@@ -80,4 +80,4 @@ class DictEngine:
 
 
 def raw_bytes(t: Tensor) -> bytes:
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()

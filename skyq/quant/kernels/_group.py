@@ -11,6 +11,9 @@ could see, so `GroupTable.aligned` says when every x is K-contiguous with 16-byt
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -59,6 +62,26 @@ class GroupTable:
         self.programs = 0
         self.aligned = True
 
+    def output(
+        self,
+        out: Sequence[Sequence[Tensor]] | None,
+        i: int,
+        k: int,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+    ) -> Tensor:
+        """Output `k` of tensor `i`: `out[i][k]` (contiguous, `dtype`, as many elements as `shape`,
+        on the group's device; the kernels write it as a flat [shape] array) or a new tensor."""
+        if out is None:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        t = out[i][k]
+        if t.dtype != dtype or t.numel() != math.prod(shape) or not t.is_contiguous() or t.device != self.device:
+            raise ValueError(
+                f"grouped quantize output {k} of tensor {i}: {t.dtype}{list(t.shape)} "
+                f"(contiguous {t.is_contiguous()}, {t.device}), needs {dtype}{list(shape)} contiguous on {self.device}"
+            )
+        return t
+
     def add(self, w: Tensor, q: Tensor, s: Tensor, tiles: int, tiles_k: int) -> None:
         """Tensor `w` ([N, K] or [B, N, K]) quantized into `q` and `s` by `tiles` programs per
         matrix, `tiles_k` of them along K."""
@@ -67,7 +90,7 @@ class GroupTable:
         sb, sn, sk = x.stride()
         self.aligned = (
             self.aligned and sk == 1 and k % 16 == 0 and x.data_ptr() % 16 == 0
-            and sb % self._words == 0 and sn % self._words == 0
+            and sb % self._words == 0 and sn % self._words == 0 and q.data_ptr() % 16 == 0
         )  # fmt: skip
         self.rows.append(
             (x.data_ptr(), q.data_ptr(), s.data_ptr(), n, k, sb, sn, sk, self.programs, tiles, tiles_k)

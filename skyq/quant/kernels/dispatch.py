@@ -63,20 +63,24 @@ def quantize_fp8_blockwise_group(
     *,
     block_size: tuple[int, int] = (128, 128),
     pow2_scale: bool = False,
+    out: Sequence[tuple[Tensor, Tensor]] | None = None,
 ) -> list[tuple[Tensor, Tensor]]:
     """`quantize_fp8_blockwise(ws[i], name=names[i])` for every i, the same bits: on CUDA one kernel
     launch for all of them (the per-call launch cost, not bandwidth, bounds a weight sync's many
-    small quantizations) and one finite check for the group; elsewhere one call each."""
+    small quantizations) and one finite check for the group; elsewhere one call each. `out`: per
+    tensor, contiguous (q, scale_inv) of the result's shapes to write into (a weight sync's bucket
+    bytes), which are then returned."""
     if (
         ws
         and all(uses_kernel(w) and _float_input(w) and w.device == ws[0].device for w in ws)
         and _int_pair(block_size)
+        and _outputs_ok(out, ws[0].device)
     ):
         from skyq.quant.kernels import triton_fp8_blockwise as kernels
 
         if kernels.group_supports(list(ws), tuple(block_size)):
             qs, ss, flags = kernels.launch_quantize_group(
-                list(ws), block_size=tuple(block_size), pow2_scale=pow2_scale
+                list(ws), block_size=tuple(block_size), pow2_scale=pow2_scale, out=out
             )
 
             def validate() -> None:  # the first non-finite input, named as the per-call check names it
@@ -84,13 +88,35 @@ def quantize_fp8_blockwise_group(
                     fp8_blockwise.quantize(w, block_size=block_size, name=name)
 
             _common.raise_if_flagged(flags.amax(), validate)
+            if out is not None:
+                return list(out)
             return [
                 (q.reshape(w.shape), s.reshape(*w.shape[:-2], *s.shape[-2:])) for w, q, s in zip(ws, qs, ss)
             ]
-    return [
+    results = [
         quantize_fp8_blockwise(w, block_size=block_size, pow2_scale=pow2_scale, name=name)
         for w, name in zip(ws, names)
     ]
+    return _written(results, out)
+
+
+def _outputs_ok(out: Sequence[tuple[Tensor, ...]] | None, device: torch.device) -> bool:
+    """No `out`, or every output a contiguous tensor on `device` (what a grouped kernel writes)."""
+    return out is None or all(t.device == device and t.is_contiguous() for ts in out for t in ts)
+
+
+def _written(results: list[tuple[Tensor, Tensor]], out: Sequence[tuple[Tensor, Tensor]] | None):
+    """`results`, or copied into `out` (of the same shapes and dtypes) and `out` returned."""
+    if out is None:
+        return results
+    if len(out) != len(results):
+        raise ValueError(f"{len(out)} outputs for {len(results)} tensors")
+    for got, dst in zip(results, out):
+        for t, d in zip(got, dst, strict=True):
+            if (t.shape, t.dtype) != (d.shape, d.dtype):
+                raise ValueError(f"an output of {d.dtype}{list(d.shape)} for a result of {t.dtype}{list(t.shape)}")
+            d.copy_(t)
+    return list(out)
 
 
 def dequantize_fp8_blockwise(
@@ -128,24 +154,33 @@ def quantize_mxfp8(w: Tensor, *, name: str = "tensor", allow_pad: bool = False) 
     return mxfp8.quantize(w, name=name, allow_pad=allow_pad)
 
 
-def quantize_mxfp8_group(ws: Sequence[Tensor], names: Sequence[str]) -> list[tuple[Tensor, Tensor]]:
+def quantize_mxfp8_group(
+    ws: Sequence[Tensor], names: Sequence[str], *, out: Sequence[tuple[Tensor, Tensor]] | None = None
+) -> list[tuple[Tensor, Tensor]]:
     """`quantize_mxfp8(ws[i], name=names[i])` for every i, the same bits: on CUDA one kernel launch
-    for all of them and one finite check for the group; elsewhere one call each."""
-    if ws and all(uses_kernel(w) and _float_input(w) and w.device == ws[0].device for w in ws):
+    for all of them and one finite check for the group; elsewhere one call each. `out`: as
+    `quantize_fp8_blockwise_group` takes it."""
+    if (
+        ws
+        and all(uses_kernel(w) and _float_input(w) and w.device == ws[0].device for w in ws)
+        and _outputs_ok(out, ws[0].device)
+    ):
         from skyq.quant.kernels import triton_mxfp8 as kernels
 
         if kernels.group_supports(list(ws)):
-            qs, ss, flags = kernels.launch_quantize_group(list(ws))
+            qs, ss, flags = kernels.launch_quantize_group(list(ws), out=out)
 
             def validate() -> None:  # the first non-finite input, named as the per-call check names it
                 for w, name in zip(ws, names):
                     mxfp8.quantize(w, name=name)
 
             _common.raise_if_flagged(flags.amax(), validate)
+            if out is not None:
+                return list(out)
             return [
                 (q.reshape(w.shape), s.reshape(*w.shape[:-1], s.shape[-1])) for w, q, s in zip(ws, qs, ss)
             ]
-    return [quantize_mxfp8(w, name=name) for w, name in zip(ws, names)]
+    return _written([quantize_mxfp8(w, name=name) for w, name in zip(ws, names)], out)
 
 
 def dequantize_mxfp8(

@@ -12,6 +12,8 @@ even, and the clamp to +-448 comes first, as in the reference.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -292,19 +294,24 @@ def group_supports(ws: list[Tensor], block_size: tuple[int, int]) -> bool:
 
 
 def launch_quantize_group(
-    ws: list[Tensor], *, block_size: tuple[int, int], pow2_scale: bool
+    ws: list[Tensor],
+    *,
+    block_size: tuple[int, int],
+    pow2_scale: bool,
+    out: Sequence[tuple[Tensor, Tensor]] | None = None,
 ) -> tuple[list[Tensor], list[Tensor], Tensor]:
     """One launch for all of `ws` (`group_supports`), no host sync: `(q [B, N, K] per tensor,
     scale_inv [B, nN, nK] per tensor, flags int32 [len(ws)])`, the same bits as `launch_quantize`
-    of each; flag t > 0 means a non-finite input in `ws[t]`."""
+    of each; flag t > 0 means a non-finite input in `ws[t]`. `out`: per tensor, contiguous (q,
+    scale_inv) to write into instead (any shape of those element counts)."""
     bn, bk = block_size
     group = GroupTable(ws)
     qs, ss = [], []
-    for w in ws:
+    for i, w in enumerate(ws):
         nb, n, k = as_3d(w).shape
         n_tiles_n, n_tiles_k = cdiv(n, bn), cdiv(k, bk)
-        qs.append(torch.empty((nb, n, k), dtype=torch.float8_e4m3fn, device=group.device))
-        ss.append(torch.empty((nb, n_tiles_n, n_tiles_k), dtype=torch.float32, device=group.device))
+        qs.append(group.output(out, i, 0, (nb, n, k), torch.float8_e4m3fn))
+        ss.append(group.output(out, i, 1, (nb, n_tiles_n, n_tiles_k), torch.float32))
         group.add(w, qs[-1], ss[-1], n_tiles_n * n_tiles_k, n_tiles_k)
     table, flags, log = group.args()
     _quant_group_kernel[(group.programs,)](

@@ -7,6 +7,8 @@ and scales by a power of two built from bits, so `w * 2^-e` is exact and matches
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -177,17 +179,18 @@ def group_supports(ws: list[Tensor]) -> bool:
 
 
 def launch_quantize_group(
-    ws: list[Tensor], *, num_warps: int = 4
+    ws: list[Tensor], *, num_warps: int = 4, out: Sequence[tuple[Tensor, Tensor]] | None = None
 ) -> tuple[list[Tensor], list[Tensor], Tensor]:
     """One launch for all of `ws` (`group_supports`), no host sync: `(q [B, N, K] per tensor, scale
-    [B, N, K/32] per tensor, flags int32 [len(ws)])`, the same bits as `launch_quantize` of each."""
+    [B, N, K/32] per tensor, flags int32 [len(ws)])`, the same bits as `launch_quantize` of each.
+    `out`: per tensor, contiguous (q, scale) to write into instead."""
     group = GroupTable(ws)
     qs, ss = [], []
-    for w in ws:
+    for i, w in enumerate(ws):
         nb, n, k = as_3d(w).shape
         n_tiles_k = cdiv(k // BLOCK, _TG)
-        qs.append(torch.empty((nb, n, k), dtype=torch.float8_e4m3fn, device=group.device))
-        ss.append(torch.empty((nb, n, k // BLOCK), dtype=torch.uint8, device=group.device))
+        qs.append(group.output(out, i, 0, (nb, n, k), torch.float8_e4m3fn))
+        ss.append(group.output(out, i, 1, (nb, n, k // BLOCK), torch.uint8))
         group.add(w, qs[-1], ss[-1], cdiv(n, _TN) * n_tiles_k, n_tiles_k)
     table, flags, log = group.args()
     _quant_group_kernel[(group.programs,)](

@@ -178,6 +178,59 @@ class QuantizationStrategy(ABC):
                 out[i] = self._stack_columns(member_stems, out_names, specs, wire)
         return out
 
+    def serialize_many_into(
+        self,
+        entries: Sequence[tuple[str | tuple[str, ...], Tensor, Role]],
+        outs: Sequence[Sequence[tuple[int, int, tuple[Tensor, ...]]]],
+    ) -> list[bool]:
+        """`serialize_many`, written straight into the caller's tensors where this format can (a
+        weight sync's bucket bytes): entry i goes into `outs[i]`, pieces (first, count, one tensor
+        per wire position): a matrix one piece (0, 1, tensors of its wire shapes), a stack [E, N,
+        K] members first .. first + count - 1 into tensors with a leading `count`. Returns per entry
+        whether it was written (the same bits as `serialize_many`); the caller serializes the rest.
+        Only quantized matrices and stacks are written, and only by a format whose quantizer takes
+        outputs (`_encode_group_into`)."""
+        done = [False] * len(entries)
+        xs: list[Tensor] = []
+        names: list[str] = []
+        dests: list[tuple[Tensor, ...]] = []
+        taken: list[int] = []
+        for i, ((name, t, role), pieces) in enumerate(zip(entries, outs, strict=True)):
+            if isinstance(name, str):
+                if not self.quantizes_param(name, tuple(t.shape), role):
+                    continue
+                specs, stems, stacked = self.wire_specs(name, tuple(t.shape), role), [name[: -len("weight")]], False
+            else:
+                kind, stems, _, specs = self._stack_plan(name, t, role)
+                if kind != "quantized":
+                    continue
+                stacked = True
+            for first, count, views in pieces:
+                for spec, view in zip(specs, views, strict=True):
+                    want = (count, *spec.shape) if stacked else spec.shape
+                    if (tuple(view.shape), view.dtype) != (tuple(want), spec.dtype):
+                        raise StrategyError(
+                            f"serialize_many_into: {spec.name} needs {spec.dtype}{list(want)}, "
+                            f"given a place of {view.dtype}{list(view.shape)}"
+                        )
+                xs.append(t[first : first + count] if stacked else t)
+                names.append(stems[first] + "weight")
+                dests.append(views)
+            taken.append(i)
+        if xs and self._encode_group_into(xs, names, dests):
+            for i in taken:
+                done[i] = True
+        return done
+
+    def _encode_group_into(
+        self, inputs: Sequence[Tensor], names: Sequence[str], outs: Sequence[tuple[Tensor, ...]]
+    ) -> bool:
+        """Encode each input (a matrix, or a run of a stack's members) into `outs` (its wire tensors
+        in `wire_specs` order, contiguous) and return True; or return False, writing nothing, when
+        this format's quantizers cannot write into given tensors (the caller then serializes and
+        copies: no saving to be had). `names`: the name of each input's (first) weight, for errors."""
+        return False
+
     def _encode_group(
         self, inputs: Sequence[Tensor], stems: Sequence[Sequence[str]]
     ) -> list[tuple[Tensor, ...]]:

@@ -82,6 +82,16 @@ class Fp8BlockwiseStrategy(QuantizationStrategy):
             inputs, [s[0] + "weight" for s in stems], block_size=self.block_size, pow2_scale=self.pow2_scale
         )
 
+    def _encode_group_into(
+        self, inputs: Sequence[Tensor], names: Sequence[str], outs: Sequence[tuple[Tensor, ...]]
+    ) -> bool:
+        """`_encode_group` writing into `outs`: one grouped launch on CUDA."""
+        dispatch.quantize_fp8_blockwise_group(
+            inputs, names, block_size=self.block_size, pow2_scale=self.pow2_scale,
+            out=[(q, s) for q, s in outs],
+        )  # fmt: skip
+        return True
+
     def _decode(self, stem: str, wire: Mapping[str, Tensor], dtype: torch.dtype) -> Tensor:
         return fp8_blockwise.dequantize(
             wire[stem + "weight"], wire[stem + "weight_scale_inv"], block_size=self.block_size,

@@ -87,6 +87,13 @@ class Mxfp8Strategy(QuantizationStrategy):
         call (one launch on CUDA)."""
         return dispatch.quantize_mxfp8_group(inputs, [s[0] + "weight" for s in stems])
 
+    def _encode_group_into(
+        self, inputs: Sequence[Tensor], names: Sequence[str], outs: Sequence[tuple[Tensor, ...]]
+    ) -> bool:
+        """`_encode_group` writing into `outs`: one grouped launch on CUDA."""
+        dispatch.quantize_mxfp8_group(inputs, names, out=[(q, s) for q, s in outs])
+        return True
+
     def _decode(self, stem: str, wire: Mapping[str, Tensor], dtype: torch.dtype) -> Tensor:
         return mxfp8.dequantize(
             wire[stem + "weight"], wire[stem + "weight_scale"], dtype=dtype, name=stem + "weight"

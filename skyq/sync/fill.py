@@ -1,0 +1,168 @@
+"""Filling a repeat sync's buckets in place: the quantizers write straight into the bucket bytes.
+
+A sync whose layout the engine already holds (layout.py) knows, before anything is serialized,
+where every wire tensor goes. Its buckets are then slices of ONE flat buffer, and each wire item's
+bytes are written where the layout puts them: a format with a grouped quantizer (FP8 blockwise,
+MXFP8) writes its codes and scales there itself, in one launch for the whole sync, and everything
+else (unquantized tensors, formats without such a quantizer) is copied there in a few grouped
+copies. No packing pass, no per-bucket concatenation: the bytes are the same as `SenderLayout.pack`
+lays them (padding zeroed), so the checksums and the engine's side do not change.
+
+A `FillPlan` is derived from a layout once. Per wire item it lists `Piece`s: a range of members
+(one for a unit, a run of experts for a stack) that lies back to back in one bucket for every wire
+position, so each position of a piece is ONE contiguous destination view (a stack's members that
+padding separates are pieces of one member each).
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from skyq.sync.byte_runs import Copy, member_view, word_dtype
+from skyq.sync.errors import SyncError
+
+BUCKET_ALIGN = 256
+"""Each bucket's offset in the flat buffer is a multiple of this (the caching allocator's own)."""
+
+BIG_COPY_BYTES = 1 << 20
+"""Copies of at least this many bytes run one by one (a device memcpy each); smaller ones are
+grouped into one multi-tensor copy per word size."""
+
+
+class Piece(NamedTuple):
+    """Members [first, first + count) of a wire item, whose position k lies at flat offset
+    `places[k][0]`, `places[k][1]` bytes per member, back to back."""
+
+    first: int
+    count: int
+    places: tuple[tuple[int, int], ...]
+
+
+class FillPlan:
+    """Where every wire item of a layout goes in the flat buffer of its buckets."""
+
+    def __init__(self, bucket_nbytes: Sequence[int], copies: Sequence[Sequence[Copy]], num_items: int) -> None:
+        self.nbytes = tuple(bucket_nbytes)
+        starts, pos = [], 0
+        for n in self.nbytes:
+            starts.append(pos)
+            pos += (n + BUCKET_ALIGN - 1) // BUCKET_ALIGN * BUCKET_ALIGN
+        self.starts = tuple(starts)
+        self.total = pos
+        per_item: list[dict[int, list[tuple[int, int, int, int]]]] = [{} for _ in range(num_items)]
+        covered: list[tuple[int, int]] = []
+        for start, bucket_copies in zip(self.starts, copies):
+            for c in bucket_copies:
+                flat = start + c.offset
+                per_item[c.item].setdefault(c.position, []).append((c.first, c.count, flat, c.nbytes, c.stride))
+                covered.extend((flat + i * c.stride, flat + i * c.stride + c.nbytes) for i in range(c.count))
+        self.pieces: tuple[tuple[Piece, ...], ...] = tuple(_pieces(i, p) for i, p in enumerate(per_item))
+        self.gaps = _gaps(self.starts, self.nbytes, covered)
+        """Flat byte ranges inside buckets that no member covers: padding, zeroed on allocation."""
+        self._gap_index: dict[torch.device, Tensor] = {}
+
+    def allocate(self, device: torch.device) -> tuple[Tensor, list[Tensor]]:
+        """(the flat buffer, each bucket as a slice of it), padding zeroed, the rest uninitialized."""
+        flat = torch.empty(self.total, dtype=torch.uint8, device=device)
+        if self.gaps:
+            index = self._gap_index.get(device)
+            if index is None:
+                ranges = [torch.arange(a, b, dtype=torch.int64) for a, b in self.gaps]
+                index = self._gap_index[device] = torch.cat(ranges).to(device)
+            flat.index_fill_(0, index, 0)
+        return flat, [flat[s : s + n] for s, n in zip(self.starts, self.nbytes)]
+
+    def destinations(
+        self, flat: Tensor, item: int, specs: Sequence[tuple[torch.dtype, tuple[int, ...]]], stacked: bool
+    ) -> list[tuple[int, int, tuple[Tensor, ...]]]:
+        """Item `item`'s pieces as (first, count, one view per wire position): of the member shape
+        with a leading `count` for a stack, of the wire shape for a unit. `specs`: (dtype, shape) per
+        position (a stack's whole [E, ...] shape)."""
+        out = []
+        for piece in self.pieces[item]:
+            views = tuple(
+                member_view(flat, offset, piece.count, nbytes, nbytes, dtype, shape[1:] if stacked else shape)
+                if stacked
+                else member_view(flat, offset, 1, nbytes, nbytes, dtype, shape)[0]
+                for (offset, nbytes), (dtype, shape) in zip(piece.places, specs)
+            )
+            out.append((piece.first, piece.count, views))
+        return out
+
+
+def _pieces(item: int, positions: dict[int, list[tuple[int, int, int, int, int]]]) -> tuple[Piece, ...]:
+    """Cut an item's copies (per position: first, count, flat offset, nbytes, stride) into member
+    ranges that are one contiguous range at every position."""
+    if not positions:
+        return ()
+    if sorted(positions) != list(range(len(positions))):
+        raise SyncError(f"wire item {item}: the layout places positions {sorted(positions)}")
+    edges: set[int] = set()
+    for copies in positions.values():
+        for first, count, _, nbytes, stride in copies:
+            edges.update((first, first + count))
+            if stride != nbytes:  # padding between members: each its own piece
+                edges.update(range(first, first + count))
+    cuts = sorted(edges)
+    index = {k: sorted(copies) for k, copies in positions.items()}
+    pieces = []
+    for a, b in zip(cuts, cuts[1:]):
+        places = []
+        for k in range(len(positions)):
+            copies = index[k]
+            j = bisect_right([c[0] for c in copies], a) - 1
+            if j < 0 or not copies[j][0] <= a < b <= copies[j][0] + copies[j][1]:
+                raise SyncError(f"wire item {item}: members {a}..{b - 1} of position {k} are not in one range")
+            first, _, flat, nbytes, stride = copies[j]
+            places.append((flat + (a - first) * stride, nbytes))
+        pieces.append(Piece(a, b - a, tuple(places)))
+    return tuple(pieces)
+
+
+def _gaps(starts: Sequence[int], nbytes: Sequence[int], covered: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    gaps: list[tuple[int, int]] = []
+    spans = sorted(covered)
+    k = 0
+    for start, n in zip(starts, nbytes):
+        pos, end = start, start + n
+        while k < len(spans) and spans[k][0] < end:
+            a, b = spans[k]
+            if a > pos:
+                gaps.append((pos, a))
+            pos = max(pos, b)
+            k += 1
+        if pos < end:
+            gaps.append((pos, end))
+    return tuple(gaps)
+
+
+def copy_into(pairs: Sequence[tuple[Tensor, Tensor]]) -> None:
+    """`dst.copy_(src)` for every (dst, src) of the same dtype and shape, dst contiguous: as integer
+    words, large ones one by one, the rest in one multi-tensor copy per word size."""
+    groups: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
+    with torch.no_grad():
+        for dst, src in pairs:
+            if dst.shape != src.shape or dst.dtype != src.dtype:
+                raise SyncError(
+                    f"a wire tensor of {src.dtype}{list(src.shape)} for a place of {dst.dtype}{list(dst.shape)}"
+                )
+            d = dst.reshape(-1).view(torch.uint8) if dst.dtype != torch.bool else None
+            s = src.detach().contiguous().reshape(-1)
+            if d is None or s.device != d.device:
+                dst.copy_(src)
+                continue
+            s = s.view(torch.uint8)
+            if d.numel() >= BIG_COPY_BYTES:
+                d.copy_(s)
+                continue
+            word = word_dtype(d.numel(), d.data_ptr(), s.data_ptr())
+            ds, ss = groups.setdefault(word, ([], []))
+            ds.append(d.view(word))
+            ss.append(s.view(word))
+        for ds, ss in groups.values():
+            torch._foreach_copy_(ds, ss)
