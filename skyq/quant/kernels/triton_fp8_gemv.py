@@ -67,7 +67,7 @@ def _gemv_kernel(
     """acc[n, m] = sum over this split's K range, in TK-column tiles, of bf16(q[n, k] *
     s[n // BLK_N, k // BLK_K]) * x[m, k] (TK divides BLK_K: one scale per row per tile). SPLIT == 1 writes
     y[m, n]; else partial p[split, m, n] and the last program of the tile reduces. TILES: a power of
-    two >= the split's K tiles (k_per_split / TK), the width of the scale columns loaded up front.
+    two >= the split's K tiles (k_per_split / TK), the width of the PDL prefetch.
     PDL: launched as a programmatic dependent launch: the weight and scale lines are prefetched into
     L2 while the previous kernel finishes, and nothing is read or written before `gdc_wait`.
     UNIFORM: BN divides BLK_N, so all rows of a program's tile share one scale row and each K tile
@@ -96,19 +96,6 @@ def _gemv_kernel(
         _prefetch_l2(s_ptr + (nc // BLK_N) * ssn + (kc // BLK_K) * ssk)
         gdc_wait()  # the previous kernel is complete and its writes are visible
         gdc_launch_dependents()  # the next kernel may start its prefetches
-    # Every scale the split needs, loaded before the K loop: a load inside it is not pipelined
-    # (it feeds no dot), so each tile would wait one DRAM round trip for its scale.
-    t_ok = (tk0 < K) & (ti * TK < k_per_split)
-    if UNIFORM:
-        s_row = tl.load(
-            s_ptr + ((pid_n * BN) // BLK_N).to(tl.int64) * ssn + (tk0 // BLK_K) * ssk, mask=t_ok, other=0.0
-        )
-    else:
-        s_all = tl.load(
-            s_ptr + (rn // BLK_N).to(tl.int64)[:, None] * ssn + (tk0 // BLK_K)[None, :] * ssk,
-            mask=n_ok[:, None] & t_ok[None, :],
-            other=0.0,
-        )
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     for t in range(0, k_per_split, TK):  # k_per_split % TK == 0; the last split's tail is masked
         k0 = k_lo + t
@@ -118,14 +105,18 @@ def _gemv_kernel(
         xt = tl.load(x_cols + rk[:, None] * sxk, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
         # bf16(fp32(q) * s), `fp8_blockwise.dequantize`'s rounding, so the MMA multiplies the very
         # bf16 weight the trainer does. e4m3 -> fp32 is exact (through fp16: full-rate instructions,
-        # where Triton's direct e4m3 -> bf16 was 0.7-0.9x in the H200 sweep). The scale is picked
-        # from the preloaded ones by a masked sum: exact, one nonzero term.
+        # where Triton's direct e4m3 -> bf16 was 0.7-0.9x in the H200 sweep). The scales are a
+        # [BN, 1] tensor loaded in the loop (pipelined like the codes; one address for all rows when
+        # UNIFORM): Triton then converts the codes straight from shared memory in the MMA operand
+        # layout. A scale computed in registers (a scalar, or a vector picked from preloaded ones)
+        # made it convert the whole bf16 tile through shared memory instead (st.shared + ldmatrix
+        # per tile, found in the sm_90 PTX).
         if UNIFORM:
-            s = tl.sum(tl.where(ti == t // TK, s_row, 0.0), axis=0)
-            w = (codes.to(tl.float32) * s).to(tl.bfloat16)
+            s_rows = s_ptr + (pid_n * BN // BLK_N).to(tl.int64) * ssn + tl.zeros([BN, 1], dtype=tl.int64)
         else:
-            s = tl.sum(tl.where(ti[None, :] == t // TK, s_all, 0.0), axis=1)
-            w = (codes.to(tl.float32) * s[:, None]).to(tl.bfloat16)
+            s_rows = s_ptr + (rn // BLK_N).to(tl.int64)[:, None] * ssn
+        s = tl.load(s_rows + (k0 // BLK_K) * ssk, mask=n_ok[:, None] & (k0 < K), other=0.0)
+        w = (codes.to(tl.float32) * s).to(tl.bfloat16)
         acc = tl.dot(w, xt.to(tl.bfloat16), acc)
     out_mask = n_ok[:, None] & m_ok[None, :]
     out_off = rm[None, :].to(tl.int64) * sym + rn[:, None] * syn
