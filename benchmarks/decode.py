@@ -268,9 +268,18 @@ def main() -> None:
     )
     ap.add_argument("--only", choices=["model", "per-shape", "sweep"], default=None)
     ap.add_argument("--fused", action="store_true", help="q/k/v and gate/up as one weight each, both sides")
+    ap.add_argument(
+        "--scales-in-loop-max-m", type=int, default=None,
+        help="batches up to this many rows load the fp8 scales in the K loop "
+        "(triton_fp8_gemv.SCALES_IN_LOOP_MAX_M; default: the module's)",
+    )  # fmt: skip
     ap.add_argument("--sweep-seconds", type=float, default=1e9, help="stop sweeping after this long")
     ap.add_argument("--sweep-log", default=None, help="append the sweep's timings here, JSON lines")
     args = ap.parse_args()
+    if args.scales_in_loop_max_m is not None:
+        from skyq.quant.kernels import triton_fp8_gemv
+
+        triton_fp8_gemv.SCALES_IN_LOOP_MAX_M = args.scales_in_loop_max_m
     gen = torch.Generator().manual_seed(0)
     device = torch.cuda.get_device_name()
     print(f"device {device}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")

@@ -377,8 +377,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--profile",
         action="store_true",
-        help="instead of the table: profile one steady bf16 and one fp8_blockwise sync (host waits, calls)",
+        help="instead of the table: profile one steady sync per --profile-formats (host waits, calls)",
     )
+    ap.add_argument("--profile-formats", nargs="+", default=["bf16", "fp8_blockwise"], choices=FORMATS)
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     device = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
@@ -387,7 +388,7 @@ def main(argv: list[str] | None = None) -> dict:
     gen = torch.Generator(device=dev).manual_seed(0)
     model_cfg = model_config(args.layers, args.hidden, args.expert_width)
     if args.profile:
-        return {fmt: profile_steady(fmt, model_cfg, gen, dev) for fmt in ("bf16", "fp8_blockwise")}
+        return {fmt: profile_steady(fmt, model_cfg, gen, dev) for fmt in args.profile_formats}
     if dev.type == "cuda":
         pc, dc = finite_check_cost(gen)
         print(

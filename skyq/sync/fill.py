@@ -1,7 +1,8 @@
 """Filling a repeat sync's buckets in place: the quantizers write straight into the bucket bytes.
 
 A sync whose layout the engine already holds (layout.py) knows, before anything is serialized,
-where every wire tensor goes. Its buckets are then slices of ONE flat buffer, and each wire item's
+where every wire tensor goes. Its buckets are allocated first (one allocation each, as packing
+makes them: the caching allocator hands back the same blocks every sync), and each wire item's
 bytes are written where the layout puts them: a format with a grouped quantizer (FP8 blockwise,
 MXFP8) writes its codes and scales there itself, in one launch for the whole sync, and everything
 else (unquantized tensors, formats without such a quantizer) is copied there in a few grouped
@@ -26,77 +27,77 @@ from torch import Tensor
 from skyq.sync.byte_runs import Copy, member_view, word_dtype
 from skyq.sync.errors import SyncError
 
-BUCKET_ALIGN = 256
-"""Each bucket's offset in the flat buffer is a multiple of this (the caching allocator's own)."""
-
 BIG_COPY_BYTES = 1 << 20
 """Copies of at least this many bytes run one by one (a device memcpy each); smaller ones are
 grouped into one multi-tensor copy per word size."""
 
 
 class Piece(NamedTuple):
-    """Members [first, first + count) of a wire item, whose position k lies at flat offset
-    `places[k][0]`, `places[k][1]` bytes per member, back to back."""
+    """Members [first, first + count) of a wire item, whose position k lies in bucket
+    `places[k][0]` from byte `places[k][1]`, `places[k][2]` bytes per member, back to back."""
 
     first: int
     count: int
-    places: tuple[tuple[int, int], ...]
+    places: tuple[tuple[int, int, int], ...]
 
 
 class FillPlan:
-    """Where every wire item of a layout goes in the flat buffer of its buckets."""
+    """Where every wire item of a layout goes in its buckets."""
 
     def __init__(self, bucket_nbytes: Sequence[int], copies: Sequence[Sequence[Copy]], num_items: int) -> None:
         self.nbytes = tuple(bucket_nbytes)
-        starts, pos = [], 0
-        for n in self.nbytes:
-            starts.append(pos)
-            pos += (n + BUCKET_ALIGN - 1) // BUCKET_ALIGN * BUCKET_ALIGN
-        self.starts = tuple(starts)
-        self.total = pos
-        per_item: list[dict[int, list[tuple[int, int, int, int]]]] = [{} for _ in range(num_items)]
-        covered: list[tuple[int, int]] = []
-        for start, bucket_copies in zip(self.starts, copies):
+        per_item: list[dict[int, list[tuple[int, int, int, int, int, int]]]] = [{} for _ in range(num_items)]
+        covered: list[list[tuple[int, int]]] = [[] for _ in self.nbytes]
+        for b, bucket_copies in enumerate(copies):
             for c in bucket_copies:
-                flat = start + c.offset
-                per_item[c.item].setdefault(c.position, []).append((c.first, c.count, flat, c.nbytes, c.stride))
-                covered.extend((flat + i * c.stride, flat + i * c.stride + c.nbytes) for i in range(c.count))
+                per_item[c.item].setdefault(c.position, []).append(
+                    (c.first, c.count, b, c.offset, c.nbytes, c.stride)
+                )
+                covered[b].extend(
+                    (c.offset + i * c.stride, c.offset + i * c.stride + c.nbytes) for i in range(c.count)
+                )
         self.pieces: tuple[tuple[Piece, ...], ...] = tuple(_pieces(i, p) for i, p in enumerate(per_item))
-        self.gaps = _gaps(self.starts, self.nbytes, covered)
-        """Flat byte ranges inside buckets that no member covers: padding, zeroed on allocation."""
-        self._gap_index: dict[torch.device, Tensor] = {}
+        self.gaps = tuple(_gaps(n, spans) for n, spans in zip(self.nbytes, covered))
+        """Per bucket, the byte ranges no member covers: padding, zeroed on allocation."""
+        self._gap_index: dict[tuple[torch.device, int], Tensor] = {}
 
-    def allocate(self, device: torch.device) -> tuple[Tensor, list[Tensor]]:
-        """(the flat buffer, each bucket as a slice of it), padding zeroed, the rest uninitialized."""
-        flat = torch.empty(self.total, dtype=torch.uint8, device=device)
-        if self.gaps:
-            index = self._gap_index.get(device)
-            if index is None:
-                ranges = [torch.arange(a, b, dtype=torch.int64) for a, b in self.gaps]
-                index = self._gap_index[device] = torch.cat(ranges).to(device)
-            flat.index_fill_(0, index, 0)
-        return flat, [flat[s : s + n] for s, n in zip(self.starts, self.nbytes)]
+    def allocate(self, device: torch.device) -> list[Tensor]:
+        """The buckets, padding zeroed (one `index_fill_` per bucket that has any), the rest
+        uninitialized."""
+        bufs = [torch.empty(n, dtype=torch.uint8, device=device) for n in self.nbytes]
+        for b, gaps in enumerate(self.gaps):
+            if gaps:
+                index = self._gap_index.get((device, b))
+                if index is None:
+                    ranges = torch.cat([torch.arange(lo, hi, dtype=torch.int64) for lo, hi in gaps])
+                    index = self._gap_index[device, b] = ranges.to(device)
+                bufs[b].index_fill_(0, index, 0)
+        return bufs
 
     def destinations(
-        self, flat: Tensor, item: int, specs: Sequence[tuple[torch.dtype, tuple[int, ...]]], stacked: bool
+        self,
+        bufs: Sequence[Tensor],
+        item: int,
+        specs: Sequence[tuple[torch.dtype, tuple[int, ...]]],
+        stacked: bool,
     ) -> list[tuple[int, int, tuple[Tensor, ...]]]:
-        """Item `item`'s pieces as (first, count, one view per wire position): of the member shape
-        with a leading `count` for a stack, of the wire shape for a unit. `specs`: (dtype, shape) per
-        position (a stack's whole [E, ...] shape)."""
+        """Item `item`'s pieces as (first, count, one view per wire position into `bufs`): of the
+        member shape with a leading `count` for a stack, of the wire shape for a unit. `specs`:
+        (dtype, shape) per position (a stack's whole [E, ...] shape)."""
         out = []
         for piece in self.pieces[item]:
             views = tuple(
-                member_view(flat, offset, piece.count, nbytes, nbytes, dtype, shape[1:] if stacked else shape)
+                member_view(bufs[b], offset, piece.count, nbytes, nbytes, dtype, shape[1:])
                 if stacked
-                else member_view(flat, offset, 1, nbytes, nbytes, dtype, shape)[0]
-                for (offset, nbytes), (dtype, shape) in zip(piece.places, specs)
+                else member_view(bufs[b], offset, 1, nbytes, nbytes, dtype, shape)[0]
+                for (b, offset, nbytes), (dtype, shape) in zip(piece.places, specs)
             )
             out.append((piece.first, piece.count, views))
         return out
 
 
-def _pieces(item: int, positions: dict[int, list[tuple[int, int, int, int, int]]]) -> tuple[Piece, ...]:
-    """Cut an item's copies (per position: first, count, flat offset, nbytes, stride) into member
+def _pieces(item: int, positions: dict[int, list[tuple[int, int, int, int, int, int]]]) -> tuple[Piece, ...]:
+    """Cut an item's copies (per position: first, count, bucket, offset, nbytes, stride) into member
     ranges that are one contiguous range at every position."""
     if not positions:
         return ()
@@ -104,7 +105,7 @@ def _pieces(item: int, positions: dict[int, list[tuple[int, int, int, int, int]]
         raise SyncError(f"wire item {item}: the layout places positions {sorted(positions)}")
     edges: set[int] = set()
     for copies in positions.values():
-        for first, count, _, nbytes, stride in copies:
+        for first, count, _, _, nbytes, stride in copies:
             edges.update((first, first + count))
             if stride != nbytes:  # padding between members: each its own piece
                 edges.update(range(first, first + count))
@@ -118,26 +119,21 @@ def _pieces(item: int, positions: dict[int, list[tuple[int, int, int, int, int]]
             j = bisect_right([c[0] for c in copies], a) - 1
             if j < 0 or not copies[j][0] <= a < b <= copies[j][0] + copies[j][1]:
                 raise SyncError(f"wire item {item}: members {a}..{b - 1} of position {k} are not in one range")
-            first, _, flat, nbytes, stride = copies[j]
-            places.append((flat + (a - first) * stride, nbytes))
+            first, _, bucket, offset, nbytes, stride = copies[j]
+            places.append((bucket, offset + (a - first) * stride, nbytes))
         pieces.append(Piece(a, b - a, tuple(places)))
     return tuple(pieces)
 
 
-def _gaps(starts: Sequence[int], nbytes: Sequence[int], covered: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+def _gaps(nbytes: int, covered: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
     gaps: list[tuple[int, int]] = []
-    spans = sorted(covered)
-    k = 0
-    for start, n in zip(starts, nbytes):
-        pos, end = start, start + n
-        while k < len(spans) and spans[k][0] < end:
-            a, b = spans[k]
-            if a > pos:
-                gaps.append((pos, a))
-            pos = max(pos, b)
-            k += 1
-        if pos < end:
-            gaps.append((pos, end))
+    pos = 0
+    for a, b in sorted(covered):
+        if a > pos:
+            gaps.append((pos, a))
+        pos = max(pos, b)
+    if pos < nbytes:
+        gaps.append((pos, nbytes))
     return tuple(gaps)
 
 

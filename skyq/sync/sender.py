@@ -311,21 +311,21 @@ def _fill(
     layout: SenderLayout, sources: list[tuple[Any, Tensor]], serialize: Serializer, version: int
 ) -> list[Tensor] | None:
     """The buckets of `layout` for `sources` (whose `source_signature` is the layout's), written in
-    place: slices of one flat buffer (`fill.FillPlan`) into which the serializer quantizes what it
-    can (`serialize_many_into`) and the wire tensors of the rest are copied. None, with nothing
+    place (`fill.FillPlan`): the serializer quantizes what it can straight into them
+    (`serialize_many_into`) and the wire tensors of the rest are copied there. None, with nothing
     kept, when the rest do not serialize to the layout's items (the caller then serializes all)."""
     plan, origins = layout.fill, layout.origins
     assert plan is not None and len(origins) == len(sources) + 1, (len(origins), len(sources))
     devices = {t.device for _, t in sources}
     if len(devices) != 1:
         return None
-    flat, bufs = plan.allocate(devices.pop())
+    bufs = plan.allocate(devices.pop())
     places: dict[int, list[tuple[int, int, tuple[Tensor, ...]]]] = {}
 
     def destinations(j: int) -> list[tuple[int, int, tuple[Tensor, ...]]]:
         if j not in places:
             stacked, specs = layout.item_specs(j)
-            places[j] = plan.destinations(flat, j, specs, stacked)
+            places[j] = plan.destinations(bufs, j, specs, stacked)
         return places[j]
 
     single = [i for i in range(len(sources)) if origins[i + 1] - origins[i] == 1]

@@ -62,7 +62,7 @@ def _gemv_kernel(
     sxm, sxk, sqn, sqk, ssn, ssk, sym, syn,
     BLK_N: tl.constexpr, BLK_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, TK: tl.constexpr, SPLIT: tl.constexpr, TILES: tl.constexpr,
-    PDL: tl.constexpr, UNIFORM: tl.constexpr,
+    PDL: tl.constexpr, UNIFORM: tl.constexpr, SCALES_IN_LOOP: tl.constexpr,
 ):  # fmt: skip
     """acc[n, m] = sum over this split's K range, in TK-column tiles, of bf16(q[n, k] *
     s[n // BLK_N, k // BLK_K]) * x[m, k] (TK divides BLK_K: one scale per row per tile). SPLIT == 1 writes
@@ -96,6 +96,20 @@ def _gemv_kernel(
         _prefetch_l2(s_ptr + (nc // BLK_N) * ssn + (kc // BLK_K) * ssk)
         gdc_wait()  # the previous kernel is complete and its writes are visible
         gdc_launch_dependents()  # the next kernel may start its prefetches
+    if not SCALES_IN_LOOP:
+        # Every scale the split needs, loaded before the K loop (a scalar load inside it is not
+        # pipelined: each tile would wait one DRAM round trip for its scale).
+        t_ok = (tk0 < K) & (ti * TK < k_per_split)
+        if UNIFORM:
+            s_row = tl.load(
+                s_ptr + ((pid_n * BN) // BLK_N).to(tl.int64) * ssn + (tk0 // BLK_K) * ssk, mask=t_ok, other=0.0
+            )
+        else:
+            s_all = tl.load(
+                s_ptr + (rn // BLK_N).to(tl.int64)[:, None] * ssn + (tk0 // BLK_K)[None, :] * ssk,
+                mask=n_ok[:, None] & t_ok[None, :],
+                other=0.0,
+            )
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     for t in range(0, k_per_split, TK):  # k_per_split % TK == 0; the last split's tail is masked
         k0 = k_lo + t
@@ -105,18 +119,24 @@ def _gemv_kernel(
         xt = tl.load(x_cols + rk[:, None] * sxk, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
         # bf16(fp32(q) * s), `fp8_blockwise.dequantize`'s rounding, so the MMA multiplies the very
         # bf16 weight the trainer does. e4m3 -> fp32 is exact (through fp16: full-rate instructions,
-        # where Triton's direct e4m3 -> bf16 was 0.7-0.9x in the H200 sweep). The scales are a
-        # [BN, 1] tensor loaded in the loop (pipelined like the codes; one address for all rows when
-        # UNIFORM): Triton then converts the codes straight from shared memory in the MMA operand
-        # layout. A scale computed in registers (a scalar, or a vector picked from preloaded ones)
-        # made it convert the whole bf16 tile through shared memory instead (st.shared + ldmatrix
-        # per tile, found in the sm_90 PTX).
-        if UNIFORM:
-            s_rows = s_ptr + (pid_n * BN // BLK_N).to(tl.int64) * ssn + tl.zeros([BN, 1], dtype=tl.int64)
+        # where Triton's direct e4m3 -> bf16 was 0.7-0.9x in the H200 sweep).
+        if SCALES_IN_LOOP:
+            # A [BN, 1] tensor loaded in the loop (pipelined like the codes; one address for all rows
+            # when UNIFORM): Triton then converts the codes straight from shared memory in the MMA
+            # operand layout. A scale computed in registers (below) makes it convert the whole bf16
+            # tile through shared memory instead (st.shared + ldmatrix per tile in the sm_90 PTX).
+            if UNIFORM:
+                s_rows = s_ptr + (pid_n * BN // BLK_N).to(tl.int64) * ssn + tl.zeros([BN, 1], dtype=tl.int64)
+            else:
+                s_rows = s_ptr + (rn // BLK_N).to(tl.int64)[:, None] * ssn
+            s = tl.load(s_rows + (k0 // BLK_K) * ssk, mask=n_ok[:, None] & (k0 < K), other=0.0)
+            w = (codes.to(tl.float32) * s).to(tl.bfloat16)
+        elif UNIFORM:  # picked from the preloaded ones by a masked sum: exact, one nonzero term
+            s = tl.sum(tl.where(ti == t // TK, s_row, 0.0), axis=0)
+            w = (codes.to(tl.float32) * s).to(tl.bfloat16)
         else:
-            s_rows = s_ptr + (rn // BLK_N).to(tl.int64)[:, None] * ssn
-        s = tl.load(s_rows + (k0 // BLK_K) * ssk, mask=n_ok[:, None] & (k0 < K), other=0.0)
-        w = (codes.to(tl.float32) * s).to(tl.bfloat16)
+            s = tl.sum(tl.where(ti[None, :] == t // TK, s_all, 0.0), axis=1)
+            w = (codes.to(tl.float32) * s[:, None]).to(tl.bfloat16)
         acc = tl.dot(w, xt.to(tl.bfloat16), acc)
     out_mask = n_ok[:, None] & m_ok[None, :]
     out_off = rm[None, :].to(tl.int64) * sym + rn[:, None] * syn
@@ -134,6 +154,12 @@ def _gemv_kernel(
                 total += tl.load(p_ptr + i * mn + out_off, mask=out_mask, other=0.0, cache_modifier=".cg")
             tl.store(y_ptr + out_off, total.to(y_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+SCALES_IN_LOOP_MAX_M = 8
+"""Batches of at most this many rows load the scales in the K loop (`SCALES_IN_LOOP`), larger ones
+before it. On the H200 (benchmarks/decode.py, 2026-11-29) the in-loop load made the graphed decode
+step 1.04x -> 1.11x of bf16 at batch 1 and 1.03x -> 0.98x at batch 16 (0.98 -> 0.85 at 32)."""
 
 
 @functools.cache
@@ -232,7 +258,8 @@ def linear(
         m, n, k, k_per_split,
         *x2.stride(), *q.stride(), *scale_inv.stride(), *y.stride(),
         BLK_N=blk_n, BLK_K=blk_k, BM=bm, BN=bn, TK=tk, SPLIT=split,
-        TILES=triton.next_power_of_2(k_per_split // tk), PDL=pdl, UNIFORM=blk_n % bn == 0, launch_pdl=pdl,
+        TILES=triton.next_power_of_2(k_per_split // tk), PDL=pdl, UNIFORM=blk_n % bn == 0,
+        SCALES_IN_LOOP=m <= SCALES_IN_LOOP_MAX_M, launch_pdl=pdl,
         num_warps=num_warps or warps, num_stages=num_stages or stages,
     )  # fmt: skip
     return y.reshape(*x.shape[:-1], n)
