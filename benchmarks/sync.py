@@ -179,25 +179,30 @@ class Pair:
 def run_format(
     fmt: str, model_cfg: ModelConfig, gen: torch.Generator, repeats: int, device: torch.device
 ) -> dict:
-    """One warm-up sync (Triton compiles), `repeats` first syncs (a fresh sender and receiver each:
-    full manifest), then `repeats` steady-state syncs of the last pair (same layout). The trainer's
-    weights change sign before every sync, so each one moves new bytes."""
+    """Two warm-up syncs of one pair (a full one and a steady one, filled in place: each path's
+    Triton compiles), `repeats` first syncs (a fresh sender and receiver each: full manifest), then
+    `repeats` steady-state syncs of the last pair (same layout, buckets filled in place). The
+    trainer's weights change sign before every sync, so each one moves new bytes."""
     precision = PrecisionConfig(name=Precision(fmt))
     plan = build_plan(model_cfg, precision)
     strategy = get_strategy(precision)
     trainer = Trainer(plan, gen, device)
     engine = engine_buffers(plan, device)
     first, steady = [], []
-    pair = None
-    for version in range(1, 2 * repeats + 2):
-        if version <= repeats + 1:
+    pair = Pair(plan, strategy, engine, device)
+    for version in (1, 2):  # warm-up
+        trainer.flip()
+        st = pair.sync(trainer.weights(), version)
+        assert st.full_manifest == (version == 1) and st.in_place == (version == 2), (version, st)
+    for version in range(3, 2 * repeats + 3):
+        if version <= repeats + 2:
             pair = Pair(plan, strategy, engine, device)
             pair.version = version - 1
         trainer.flip()
         st = pair.sync(trainer.weights(), version)
-        assert st.full_manifest == (version <= repeats + 1), (version, st.full_manifest)
-        if version > 1:
-            (first if st.full_manifest else steady).append(st)
+        fresh = version <= repeats + 2
+        assert st.full_manifest == fresh and st.in_place == (not fresh), (version, st)
+        (first if fresh else steady).append(st)
     check_engine(trainer, strategy, plan, engine)
     med = {
         k: statistics.median(getattr(s, k) for s in steady)

@@ -9,8 +9,9 @@ of 768, experts held stacked per projection as a trainer holds them). Per format
 checksums) and rank 1 `WeightReceiver` (checksum verification, unpacking, accounting) committing
 into preallocated engine buffers with `WireCopier`, exactly as the Ray actors of a two-GPU run do.
 
-Per format: one first sync (full manifest, Triton compiles), then `--repeats` steady-state syncs by
-the same pair (same layout), the trainer's weights changing sign before each. After the last sync
+Per format: one first sync (full manifest, Triton compiles) and one steady-state warm-up sync (the
+buckets filled in place: that path's compiles), then `--repeats` steady-state syncs by the same
+pair (same layout), the trainer's weights changing sign before each. After the last sync
 both ranks digest every wire tensor (sha256 of the bytes): the engine's buffers against what the
 strategy makes of the trainer's current weights, tensor by tensor (the per-tensor serialize, not the
 batched call the sender used). The baseline is a plain NCCL broadcast of the same bytes in
@@ -124,14 +125,15 @@ def _sender(args, port_queue, out) -> None:
             channel, serialize=plan_serializer(strategy, plan), bucket_bytes=cfg.bucket_bytes
         )
         stats = []
-        for version in range(1, args.repeats + 2):
+        for version in range(1, args.repeats + 3):
             trainer.flip()
             _synchronize(device)
             stats.append(sender.sync(trainer.weights(), version))
+        assert [s.in_place for s in stats] == [False] + [True] * (args.repeats + 1), stats
         expected = {}
         for name, w in trainer.weights(stacked=False):
             expected.update(wire_digest(strategy.serialize(name, w, role=plan[name].role)))
-        steady = stats[1:]
+        steady = stats[2:]
         plain = plain_broadcast(channel, steady[0].bytes, cfg.bucket_bytes, device, args.repeats)
         out.put(("sender", fmt, {
             "first": stats[0].total_s, "total": statistics.median(s.total_s for s in steady),
@@ -163,13 +165,13 @@ def _receiver(args, port, out) -> None:
             _synchronize(device)
 
         recv_s = []
-        for version in range(1, args.repeats + 2):
+        for version in range(1, args.repeats + 3):
             st = receiver.receive(current_version=version - 1, commit=commit)
             assert st.version == version, (st.version, version)
             recv_s.append(st.recv_s)
         out.put(("receiver", fmt, {
             "digest": wire_digest(engine), "devices": sorted({str(t.device) for t in engine.values()}),
-            "recv_s": statistics.median(recv_s[1:]),
+            "recv_s": statistics.median(recv_s[2:]),
         }))  # fmt: skip
         plain_broadcast(channel, 0, cfg.bucket_bytes, device, args.repeats)
         del engine, copier, receiver

@@ -17,9 +17,8 @@ def test_two_process_sync_benchmark_reports_every_format_bit_identical(capsys, m
     assert set(results) == {"bf16", "fp8_blockwise", "mxfp8", "int4_qat"}
     for fmt, r in results.items():
         assert r["identical"], (fmt, r["differing"])
-        assert r["full_manifest"] == [True, False], (
-            fmt
-        )  # first sync sends the manifest, then the layout is kept
+        # the first sync sends the manifest, then the layout is kept (a warm-up and one measured sync)
+        assert r["full_manifest"] == [True, False, False], fmt
         assert r["tensors_checked"] == r["tensors"], fmt
         assert r["plain"] > 0 and r["bytes"] > 0
     # the quantized formats move fewer bytes than bf16

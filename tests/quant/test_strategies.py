@@ -403,3 +403,34 @@ def test_int4_serialize_many_keeps_its_weight_shape_rows_between_calls(gen):
     assert first[0][unit_shape].tolist() == [64, 128]
     assert first[1][2][1] is second[1][2][1] and first[1][2][1].tolist() == [[64, 128]] * 3
     assert first[1][2][0] == tuple(n.replace(".weight", ".weight_shape") for n in names)
+
+
+@pytest.mark.parametrize("fmt", ["fp8_blockwise", "mxfp8"])
+def test_grouped_quantize_into_given_tensors_gives_the_per_tensor_bits(gen, fmt):
+    """`dispatch.*_group(..., out=)` writes each result into the given tensors (views into one byte
+    buffer, as a weight sync's buckets) with the bits of the per-tensor call; a wrong place is
+    refused before anything is written."""
+    from skyq.quant.kernels import dispatch
+
+    ws = [torch.randn(3, 64, 96, generator=gen).to(torch.bfloat16), torch.randn(40, 64, generator=gen)]
+    if fmt == "fp8_blockwise":
+        group = lambda out=None: dispatch.quantize_fp8_blockwise_group(ws, ["a", "b"], out=out)  # noqa: E731
+        want = [dispatch.quantize_fp8_blockwise(w) for w in ws]
+    else:
+        group = lambda out=None: dispatch.quantize_mxfp8_group(ws, ["a", "b"], out=out)  # noqa: E731
+        want = [dispatch.quantize_mxfp8(w) for w in ws]
+    sizes = [t.numel() * t.element_size() for pair in want for t in pair]
+    buf = torch.zeros(sum(sizes) + 16 * len(sizes), dtype=torch.uint8)
+    views, pos = [], 0
+    for n, t in zip(sizes, (t for pair in want for t in pair)):
+        views.append(buf[pos : pos + n].view(t.dtype).view(t.shape))
+        pos += (n + 15) // 16 * 16
+    out = list(zip(views[0::2], views[1::2]))
+    assert group(out) == out
+    for (q, s), (gq, gs) in zip(want, out):
+        assert torch.equal(q.view(torch.uint8), gq.view(torch.uint8)) and torch.equal(s, gs)
+    before = buf.clone()
+    wrong = [(views[0], views[1]), (views[2][:5], views[3])]
+    with pytest.raises(ValueError, match="output"):
+        group(wrong)
+    assert torch.equal(buf, before)

@@ -85,7 +85,10 @@ class Fp8BlockwiseStrategy(QuantizationStrategy):
     def _encode_group_into(
         self, inputs: Sequence[Tensor], names: Sequence[str], outs: Sequence[tuple[Tensor, ...]]
     ) -> bool:
-        """`_encode_group` writing into `outs`: one grouped launch on CUDA."""
+        """`_encode_group` writing into `outs`: one grouped launch, on CUDA only (elsewhere the
+        quantizer runs per tensor: better whole stacks, then copied, than one call per piece)."""
+        if not all(dispatch.uses_kernel(x) for x in inputs):
+            return False
         dispatch.quantize_fp8_blockwise_group(
             inputs, names, block_size=self.block_size, pow2_scale=self.pow2_scale,
             out=[(q, s) for q, s in outs],

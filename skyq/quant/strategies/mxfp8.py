@@ -90,7 +90,10 @@ class Mxfp8Strategy(QuantizationStrategy):
     def _encode_group_into(
         self, inputs: Sequence[Tensor], names: Sequence[str], outs: Sequence[tuple[Tensor, ...]]
     ) -> bool:
-        """`_encode_group` writing into `outs`: one grouped launch on CUDA."""
+        """`_encode_group` writing into `outs`: one grouped launch, on CUDA only (elsewhere the
+        quantizer runs per tensor: better whole stacks, then copied, than one call per piece)."""
+        if not all(dispatch.uses_kernel(x) for x in inputs):
+            return False
         dispatch.quantize_mxfp8_group(inputs, names, out=[(q, s) for q, s in outs])
         return True
 
