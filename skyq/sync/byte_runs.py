@@ -195,8 +195,10 @@ def unpack_views(buf: Tensor, entries: Sequence[TensorEntry]) -> dict[str, Tenso
     return out
 
 
-WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
-"""Integer words a tensor's bytes are copied as, widest first (`word_dtype`)."""
+WORDS = (torch.int32, torch.int16, torch.uint8)
+"""Integer words a tensor's bytes are copied as, widest first (`word_dtype`). Not int64: torch's
+multi-tensor copy moves 16-byte vectors only where every tensor is aligned to four of its elements,
+and tensors in a bucket are 16-byte aligned, i.e. often not 32 (int64 words took the scalar path)."""
 
 
 def word_dtype(*numbers: int) -> torch.dtype:
