@@ -225,3 +225,29 @@ def test_copy_into_refuses_a_mismatched_place_and_copies_large_and_small(gen):
     assert torch.equal(dst_big, big) and torch.equal(dst_small, small)
     with pytest.raises(SyncError, match=r"float32\[4\].*float32\[5\]"):
         copy_into([(torch.empty(5), torch.empty(4))])
+
+
+@pytest.mark.parametrize("fmt", ["fp8_blockwise", "mxfp8"])
+def test_the_grouped_write_into_the_buckets_gives_the_packed_bytes(gen, fmt, monkeypatch):
+    """The path CUDA takes (`serialize_many_into` writing codes and scales straight into bucket
+    views, one table row per piece), run on the CPU: the strategy is told its inputs are on a
+    kernel device, and the grouped call's reference path writes into the given views."""
+    from types import SimpleNamespace
+
+    from skyq.quant.strategies import base
+
+    monkeypatch.setattr(base, "dispatch", SimpleNamespace(uses_kernel=lambda t: True))
+    pair = Pair(fmt, bucket_bytes=9000)
+    sources, _ = _collect(trainer_items(pair.plan, gen))
+    items = _build_items(iter(sources), pair.serialize, 1, sources=[])[0]
+    layout = SenderLayout.build(items, bucket_bytes=9000, version=1, sources=sources)
+    calls = []
+    real = pair.serialize.strategy._quantize_group
+    monkeypatch.setattr(
+        pair.serialize.strategy, "_quantize_group", lambda *a, **k: calls.append(k.get("out")) or real(*a, **k)
+    )
+    filled = _fill(layout, sources, pair.serialize, 1)
+    assert len(calls) == 1 and calls[0] is not None  # one grouped call, writing into the buckets
+    assert len(calls[0]) > sum(1 for name, _ in sources if not isinstance(name, str))  # pieces, not stacks
+    for b, (want, got) in enumerate(zip(layout.pack(items), filled)):
+        assert torch.equal(want, got), f"bucket {b}"

@@ -19,6 +19,7 @@ from torch import Tensor
 from skyq.config.enums import Fp8Recipe, Precision, QuantScope
 from skyq.config.schema import ModelConfig, PrecisionConfig
 from skyq.quant.errors import QuantizationError
+from skyq.quant.kernels import dispatch
 from skyq.quant.layouts import ModelQuantizationLayout, Role, hf_dtype
 from skyq.quant.layouts import experts as expert_layout
 
@@ -222,14 +223,29 @@ class QuantizationStrategy(ABC):
                 done[i] = True
         return done
 
+    grouped_quantizer: ClassVar[bool] = False
+    """Whether the format has `_quantize_group`: all of a call's matrices and stacks in one launch
+    on CUDA, able to write into given tensors."""
+
+    def _quantize_group(
+        self, inputs: Sequence[Tensor], names: Sequence[str], out: Sequence[tuple[Tensor, ...]] | None = None
+    ) -> list[tuple[Tensor, ...]]:
+        """The wire tensors of each input (`wire_specs` order) by one grouped quantizer call,
+        written into `out` when given; formats with `grouped_quantizer` implement it."""
+        raise StrategyError(f"{self.precision.value} has no grouped quantizer")
+
     def _encode_group_into(
         self, inputs: Sequence[Tensor], names: Sequence[str], outs: Sequence[tuple[Tensor, ...]]
     ) -> bool:
         """Encode each input (a matrix, or a run of a stack's members) into `outs` (its wire tensors
-        in `wire_specs` order, contiguous) and return True; or return False, writing nothing, when
-        this format's quantizers cannot write into given tensors (the caller then serializes and
-        copies: no saving to be had). `names`: the name of each input's (first) weight, for errors."""
-        return False
+        in `wire_specs` order, contiguous) and return True: by the grouped quantizer, on CUDA. Else
+        return False, writing nothing (no grouped quantizer; or not on CUDA, where the quantizer
+        runs per tensor and whole stacks then copied beat one call per piece); the caller then
+        serializes and copies. `names`: the name of each input's (first) weight, for errors."""
+        if not self.grouped_quantizer or not all(dispatch.uses_kernel(x) for x in inputs):
+            return False
+        self._quantize_group(inputs, names, out=list(outs))
+        return True
 
     def _encode_group(
         self, inputs: Sequence[Tensor], stems: Sequence[Sequence[str]]

@@ -73,27 +73,21 @@ class Fp8BlockwiseStrategy(QuantizationStrategy):
             stack, block_size=self.block_size, pow2_scale=self.pow2_scale, name=stems[0] + "weight"
         )
 
+    grouped_quantizer = True
+
     def _encode_group(
         self, inputs: Sequence[Tensor], stems: Sequence[Sequence[str]]
     ) -> list[tuple[Tensor, ...]]:
-        """Every matrix and stack of a `serialize_many` call by one
-        `dispatch.quantize_fp8_blockwise_group` call (one launch on CUDA)."""
-        return dispatch.quantize_fp8_blockwise_group(
-            inputs, [s[0] + "weight" for s in stems], block_size=self.block_size, pow2_scale=self.pow2_scale
-        )
+        """Every matrix and stack of a `serialize_many` call by one grouped quantizer call."""
+        return self._quantize_group(inputs, [s[0] + "weight" for s in stems])
 
-    def _encode_group_into(
-        self, inputs: Sequence[Tensor], names: Sequence[str], outs: Sequence[tuple[Tensor, ...]]
-    ) -> bool:
-        """`_encode_group` writing into `outs`: one grouped launch, on CUDA only (elsewhere the
-        quantizer runs per tensor: better whole stacks, then copied, than one call per piece)."""
-        if not all(dispatch.uses_kernel(x) for x in inputs):
-            return False
-        dispatch.quantize_fp8_blockwise_group(
-            inputs, names, block_size=self.block_size, pow2_scale=self.pow2_scale,
-            out=[(q, s) for q, s in outs],
-        )  # fmt: skip
-        return True
+    def _quantize_group(
+        self, inputs: Sequence[Tensor], names: Sequence[str], out: Sequence[tuple[Tensor, ...]] | None = None
+    ) -> list[tuple[Tensor, ...]]:
+        """`dispatch.quantize_fp8_blockwise_group` (one launch on CUDA)."""
+        return dispatch.quantize_fp8_blockwise_group(
+            inputs, names, block_size=self.block_size, pow2_scale=self.pow2_scale, out=out  # type: ignore[arg-type]
+        )
 
     def _decode(self, stem: str, wire: Mapping[str, Tensor], dtype: torch.dtype) -> Tensor:
         return fp8_blockwise.dequantize(
