@@ -9,7 +9,9 @@ All three GEMMs of a linear run in e4m3 with fp32 accumulation through cuBLAS's 
 
 Each activation is quantized in both orientations by one fused Triton pass
 (`triton_fp8_act.quantize_rows_cols`), and the forward saves the fp8 x^T (1 B/element) instead
-of x, so the layer also holds half the activation memory. Weights are quantized once per
+of x, so the layer also holds half the activation memory. Linears that consume the same tensor
+one after another (q/k/v of one attention input, gate/up of one MLP input) share that pass and
+the saved x^T (`_LastActivation`). Weights are quantized once per
 optimizer step (cached on the parameter's version counter): all microbatches of a step share them.
 
 Elsewhere (CPU, or a GPU without blockwise cuBLAS) the same quantized operands are dequantized
@@ -27,6 +29,8 @@ at the benchmark shapes the forward differs from bf16 by 3.7e-2.
 from __future__ import annotations
 
 import functools
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -106,6 +110,55 @@ def quantize_rows_cols(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return q, s, qt, st.t().contiguous().t()
 
 
+class _LastActivation(threading.local):
+    """The quantization of the last activation a linear consumed, kept for the next linear that
+    consumes the same tensor (q/k/v read one normed input, gate/up another): one pass instead of
+    one per consumer, and one saved x^T for all their wgrads. "Same" is identity (a weak reference,
+    so the entry dies with the tensor) and an unchanged autograd version counter (an in-place
+    write invalidates it). One entry per thread."""
+
+    def __init__(self) -> None:
+        self._ref: weakref.ref | None = None
+        self._version = -1
+        self._ops: tuple[Tensor, ...] = ()
+
+    def get(self, x: Tensor, cols: bool) -> tuple[Tensor, ...] | None:
+        """(q, scale) for `cols` False, (q, scale, q^T, scale^T) for True; None on a miss."""
+        if self._ref is None or self._ref() is not x or x._version != self._version:
+            return None
+        if cols and len(self._ops) < 4:
+            return None
+        return self._ops if cols else self._ops[:2]
+
+    def put(self, x: Tensor, ops: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        self._ref = weakref.ref(x, self._forget)
+        self._version = x._version
+        self._ops = ops
+        return ops
+
+    def _forget(self, _ref: weakref.ref) -> None:
+        if self._ref is _ref:
+            self._ref, self._ops = None, ()
+
+
+_last_activation = _LastActivation()
+
+
+def forget_last_activation() -> None:
+    """Drop the shared activation quantization (`_LastActivation`): for a benchmark that feeds one
+    tensor to the linear again and again, which must pay the quantization every call."""
+    _last_activation.__init__()
+
+
+def _quantized_input(x: Tensor, x2: Tensor, cols: bool) -> tuple[Tensor, ...]:
+    """`quantize_rows_cols(x2)` (`cols`) or `quantize_rows(x2)` of the 2-D view `x2` of `x`,
+    shared with the previous linear that consumed `x` (`_LastActivation`)."""
+    hit = _last_activation.get(x, cols)
+    if hit is not None:
+        return hit
+    return _last_activation.put(x, quantize_rows_cols(x2) if cols else quantize_rows(x2))
+
+
 def _expand(scale: Tensor, rows: int, cols: int, block_rows: int, block_cols: int) -> Tensor:
     return scale.repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_cols, 1)[:, :cols]
 
@@ -144,10 +197,10 @@ class _LinearFn(torch.autograd.Function):
         n, k = weight.shape
         x2 = x.reshape(-1, k)
         if ctx.needs_input_grad[1]:
-            xq, xs, xtq, xts = quantize_rows_cols(x2)
+            xq, xs, xtq, xts = _quantized_input(x, x2, cols=True)
             ctx.save_for_backward(xtq, xts)
         else:
-            xq, xs = quantize_rows(x2)
+            xq, xs = _quantized_input(x, x2, cols=False)
         out = blockwise_gemm(
             xq, xs, ops.q.t(), ops.scale_fwd, b_blocks=True, out_dtype=x.dtype, emulate=emulate
         )[: x2.shape[0]]

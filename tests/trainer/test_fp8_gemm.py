@@ -90,3 +90,48 @@ def test_fp8_gemm_forward_matches_fake_quant_and_trains(run_cfg, tiny_checkpoint
     moved = [n for n, p in gemm.model.named_parameters() if not torch.equal(before[n], p.detach())]
     quantized = {n for n in before if "experts" in n or "proj" in n}
     assert quantized <= set(moved), sorted(quantized - set(moved))[:5]
+
+
+def test_linears_reading_one_activation_share_its_quantization(monkeypatch):
+    """q/k/v read one normed input: one two-orientation quantization pass for all three (counted),
+    the same outputs and gradients, bit for bit, as three passes over separate copies of it; an
+    in-place write to the input, or a new input, quantizes again."""
+    from skyq.trainer import fp8_linear
+
+    calls = []
+    real = fp8_linear.quantize_rows_cols
+    monkeypatch.setattr(fp8_linear, "quantize_rows_cols", lambda x: calls.append(x.shape) or real(x))
+    gen = torch.Generator().manual_seed(0)
+    ws = [(torch.randn(n, 256, generator=gen) * 0.05).to(torch.bfloat16).requires_grad_() for n in (256, 128, 128)]
+    x0 = torch.randn(3, 40, 256, generator=gen).to(torch.bfloat16)
+
+    def run(shared: bool, passes: int):
+        base = x0.clone().requires_grad_()
+        h = base * 1  # a non-leaf activation, as a norm's output is
+        ins = [h] * 3 if shared else [h.clone() for _ in ws]
+        calls.clear()
+        outs = [fp8_linear.fp8_blockwise_linear(x, w, emulate=True) for x, w in zip(ins, ws)]
+        assert len(calls) == passes  # the forward's activation passes
+        sum((o.float() ** 2).sum() for o in outs).backward()
+        return outs, base.grad, [w.grad.clone() for w in ws]
+
+    separate = run(shared=False, passes=3)
+    for w in ws:
+        w.grad = None
+    shared = run(shared=True, passes=1)
+    for a, b in zip(separate[0], shared[0]):
+        assert torch.equal(a, b)
+    assert torch.equal(separate[1], shared[1])
+    for a, b in zip(separate[2], shared[2]):
+        assert torch.equal(a, b)
+
+    calls.clear()
+    with torch.no_grad():
+        h = x0.clone()
+        fp8_linear.fp8_blockwise_linear(h, ws[0].detach(), emulate=True)
+        h.add_(1)  # in place: the next consumer must not see the old codes
+        y = fp8_linear.fp8_blockwise_linear(h, ws[1].detach(), emulate=True)
+        want = fp8_linear.fp8_blockwise_linear(h.clone(), ws[1].detach(), emulate=True)
+    assert torch.equal(y, want)
+    del h
+    assert fp8_linear._last_activation._ref is None  # the entry died with its tensor
