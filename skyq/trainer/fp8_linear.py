@@ -153,6 +153,8 @@ def forget_last_activation() -> None:
 def _quantized_input(x: Tensor, x2: Tensor, cols: bool) -> tuple[Tensor, ...]:
     """`quantize_rows_cols(x2)` (`cols`) or `quantize_rows(x2)` of the 2-D view `x2` of `x`,
     shared with the previous linear that consumed `x` (`_LastActivation`)."""
+    if x.is_inference():  # no version counter to tell an in-place write: not shared
+        return quantize_rows_cols(x2) if cols else quantize_rows(x2)
     hit = _last_activation.get(x, cols)
     if hit is not None:
         return hit

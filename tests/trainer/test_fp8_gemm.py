@@ -135,3 +135,8 @@ def test_linears_reading_one_activation_share_its_quantization(monkeypatch):
     assert torch.equal(y, want)
     del h
     assert fp8_linear._last_activation._ref is None  # the entry died with its tensor
+    with torch.inference_mode():  # inference tensors have no version counter: computed, not shared
+        h = x0.clone()
+        ys = [fp8_linear.fp8_blockwise_linear(h, w.detach(), emulate=True) for w in ws[:2]]
+    with torch.no_grad():
+        assert torch.equal(ys[1], fp8_linear.fp8_blockwise_linear(x0.clone(), ws[1].detach(), emulate=True))
