@@ -1,12 +1,11 @@
 """Filling a repeat sync's buckets in place: the quantizers write straight into the bucket bytes.
 
 A sync whose layout the engine already holds (layout.py) knows, before anything is serialized,
-where every wire tensor goes. Its buckets are allocated first (one allocation each, as packing
-makes them: the caching allocator hands back the same blocks every sync), and each wire item's
+where every wire tensor goes. Its buckets are allocated first (one allocation each, the sizes
+packing makes, so the caching allocator can hand back the same blocks every sync), and each wire item's
 bytes are written where the layout puts them: a format with a grouped quantizer (FP8 blockwise,
 MXFP8) writes its codes and scales there itself, in one launch for the whole sync, and everything
-else (unquantized tensors, formats without such a quantizer) is copied there in a few grouped
-copies. No packing pass, no per-bucket concatenation: the bytes are the same as `SenderLayout.pack`
+else (unquantized tensors, formats without such a quantizer) is copied there (`copy_into`). No packing pass, no per-bucket concatenation: the bytes are the same as `SenderLayout.pack`
 lays them (padding zeroed), so the checksums and the engine's side do not change.
 
 A `FillPlan` is derived from a layout once. Per wire item it lists `Piece`s: a range of members
