@@ -29,8 +29,8 @@ import triton.testing
 
 from skyq.trainer.fp8_linear import (
     blockwise_gemm,
-    fp8_blockwise_linear,
     forget_last_activation,
+    fp8_blockwise_linear,
     quantize_rows,
     quantize_weight,
 )

@@ -43,7 +43,9 @@ class Piece(NamedTuple):
 class FillPlan:
     """Where every wire item of a layout goes in its buckets."""
 
-    def __init__(self, bucket_nbytes: Sequence[int], copies: Sequence[Sequence[Copy]], num_items: int) -> None:
+    def __init__(
+        self, bucket_nbytes: Sequence[int], copies: Sequence[Sequence[Copy]], num_items: int
+    ) -> None:
         self.nbytes = tuple(bucket_nbytes)
         per_item: list[dict[int, list[tuple[int, int, int, int, int, int]]]] = [{} for _ in range(num_items)]
         covered: list[list[tuple[int, int]]] = [[] for _ in self.nbytes]
@@ -117,7 +119,9 @@ def _pieces(item: int, positions: dict[int, list[tuple[int, int, int, int, int, 
             copies = index[k]
             j = bisect_right([c[0] for c in copies], a) - 1
             if j < 0 or not copies[j][0] <= a < b <= copies[j][0] + copies[j][1]:
-                raise SyncError(f"wire item {item}: members {a}..{b - 1} of position {k} are not in one range")
+                raise SyncError(
+                    f"wire item {item}: members {a}..{b - 1} of position {k} are not in one range"
+                )
             first, _, bucket, offset, nbytes, stride = copies[j]
             places.append((bucket, offset + (a - first) * stride, nbytes))
         pieces.append(Piece(a, b - a, tuple(places)))

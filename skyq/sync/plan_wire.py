@@ -79,7 +79,6 @@ class PlanSerializer:
             out[i] = wire
         return out
 
-
     def serialize_many_into(
         self,
         items: Sequence[tuple[str | tuple[str, ...], Tensor]],

@@ -55,7 +55,9 @@ def _interpreter_check() -> None:
         for w, gq, gs in zip(group, qs, ss):
             q, s, _ = kernels.launch_quantize(w, block_size=(128, 128), pow2_scale=False)
             assert torch.equal(gq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(gs, s)
-    _into_check(kernels.launch_quantize_group, aligned + ws[:3], dict(block_size=(128, 128), pow2_scale=False))
+    _into_check(
+        kernels.launch_quantize_group, aligned + ws[:3], dict(block_size=(128, 128), pow2_scale=False)
+    )
     _mxfp8_check(gen)
     print("interpreter check passed")
 
@@ -77,7 +79,9 @@ def _into_check(launch, group, kwargs) -> None:
     out = list(zip(views[0::2], views[1::2]))
     launch(group, out=out, **kwargs)
     for (q, s), (gq, gs) in zip(zip(qs, ss), out):
-        assert torch.equal(gq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(gs.view(torch.uint8), s.view(torch.uint8))
+        assert torch.equal(gq.view(torch.uint8), q.view(torch.uint8)) and torch.equal(
+            gs.view(torch.uint8), s.view(torch.uint8)
+        )
     mask = torch.ones(pos, dtype=torch.bool)
     for o, n in zip(offsets, sizes):
         mask[o : o + n] = False

@@ -23,6 +23,7 @@ from skyq.sync.receiver import ExpectedUnit, WeightReceiver
 from skyq.sync.sender import WeightSender, _build_items, _collect, _fill
 
 from .wire_fixtures import DictEngine
+from .wire_fixtures import raw_bytes as raw
 
 FORMATS = ["bf16", "fp8_blockwise", "mxfp8", "int4_qat"]
 
@@ -117,7 +118,11 @@ def test_a_repeat_sync_is_filled_in_place_and_commits_the_per_tensor_wire(gen, f
         items = trainer_items(pair.plan, gen)
         stats, errors = pair.sync(items, version)
         assert not errors and stats.in_place and not stats.full_manifest
-        assert (stats.num_tensors, stats.bytes, stats.num_buckets) == (first.num_tensors, first.bytes, first.num_buckets)
+        assert (stats.num_tensors, stats.bytes, stats.num_buckets) == (
+            first.num_tensors,
+            first.bytes,
+            first.num_buckets,
+        )
         version_held, wire = pair.engine.snapshot()
         assert version_held == version and wire == per_tensor_wire(pair.serialize, items)
 
@@ -151,7 +156,9 @@ def test_the_fill_plan_covers_every_bucket_byte_once(fmt):
             for b, offset, nbytes in piece.places:
                 hits[b][offset : offset + piece.count * nbytes] += 1
     assert all(bool((h == 1).all()) for h in hits)
-    counts = {piece.count for j, pieces in enumerate(plan.pieces) for piece in pieces if layout.item_specs(j)[0]}
+    counts = {
+        piece.count for j, pieces in enumerate(plan.pieces) for piece in pieces if layout.item_specs(j)[0]
+    }
     if fmt == "fp8_blockwise":  # 4-byte scales padded to 16: a stack is cut into one-member pieces
         assert counts == {1}
     else:  # bf16 experts lie back to back: runs of members per bucket
@@ -244,10 +251,71 @@ def test_the_grouped_write_into_the_buckets_gives_the_packed_bytes(gen, fmt, mon
     calls = []
     real = pair.serialize.strategy._quantize_group
     monkeypatch.setattr(
-        pair.serialize.strategy, "_quantize_group", lambda *a, **k: calls.append(k.get("out")) or real(*a, **k)
+        pair.serialize.strategy,
+        "_quantize_group",
+        lambda *a, **k: calls.append(k.get("out")) or real(*a, **k),
     )
     filled = _fill(layout, sources, pair.serialize, 1)
     assert len(calls) == 1 and calls[0] is not None  # one grouped call, writing into the buckets
     assert len(calls[0]) > sum(1 for name, _ in sources if not isinstance(name, str))  # pieces, not stacks
     for b, (want, got) in enumerate(zip(layout.pack(items), filled)):
         assert torch.equal(want, got), f"bucket {b}"
+
+
+def _plain_link(serialize, expected, bucket_bytes=512):
+    send_end, recv_end = in_process_pair(timeout_s=10.0)
+    sender = WeightSender(send_end, serialize=serialize, bucket_bytes=bucket_bytes)
+    receiver = WeightReceiver(recv_end, expected, verify_checksum=True)
+    engine = DictEngine()
+
+    def sync(items, version):
+        thread = threading.Thread(
+            target=lambda: receiver.receive(current_version=engine.version, commit=engine.commit)
+        )
+        thread.start()
+        try:
+            return sender.sync(items, version)
+        finally:
+            thread.join(timeout=10)
+
+    return sync, sender, engine
+
+
+def test_a_stack_a_plain_serializer_takes_member_by_member_is_filled_in_place(gen):
+    """A serializer without stack support turns a (names, stack) item into one unit per member; the
+    fill maps that one source to its several wire items and copies each into place."""
+
+    def serialize(name, t):
+        return {name: t.to(torch.bfloat16), name + "_scale": t.float().abs().amax(dim=-1)}
+
+    names = tuple(f"experts.{i}.w" for i in range(5))
+    expected = [
+        ExpectedUnit(n, {n: ((3, 8), torch.bfloat16), n + "_scale": ((3,), torch.float32)}) for n in names
+    ]
+    expected.append(ExpectedUnit("norm", {"norm": ((7,), torch.bfloat16), "norm_scale": ((), torch.float32)}))
+    sync, sender, engine = _plain_link(serialize, expected)
+    for version in (1, 2, 3):
+        items = [(names, torch.randn(5, 3, 8, generator=gen)), ("norm", torch.randn(7, generator=gen))]
+        stats = sync(items, version)
+        assert stats.in_place == (version > 1)
+        want = {}
+        for n, t in [*zip(names, items[0][1].unbind(0)), items[1]]:
+            want.update({k: raw(v) for k, v in serialize(n, t).items()})
+        assert engine.snapshot() == (version, want)
+    assert sender._layout.origins == (0, 5, 6)
+
+
+def test_a_layout_with_a_bool_tensor_is_packed_not_filled(gen):
+    """Bool tensors cannot be viewed in place in a bucket: such a layout has no fill plan and every
+    sync is serialized and packed, with the same bytes delivered."""
+
+    def serialize(name, t):
+        return {name: t, name + "_mask": t > 0}
+
+    expected = [ExpectedUnit("w", {"w": ((4, 4), torch.float32), "w_mask": ((4, 4), torch.bool)})]
+    sync, sender, engine = _plain_link(serialize, expected)
+    for version in (1, 2):
+        w = torch.randn(4, 4, generator=gen)
+        assert not sync([("w", w)], version).in_place
+        assert engine.snapshot()[1]["w_mask"] == raw(w > 0)
+    assert sender._layout.fill is None

@@ -102,7 +102,10 @@ def test_linears_reading_one_activation_share_its_quantization(monkeypatch):
     real = fp8_linear.quantize_rows_cols
     monkeypatch.setattr(fp8_linear, "quantize_rows_cols", lambda x: calls.append(x.shape) or real(x))
     gen = torch.Generator().manual_seed(0)
-    ws = [(torch.randn(n, 256, generator=gen) * 0.05).to(torch.bfloat16).requires_grad_() for n in (256, 128, 128)]
+    ws = [
+        (torch.randn(n, 256, generator=gen) * 0.05).to(torch.bfloat16).requires_grad_()
+        for n in (256, 128, 128)
+    ]
     x0 = torch.randn(3, 40, 256, generator=gen).to(torch.bfloat16)
 
     def run(shared: bool, passes: int):

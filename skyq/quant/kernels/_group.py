@@ -75,7 +75,12 @@ class GroupTable:
         if out is None:
             return torch.empty(shape, dtype=dtype, device=self.device)
         t = out[i][k]
-        if t.dtype != dtype or t.numel() != math.prod(shape) or not t.is_contiguous() or t.device != self.device:
+        if (
+            t.dtype != dtype
+            or t.numel() != math.prod(shape)
+            or not t.is_contiguous()
+            or t.device != self.device
+        ):
             raise ValueError(
                 f"grouped quantize output {k} of tensor {i}: {t.dtype}{list(t.shape)} "
                 f"(contiguous {t.is_contiguous()}, {t.device}), needs {dtype}{list(shape)} contiguous on {self.device}"

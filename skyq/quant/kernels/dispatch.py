@@ -114,7 +114,9 @@ def _written(results: list[tuple[Tensor, Tensor]], out: Sequence[tuple[Tensor, T
     pairs = [(t, d) for got, dst in zip(results, out) for t, d in zip(got, dst, strict=True)]
     for t, d in pairs:  # all checked before any is written
         if (t.shape, t.dtype) != (d.shape, d.dtype):
-            raise ValueError(f"an output of {d.dtype}{list(d.shape)} for a result of {t.dtype}{list(t.shape)}")
+            raise ValueError(
+                f"an output of {d.dtype}{list(d.shape)} for a result of {t.dtype}{list(t.shape)}"
+            )
     for t, d in pairs:
         d.copy_(t)
     return list(out)

@@ -102,7 +102,9 @@ def _gemv_kernel(
         t_ok = (tk0 < K) & (ti * TK < k_per_split)
         if UNIFORM:
             s_row = tl.load(
-                s_ptr + ((pid_n * BN) // BLK_N).to(tl.int64) * ssn + (tk0 // BLK_K) * ssk, mask=t_ok, other=0.0
+                s_ptr + ((pid_n * BN) // BLK_N).to(tl.int64) * ssn + (tk0 // BLK_K) * ssk,
+                mask=t_ok,
+                other=0.0,
             )
         else:
             s_all = tl.load(

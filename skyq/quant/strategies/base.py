@@ -200,7 +200,11 @@ class QuantizationStrategy(ABC):
             if isinstance(name, str):
                 if not self.quantizes_param(name, tuple(t.shape), role):
                     continue
-                specs, stems, stacked = self.wire_specs(name, tuple(t.shape), role), [name[: -len("weight")]], False
+                specs, stems, stacked = (
+                    self.wire_specs(name, tuple(t.shape), role),
+                    [name[: -len("weight")]],
+                    False,
+                )
             else:
                 kind, stems, _, specs = self._stack_plan(name, t, role)
                 if kind != "quantized":

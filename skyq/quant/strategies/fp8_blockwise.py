@@ -86,7 +86,11 @@ class Fp8BlockwiseStrategy(QuantizationStrategy):
     ) -> list[tuple[Tensor, ...]]:
         """`dispatch.quantize_fp8_blockwise_group` (one launch on CUDA)."""
         return dispatch.quantize_fp8_blockwise_group(
-            inputs, names, block_size=self.block_size, pow2_scale=self.pow2_scale, out=out  # type: ignore[arg-type]
+            inputs,
+            names,
+            block_size=self.block_size,
+            pow2_scale=self.pow2_scale,
+            out=out,  # type: ignore[arg-type]
         )
 
     def _decode(self, stem: str, wire: Mapping[str, Tensor], dtype: torch.dtype) -> Tensor:
