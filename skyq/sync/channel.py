@@ -32,6 +32,16 @@ class Channel(Protocol):
         """Release the channel's resources."""
 
 
+def give_frame(channel: Channel, payload: Tensor) -> None:
+    """Send `payload`, which the caller hands over and never writes again: through the channel's
+    `give_frame` when it has one (no defensive copy, e.g. `InProcessChannel`), else `send_frame`."""
+    give = getattr(channel, "give_frame", None)
+    if give is not None:
+        give(payload)
+    else:
+        channel.send_frame(payload)
+
+
 def send_bytes(channel: Channel, raw: bytes) -> None:
     """Send raw bytes (a JSON document) as one frame."""
     channel.send_frame(torch.frombuffer(bytearray(raw), dtype=torch.uint8))

@@ -28,7 +28,7 @@ from skyq.quant.kernels.dispatch import (
     deferred_finite_checks,
 )
 from skyq.sync.buckets import WireStack, WireUnit
-from skyq.sync.channel import Channel, recv_json, send_bytes, send_json
+from skyq.sync.channel import Channel, give_frame, recv_json, send_bytes, send_json
 from skyq.sync.errors import SyncError, SyncRefused
 from skyq.sync.fill import copy_into
 from skyq.sync.layout import (
@@ -501,8 +501,8 @@ class WeightSender:
         self._expect_ack(
             recv_json(self._channel, f"engine's answer to manifest v{version}"), "manifest", version
         )
-        for buf in bufs:
-            self._channel.send_frame(buf)
+        for buf in bufs:  # made for this sync and never written again: handed over, not copied
+            give_frame(self._channel, buf)
         ack = recv_json(self._channel, f"engine's commit of v{version}")
         self._expect_ack(ack, "commit", version)
         if ack["num_tensors"] != layout.num_tensors or ack["bytes"] != layout.total_bytes:

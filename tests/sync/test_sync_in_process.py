@@ -212,3 +212,39 @@ def test_an_abort_wakes_the_waiting_peer_at_once():
     sender.abort("RefusedError: w is not finite")
     with pytest.raises(SyncError, match="manifest: the sender gave up: RefusedError: w is not finite"):
         receiver.recv_frame(1024, "manifest")
+
+
+def test_a_given_frame_arrives_uncopied_and_a_sent_one_as_a_copy():
+    """`give_frame` hands the tensor itself to the receiver (no copy of every synced byte, and the
+    buckets are not held twice); `send_frame` delivers a copy the sender may go on writing."""
+    sender, receiver = in_process_pair(timeout_s=5.0)
+    given, sent = torch.arange(10, dtype=torch.uint8), torch.arange(10, dtype=torch.uint8)
+    sender.give_frame(given)
+    sender.send_frame(sent)
+    got_given, got_sent = receiver.recv_frame(64, "a"), receiver.recv_frame(64, "b")
+    assert got_given.data_ptr() == given.data_ptr()
+    sent.fill_(7)
+    assert got_sent.data_ptr() != sent.data_ptr() and got_sent.tolist() == list(range(10))
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_the_sender_hands_its_buckets_over_and_wrappers_without_give_frame_still_send(gen, wrapped):
+    """A weight sync's buckets are made for it and never written after sending: the sender gives
+    them to a channel that can take them (`channel.give_frame`), and sends them to one that cannot
+    (a wrapper with only `send_frame`), with the same weights delivered either way."""
+    weights = random_weights(gen)
+    expected = expected_units(weights)
+    send_end, recv_end = in_process_pair(timeout_s=5.0)
+    calls: list[int] = []
+    inner_give = send_end.give_frame
+    send_end.give_frame = lambda payload: calls.append(payload.numel()) or inner_give(payload)
+    channel = Flaky(send_end, corrupt_frame=10**9) if wrapped else send_end
+    engine = DictEngine()
+    receiver = WeightReceiver(recv_end, expected, verify_checksum=True)
+    thread = threading.Thread(target=lambda: receiver.receive(current_version=0, commit=engine.commit))
+    thread.start()
+    stats = WeightSender(channel, serialize=fp8_like_serialize, bucket_bytes=256).sync(weights.items(), 1)
+    thread.join(timeout=10)
+    assert len(calls) == (0 if wrapped else stats.num_buckets)
+    want = {n: raw_bytes(t) for wire in serialize_all(weights).values() for n, t in wire.items()}
+    assert engine.snapshot() == (1, want)
