@@ -8,7 +8,8 @@ stacked per projection and handed to the sender as one (names, stack) item per p
 the strategy quantizes with one batched Triton call; fp8 quantizes every matrix and stack of a sync in
 one grouped launch), `WeightSender` (value checks of what it packed, bucket packing
 with one cat per bucket, device-side wsum64 checksums), the in-process transport (frames stay on
-the GPU: a device clone per bucket), and `WeightReceiver` (checksum verification, unpacking to
+the GPU; since c6f00e4 the sender hands its buckets over, `InProcessChannel.give_frame`, where the
+runs before it made a device clone per bucket), and `WeightReceiver` (checksum verification, unpacking to
 views, value checks, accounting) whose commit copies every wire tensor into preallocated engine
 buffers with `WireCopier` (integer words; destination views built once per layout). The engine
 holds each projection's experts stacked, one [E, ...] buffer per wire position (`engine_buffers`),
