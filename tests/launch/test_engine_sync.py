@@ -46,17 +46,21 @@ def sync(trainer, engine, version, *, serialize=None, weights=None, corrupt_buck
     """Trainer -> engine over the in-process transport; returns (sender error, receiver error)."""
     send_end, recv_end = in_process_pair(timeout_s=timeout_s)
     if corrupt_bucket is not None:
-        original = send_end.send_frame
         sent = []
 
-        def send_frame(payload):
-            if len(sent) == corrupt_bucket + 1:  # frame 0 is the manifest
-                payload = payload.clone()
-                payload[payload.numel() // 3] ^= 0x04
-            sent.append(1)
-            original(payload)
+        def corrupting(original):
+            def send(payload):
+                if len(sent) == corrupt_bucket + 1:  # frame 0 is the manifest
+                    payload = payload.clone()
+                    payload[payload.numel() // 3] ^= 0x04
+                sent.append(1)
+                original(payload)
 
-        send_end.send_frame = send_frame
+            return send
+
+        # the manifest is sent, the buckets are handed over (`give_frame`): a flip in either
+        send_end.send_frame = corrupting(send_end.send_frame)
+        send_end.give_frame = corrupting(send_end.give_frame)
     errors: dict = {}
 
     def receive():
