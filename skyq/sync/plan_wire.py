@@ -69,12 +69,7 @@ class PlanSerializer:
         a tuple of names (None: serialize that stack member by member), with the quantizer calls of
         all items batched by the strategy (`QuantizationStrategy.serialize_many`)."""
         out: list = [None] * len(items)
-        entries, where = [], []
-        for i, (name, t) in enumerate(items):
-            role = self.plan[name].role if isinstance(name, str) else self._stack_role(name)
-            if role is not None and (isinstance(name, str) or t.ndim == 3):
-                entries.append((name, t, role))
-                where.append(i)
+        where, entries = self._entries(items)
         for i, wire in zip(where, self.strategy.serialize_many(entries)):
             out[i] = wire
         return out
@@ -86,17 +81,27 @@ class PlanSerializer:
     ) -> list[bool]:
         """`serialize_many` written into `outs` where the strategy can
         (`QuantizationStrategy.serialize_many_into`); per item whether it was written."""
+        if len(outs) != len(items):
+            raise ValueError(f"{len(outs)} destinations for {len(items)} items")
         done = [False] * len(items)
-        entries, dests, where = [], [], []
-        for i, ((name, t), out) in enumerate(zip(items, outs, strict=True)):
-            role = self.plan[name].role if isinstance(name, str) else self._stack_role(name)
-            if role is not None and (isinstance(name, str) or t.ndim == 3):
-                entries.append((name, t, role))
-                dests.append(out)
-                where.append(i)
+        where, entries = self._entries(items)
+        dests = [outs[i] for i in where]
         for i, ok in zip(where, self.strategy.serialize_many_into(entries, dests) if entries else []):
             done[i] = ok
         return done
+
+    def _entries(
+        self, items: Sequence[tuple[str | tuple[str, ...], Tensor]]
+    ) -> tuple[list[int], list[tuple[str | tuple[str, ...], Tensor, Role]]]:
+        """(the indices of the items the strategy takes, those items with their plan role): every
+        named tensor, and every [E, N, K] stack whose members share one role."""
+        where, entries = [], []
+        for i, (name, t) in enumerate(items):
+            role = self.plan[name].role if isinstance(name, str) else self._stack_role(name)
+            if role is not None and (isinstance(name, str) or t.ndim == 3):
+                where.append(i)
+                entries.append((name, t, role))
+        return where, entries
 
 
 def plan_serializer(strategy: QuantizationStrategy, plan: QuantPlan) -> Serializer:

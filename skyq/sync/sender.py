@@ -223,8 +223,8 @@ def _build_items(
 
 
 BATCH_BYTES = 2 << 30
-"""Source bytes serialized per `serialize_many` call at most: a trainer's weight iterator may yield
-temporaries (bf16 copies of fp32 masters), and a batch keeps its inputs alive until its call."""
+"""Source bytes serialized per `serialize_many` call at most: the bound on one grouped quantizer
+call's inputs and outputs in flight."""
 
 
 def _build_items_batched(
@@ -247,12 +247,7 @@ def _build_items_batched(
         item = next(iterator, None)
         gather_s += time.perf_counter() - start
         if item is not None:
-            name, tensor = item
-            key = name if isinstance(name, str) else tuple(name)
-            if not isinstance(key, str) and (tensor.ndim < 1 or tensor.shape[0] != len(key) or not key):
-                raise SyncError(
-                    f"a stacked weight item has {len(key)} names for a tensor of shape {tuple(tensor.shape)}"
-                )
+            key, tensor = _source_item(item)
             sources.append((key, tensor))
             batch.append((key, tensor))
             batch_bytes += tensor.numel() * tensor.element_size()
@@ -295,16 +290,20 @@ def _serialize_batch(
 def _collect(weights: Iterable[WeightItem]) -> tuple[list[tuple[Any, Tensor]], float]:
     """The trainer's items as a list of (name or tuple of names, tensor), stacks checked; and the
     seconds the iterator took."""
-    out: list[tuple[Any, Tensor]] = []
     start = time.perf_counter()
-    for name, tensor in weights:
-        key = name if isinstance(name, str) else tuple(name)
-        if not isinstance(key, str) and (tensor.ndim < 1 or tensor.shape[0] != len(key) or not key):
-            raise SyncError(
-                f"a stacked weight item has {len(key)} names for a tensor of shape {tuple(tensor.shape)}"
-            )
-        out.append((key, tensor))
+    out = [_source_item(item) for item in weights]
     return out, time.perf_counter() - start
+
+
+def _source_item(item: WeightItem) -> tuple[Any, Tensor]:
+    """(name, tensor), or (tuple of names, stack) checked to hold one tensor per name."""
+    name, tensor = item
+    key = name if isinstance(name, str) else tuple(name)
+    if not isinstance(key, str) and (tensor.ndim < 1 or tensor.shape[0] != len(key) or not key):
+        raise SyncError(
+            f"a stacked weight item has {len(key)} names for a tensor of shape {tuple(tensor.shape)}"
+        )
+    return key, tensor
 
 
 def _fill(
@@ -433,7 +432,7 @@ class WeightSender:
 
         A sync of the same items (names, shapes, dtypes, devices) as the last committed one is
         filled in place (`fill`): the layout is known before anything is serialized, so the
-        buckets are slices of one buffer that the quantizers write into directly; any other sync
+        buckets are allocated first and the quantizers write into them directly; any other sync
         is serialized, laid out and packed."""
         start = time.perf_counter()
         sources: list[WeightItem] = []

@@ -255,8 +255,10 @@ class QuantizationStrategy(ABC):
         self, inputs: Sequence[Tensor], stems: Sequence[Sequence[str]]
     ) -> list[tuple[Tensor, ...]]:
         """The wire tensors (in `wire_specs` order) of each quantized input: a matrix [N, K] with
-        its one stem, or a stack [E, N, K] with its members' stems. This default encodes one input
-        at a time; formats override it with one batched call."""
+        its one stem, or a stack [E, N, K] with its members' stems. One grouped call for a format
+        with `grouped_quantizer`, else one input at a time."""
+        if self.grouped_quantizer:
+            return self._quantize_group(inputs, [s[0] + "weight" for s in stems])
         return [
             tuple(self._encode_stack(s, t)) if t.ndim == 3 else tuple(self._encode(s[0], t).values())
             for t, s in zip(inputs, stems)

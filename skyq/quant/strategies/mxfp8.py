@@ -82,12 +82,6 @@ class Mxfp8Strategy(QuantizationStrategy):
 
     grouped_quantizer = True
 
-    def _encode_group(
-        self, inputs: Sequence[Tensor], stems: Sequence[Sequence[str]]
-    ) -> list[tuple[Tensor, ...]]:
-        """Every matrix and stack of a `serialize_many` call by one grouped quantizer call."""
-        return self._quantize_group(inputs, [s[0] + "weight" for s in stems])
-
     def _quantize_group(
         self, inputs: Sequence[Tensor], names: Sequence[str], out: Sequence[tuple[Tensor, ...]] | None = None
     ) -> list[tuple[Tensor, ...]]:
