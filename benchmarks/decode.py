@@ -158,29 +158,40 @@ def per_shape(gen: torch.Generator, batches: list[int]) -> None:
 
 SWEEP_SHAPES = {"q 4096x2048": (4096, 2048), "k/v 512x2048": (512, 2048), "o 2048x4096": (2048, 4096),
                 "gate/up 6144x2048": (6144, 2048), "down 2048x6144": (2048, 6144)}  # fmt: skip
+FUSED_SWEEP_SHAPES = {"qkv 5120x2048": (5120, 2048), "o 2048x4096": (2048, 4096),
+                      "gate_up 12288x2048": (12288, 2048), "down 2048x6144": (2048, 6144)}  # fmt: skip
 
 
 def sweep_configs(m: int, n: int, k: int) -> list[tuple[tuple[int, int, int, int], int, int]]:
     """((BM, BN, TK, split), num_warps, num_stages) variants of one shape and batch: BN 64 (4 warps,
     3 or 4 stages), 128 (8 warps, 4 stages) or, at >= 32 batch rows, 256 (8 warps, 3 stages); split
-    1-16 (>= 1 K tile each, <= ~6 programs per SM); stages at most one more than a split's tiles."""
+    1-16 (>= 1 K tile each, <= ~6 programs per SM); stages at most one more than a split's tiles.
+    K tiles of 128 columns, and 256 or 512 (two or four scale blocks per loop step, scales loaded in
+    the loop) for BN 64 and, at batches <= 16, for 16- and 32-row weight tiles (1-4 warps, split <= 2)
+    that fill the GPU with output tiles rather than K splits."""
     from skyq.quant.kernels import triton_fp8_gemv as kern
 
     bm = min(64, max(16, 1 << (m - 1).bit_length()))
-    k_tiles = -(-k // 128)
+    sms = kern.sm_count(torch.device("cuda"))
+    families = [(64, (4,), 128, (3, 4), (1, 2, 4, 8, 16)), (128, (8,), 128, (4,), (1, 2, 4, 8, 16)),
+                (256, (8,), 128, (3,), (1, 2, 4, 8, 16)), (64, (4,), 256, (2, 3), (1, 2, 4, 8)),
+                (64, (4,), 512, (2, 3), (1, 2, 4))]  # fmt: skip
+    if bm <= 16:
+        families += [(bn, warps, tk, (2, 3, 4), (1, 2)) for bn, warps in ((16, (1, 2)), (32, (2, 4)))
+                     for tk in (256, 512)]  # fmt: skip
     out = []
-    for bn, warps, depths in ((64, 4, (3, 4)), (128, 8, (4,)), (256, 8, (3,))):
+    for bn, warp_counts, tk, depths, splits in families:
         if bn > 128 and (bm < 32 or n < 2048):
             continue
-        for split in (1, 2, 4, 8, 16):
+        k_tiles = -(-k // tk)
+        for split in splits:
             per = -(-k_tiles // split)
-            if split > 1 and (
-                per * (split - 1) >= k_tiles or -(-n // bn) * split > 6 * kern.sm_count(torch.device("cuda"))
-            ):
+            if split > 1 and (per * (split - 1) >= k_tiles or -(-n // bn) * split > 6 * sms):
                 continue
             for stages in sorted({min(st, per + 1) for st in depths}):
-                if stages * 128 * (bn + 2 * bm) <= 200 << 10:  # shared memory of the pipeline
-                    out.append(((bm, bn, 128, split), warps, stages))
+                if stages * tk * (bn + 2 * bm) > 200 << 10:  # shared memory of the pipeline
+                    continue
+                out += [((bm, bn, tk, split), warps, max(2, stages)) for warps in warp_counts]
     return out
 
 
@@ -200,7 +211,9 @@ def _compile_jobs(jobs: list, pdl: bool) -> None:
     torch.cuda.synchronize()
 
 
-def sweep(gen: torch.Generator, batches: list[int], deadline: float, log: str | None) -> dict:
+def sweep(
+    gen: torch.Generator, batches: list[int], deadline: float, log: str | None, shapes: dict = SWEEP_SHAPES
+) -> dict:
     """Every `sweep_configs` variant per shape and batch, graphed like per_shape; kernels compiled
     first by a pool of processes. Prints bf16, the default tiling and the best 4 per cell; returns
     {(N, K, M): (config, num_warps, num_stages)} of the best."""
@@ -210,14 +223,14 @@ def sweep(gen: torch.Generator, batches: list[int], deadline: float, log: str | 
 
     from skyq.quant.kernels import triton_fp8_gemv as kern
 
-    cells = [(label, n, k, m) for label, (n, k) in SWEEP_SHAPES.items() for m in batches]
+    cells = [(label, n, k, m) for label, (n, k) in shapes.items() for m in batches]
     jobs = [(m, n, k, *c) for _, n, k, m in cells for c in sweep_configs(m, n, k)]
     procs = max(1, min(14, (os.cpu_count() or 2) - 2))
     t0 = time.time()
     with mp.get_context("spawn").Pool(procs) as pool:
         pool.starmap(_compile_jobs, [(jobs[i::procs], kern.PDL) for i in range(procs)])
     print(f"\nsweep: {len(jobs)} variants compiled in {time.time() - t0:.0f} s by {procs} processes")
-    print("sweep: us per call (weight-read TB/s); cfg = BN/split/warps/stages")
+    print("sweep: us per call (weight-read TB/s); cfg = BN/TK/split/warps/stages")
     out = open(log, "a") if log else None
     best = {}
     for label, n, k in dict.fromkeys((lab, n, k) for lab, n, k, _ in cells):
@@ -235,17 +248,16 @@ def sweep(gen: torch.Generator, batches: list[int], deadline: float, log: str | 
                            x, q, s, block_size=(128, 128), config=c, num_warps=w, num_stages=st)
                        for q, s in qs]  # fmt: skip
                 try:
-                    res.append((time_per_call(fns), cfg[1], cfg[3], warps, stages))
+                    res.append((time_per_call(fns), cfg, warps, stages))
                 except Exception as e:
                     print(f"sweep: {cfg} {warps} {stages}: {type(e).__name__}: {str(e)[:80]}")
             ta = time_per_call(
                 [lambda q=q, s=s, x=x: kern.linear(x, q, s, block_size=(128, 128)) for q, s in qs]
             )
             res.sort()
-            _, bn, sp, w, st = res[0]
-            best[(n, k, m)] = ((sweep_configs(m, n, k)[0][0][0], bn, 128, sp), w, st)
-            top = ", ".join(f"{bn}/{sp}/{w}/{st} {t * 1e6:.1f}" for t, bn, sp, w, st in res[:4])
-            print(f"{label} M={m}: bf16 {tb * 1e6:.1f}, auto {auto[1]}/{auto[3]} {ta * 1e6:.1f} "
+            best[(n, k, m)] = res[0][1:]
+            top = ", ".join(f"{c[1]}/{c[2]}/{c[3]}/{w}/{st} {t * 1e6:.1f}" for t, c, w, st in res[:4])
+            print(f"{label} M={m}: bf16 {tb * 1e6:.1f}, auto {auto[1]}/{auto[2]}/{auto[3]} {ta * 1e6:.1f} "
                   f"({n * k / ta / 1e12:.2f} TB/s), best {top}", flush=True)  # fmt: skip
             if out:
                 out.write(json.dumps({"n": n, "k": k, "m": m, "bf16": tb, "auto": ta, "res": res}) + "\n")
@@ -264,8 +276,9 @@ def main() -> None:
     ap.add_argument(
         "--tuned",
         action="store_true",
-        help="model (PDL on, then off), sweep, then model with the sweep's best",
+        help="model, sweep (of the fused shapes with --fused), then model with the sweep's best",
     )
+    ap.add_argument("--pdl", action="store_true", help="with --tuned: the model with PDL first")
     ap.add_argument("--only", choices=["model", "per-shape", "sweep"], default=None)
     ap.add_argument("--fused", action="store_true", help="q/k/v and gate/up as one weight each, both sides")
     ap.add_argument(
@@ -289,7 +302,7 @@ def main() -> None:
         per_shape(gen, args.batches)
         return
     if args.only == "sweep":
-        sweep(gen, args.batches, deadline, args.sweep_log)
+        sweep(gen, args.batches, deadline, args.sweep_log, FUSED_SWEEP_SHAPES if args.fused else SWEEP_SHAPES)
         return
     layers = make_layers(args.layers, gen, args.fused)
     fp8 = [{name: dispatch.quantize_fp8_blockwise(w) for name, w in layer.items()} for layer in layers]
@@ -333,7 +346,7 @@ def main() -> None:
 
     from skyq.quant.kernels import triton_fp8_gemv as kern
 
-    if args.tuned:
+    if args.tuned and args.pdl:
         kern.PDL, pdl = True, kern.PDL
         try:
             run_model("the default tiling with programmatic dependent launch")
@@ -342,7 +355,8 @@ def main() -> None:
         kern.PDL = pdl
     rows = run_model("fp8 kernel tiling: the default (triton_fp8_gemv.tiling)")
     if args.tuned:  # the sweep's best variant per projection shape and batch, then the model again
-        best = sweep(gen, args.batches, deadline, args.sweep_log)
+        shapes = FUSED_SWEEP_SHAPES if args.fused else SWEEP_SHAPES
+        best = sweep(gen, args.batches, deadline, args.sweep_log, shapes)
         kern.linear = tuned_linear(kern.linear, best)
         run_model("fp8 kernel tiling: the sweep's best per shape and batch")
         print("\nthe default tiling, again:")

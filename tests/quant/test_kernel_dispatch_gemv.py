@@ -165,6 +165,12 @@ def _interpreter_main() -> None:
         (33, 260, 1300, (128, 128), (64, 256, 128, 1)),  # 11 K tiles in one split: 16 scale columns
         (2, 130, 1000, (128, 256), (16, 64, 128, 3)),  # two K tiles per scale column, a split mid-block
         (64, 70, 640, (128, 128), (64, 128, 128, 5)),  # one K tile per split
+        # K tiles of several scale blocks (scales loaded per sub-tile in the loop), 16-row weight tiles
+        (1, 200, 1100, (128, 128), (16, 16, 512, 1)),  # a ragged last tile: 3 of 4 sub-tiles past K
+        (9, 260, 700, (128, 128), (16, 32, 256, 2)),  # the second split runs past K, 9 > SCALES_IN_LOOP_MAX_M
+        (3, 100, 300, (32, 64), (16, 16, 128, 1)),  # 32 x 64 blocks: two scale columns per K tile
+        (2, 100, 300, (32, 64), (16, 64, 256, 1)),  # and two scale rows per weight tile (not uniform)
+        (33, 130, 900, (64, 128), (64, 64, 256, 2)),
     ]
     for m, n, k, block, config in cases:
         q, s = _quantized_weight(gen, n, k, block)

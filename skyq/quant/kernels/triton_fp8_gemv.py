@@ -62,10 +62,11 @@ def _gemv_kernel(
     sxm, sxk, sqn, sqk, ssn, ssk, sym, syn,
     BLK_N: tl.constexpr, BLK_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, TK: tl.constexpr, SPLIT: tl.constexpr, TILES: tl.constexpr,
-    PDL: tl.constexpr, UNIFORM: tl.constexpr, SCALES_IN_LOOP: tl.constexpr,
+    PDL: tl.constexpr, UNIFORM: tl.constexpr, SCALES_IN_LOOP: tl.constexpr, SUB: tl.constexpr,
 ):  # fmt: skip
     """acc[n, m] = sum over this split's K range, in TK-column tiles, of bf16(q[n, k] *
-    s[n // BLK_N, k // BLK_K]) * x[m, k] (TK divides BLK_K: one scale per row per tile). SPLIT == 1 writes
+    s[n // BLK_N, k // BLK_K]) * x[m, k] (TK divides BLK_K, one scale per row per tile, or with
+    SCALES_IN_LOOP is SUB whole blocks, each its own sub-tile and scale). SPLIT == 1 writes
     y[m, n]; else partial p[split, m, n] and the last program of the tile reduces. TILES: a power of
     two >= the split's K tiles (k_per_split / TK), the width of the PDL prefetch.
     PDL: launched as a programmatic dependent launch: the weight and scale lines are prefetched into
@@ -113,33 +114,38 @@ def _gemv_kernel(
                 other=0.0,
             )
     acc = tl.zeros([BN, BM], dtype=tl.float32)
+    # TK columns per loop step, in SUB sub-tiles of TK // SUB (<= BLK_K) columns, each with its own
+    # scale: SUB > 1 (in-loop scales only) puts SUB times the weight bytes in flight per stage.
+    SUB_K: tl.constexpr = TK // SUB
     for t in range(0, k_per_split, TK):  # k_per_split % TK == 0; the last split's tail is masked
-        k0 = k_lo + t
-        rk = k0 + tl.arange(0, TK)
-        k_ok = rk < K
-        codes = tl.load(q_rows + rk[None, :] * sqk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        xt = tl.load(x_cols + rk[:, None] * sxk, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
-        # bf16(fp32(q) * s), `fp8_blockwise.dequantize`'s rounding, so the MMA multiplies the very
-        # bf16 weight the trainer does. e4m3 -> fp32 is exact (through fp16: full-rate instructions,
-        # where Triton's direct e4m3 -> bf16 was 0.7-0.9x in the H200 sweep).
-        if SCALES_IN_LOOP:
-            # A [BN, 1] tensor loaded in the loop (pipelined like the codes; one address for all rows
-            # when UNIFORM): Triton then converts the codes straight from shared memory in the MMA
-            # operand layout. A scale computed in registers (below) makes it convert the whole bf16
-            # tile through shared memory instead (st.shared + ldmatrix per tile in the sm_90 PTX).
-            if UNIFORM:
-                s_rows = s_ptr + (pid_n * BN // BLK_N).to(tl.int64) * ssn + tl.zeros([BN, 1], dtype=tl.int64)
+        for j in tl.static_range(SUB):
+            k0 = k_lo + t + j * SUB_K
+            rk = k0 + tl.arange(0, SUB_K)
+            k_ok = rk < K
+            codes = tl.load(q_rows + rk[None, :] * sqk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            xt = tl.load(x_cols + rk[:, None] * sxk, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
+            # bf16(fp32(q) * s), `fp8_blockwise.dequantize`'s rounding, so the MMA multiplies the very
+            # bf16 weight the trainer does. e4m3 -> fp32 is exact (through fp16: full-rate
+            # instructions, where Triton's direct e4m3 -> bf16 was 0.7-0.9x in the H200 sweep).
+            if SCALES_IN_LOOP:
+                # A [BN, 1] tensor loaded in the loop (pipelined like the codes; one address for all
+                # rows when UNIFORM): Triton then converts the codes straight from shared memory in
+                # the MMA operand layout. A scale computed in registers (below) makes it convert the
+                # whole bf16 tile through shared memory instead (st.shared + ldmatrix per tile in the
+                # sm_90 PTX).
+                if UNIFORM:
+                    s_rows = s_ptr + (pid_n * BN // BLK_N).to(tl.int64) * ssn + tl.zeros([BN, 1], dtype=tl.int64)
+                else:
+                    s_rows = s_ptr + (rn // BLK_N).to(tl.int64)[:, None] * ssn
+                s = tl.load(s_rows + (k0 // BLK_K) * ssk, mask=n_ok[:, None] & (k0 < K), other=0.0)
+                w = (codes.to(tl.float32) * s).to(tl.bfloat16)
+            elif UNIFORM:  # picked from the preloaded ones by a masked sum: exact, one nonzero term
+                s = tl.sum(tl.where(ti == t // TK, s_row, 0.0), axis=0)
+                w = (codes.to(tl.float32) * s).to(tl.bfloat16)
             else:
-                s_rows = s_ptr + (rn // BLK_N).to(tl.int64)[:, None] * ssn
-            s = tl.load(s_rows + (k0 // BLK_K) * ssk, mask=n_ok[:, None] & (k0 < K), other=0.0)
-            w = (codes.to(tl.float32) * s).to(tl.bfloat16)
-        elif UNIFORM:  # picked from the preloaded ones by a masked sum: exact, one nonzero term
-            s = tl.sum(tl.where(ti == t // TK, s_row, 0.0), axis=0)
-            w = (codes.to(tl.float32) * s).to(tl.bfloat16)
-        else:
-            s = tl.sum(tl.where(ti[None, :] == t // TK, s_all, 0.0), axis=1)
-            w = (codes.to(tl.float32) * s[:, None]).to(tl.bfloat16)
-        acc = tl.dot(w, xt.to(tl.bfloat16), acc)
+                s = tl.sum(tl.where(ti[None, :] == t // TK, s_all, 0.0), axis=1)
+                w = (codes.to(tl.float32) * s[:, None]).to(tl.bfloat16)
+            acc = tl.dot(w, xt.to(tl.bfloat16), acc)
     out_mask = n_ok[:, None] & m_ok[None, :]
     out_off = rm[None, :].to(tl.int64) * sym + rn[:, None] * syn
     if SPLIT == 1:
@@ -247,7 +253,15 @@ def linear(
     k_per_split = cdiv(cdiv(k, tk), split) * tk
     split = cdiv(k, k_per_split)
     warps, stages = launch_options(bm, bn, k_per_split // tk)
-    pdl = PDL and gdc_wait is not None and x.device.type == "cuda" and _capability(x.device.index or 0) >= 9
+    # TK wider than a scale block: SUB sub-tiles of one block each, their scales loaded in the loop
+    sub = max(1, tk // blk_k)
+    in_loop = m <= SCALES_IN_LOOP_MAX_M or sub > 1
+    if sub > 1 and tk % blk_k:
+        raise ValueError(f"fp8 gemv: a K tile of {tk} columns is not a whole number of {blk_k}-column blocks")
+    pdl = (
+        PDL and sub == 1 and gdc_wait is not None and x.device.type == "cuda"
+        and _capability(x.device.index or 0) >= 9
+    )  # fmt: skip
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (cdiv(n, bn), cdiv(m, bm), split)
     if split > 1:
@@ -261,7 +275,7 @@ def linear(
         *x2.stride(), *q.stride(), *scale_inv.stride(), *y.stride(),
         BLK_N=blk_n, BLK_K=blk_k, BM=bm, BN=bn, TK=tk, SPLIT=split,
         TILES=triton.next_power_of_2(k_per_split // tk), PDL=pdl, UNIFORM=blk_n % bn == 0,
-        SCALES_IN_LOOP=m <= SCALES_IN_LOOP_MAX_M, launch_pdl=pdl,
+        SCALES_IN_LOOP=in_loop, SUB=sub, launch_pdl=pdl,
         num_warps=num_warps or warps, num_stages=num_stages or stages,
     )  # fmt: skip
     return y.reshape(*x.shape[:-1], n)
