@@ -134,7 +134,9 @@ def _gemv_kernel(
                 # whole bf16 tile through shared memory instead (st.shared + ldmatrix per tile in the
                 # sm_90 PTX).
                 if UNIFORM:
-                    s_rows = s_ptr + (pid_n * BN // BLK_N).to(tl.int64) * ssn + tl.zeros([BN, 1], dtype=tl.int64)
+                    s_rows = (
+                        s_ptr + (pid_n * BN // BLK_N).to(tl.int64) * ssn + tl.zeros([BN, 1], dtype=tl.int64)
+                    )
                 else:
                     s_rows = s_ptr + (rn // BLK_N).to(tl.int64)[:, None] * ssn
                 s = tl.load(s_rows + (k0 // BLK_K) * ssk, mask=n_ok[:, None] & (k0 < K), other=0.0)
