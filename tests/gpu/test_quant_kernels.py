@@ -258,3 +258,24 @@ def test_grouped_mxfp8_quantize_gives_each_tensors_reference_bits(make_weight, d
     bad[2].view(-1)[5] = float("inf")
     with pytest.raises(QuantizationError, match="m2.weight: 0 NaN and 1 inf"):
         dispatch.quantize_mxfp8_group(bad, names)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("grid", ["kimi", "rtn"])
+def test_grouped_int4_quantize_gives_each_tensors_reference_bits(make_weight, dtype, grid):
+    """`quantize_int4_packed_group`: one launch, the packed words and scales of `int4.pack(int4.quantize)`
+    of each tensor; a non-finite input is refused naming its tensor."""
+    shapes = [(1, 32), (7, 320), (129, 256), (300, 1024), (2, 130, 96), (4, 256, 768)]
+    ws = [make_weight(shape, dtype, layout) for shape, layout in zip(shapes, LAYOUTS * 2)]
+    names = [f"i{i}.weight" for i in range(len(ws))]
+    for group in (ws, [w.contiguous() for w in ws]):  # strided members, then the vectorized path
+        for w, (p, s) in zip(
+            group, dispatch.quantize_int4_packed_group(group, names, group_size=32, grid=grid)
+        ):
+            rq, rs = int4.quantize(w.cpu(), group_size=32, grid=grid)
+            assert_same_bits(p.cpu(), int4.pack(rq))
+            assert_same_bits(s.cpu(), rs)
+    bad = [w.contiguous() for w in ws]
+    bad[4].view(-1)[9] = float("nan")
+    with pytest.raises(QuantizationError, match="i4.weight: 1 NaN"):
+        dispatch.quantize_int4_packed_group(bad, names, group_size=32, grid=grid)

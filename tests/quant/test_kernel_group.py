@@ -1,4 +1,4 @@
-"""The grouped FP8 blockwise and MXFP8 quantize kernels (`launch_quantize_group`: one launch for
+"""The grouped FP8 blockwise, MXFP8 and INT4 quantize kernels (`launch_quantize_group`: one launch for
 many tensors) give the bits of the per-tensor kernels for each, checked under the Triton
 interpreter where Triton is importable (skipped in CI, which has no Triton; a subprocess, since
 TRITON_INTERPRET must be set before `@triton.jit` runs). On the GPU it is checked against the
@@ -59,6 +59,7 @@ def _interpreter_check() -> None:
         kernels.launch_quantize_group, aligned + ws[:3], dict(block_size=(128, 128), pow2_scale=False)
     )
     _mxfp8_check(gen)
+    _int4_check(gen)
     print("interpreter check passed")
 
 
@@ -106,6 +107,32 @@ def _mxfp8_check(gen: torch.Generator) -> None:
                 assert torch.equal(qs[i].view(torch.uint8), q.view(torch.uint8)) and torch.equal(ss[i], s), i
         assert int(flags[-1]) == 1
     _into_check(kernels.launch_quantize_group, ws[:2], {})
+
+
+def _int4_check(gen: torch.Generator) -> None:
+    from skyq.quant.kernels import triton_int4 as kernels
+
+    ws = [
+        torch.randn(2, 20, 256, generator=gen).to(torch.bfloat16),
+        torch.randn(96, 24, generator=gen).to(torch.bfloat16).t() * 1e-3,  # transposed: the strided path
+        torch.randn(9, 320, generator=gen),  # fp32: a tile's last groups past K
+        torch.randn(40, 128, generator=gen).to(torch.bfloat16),
+    ]
+    ws[0][1, 3, 7] = float("inf")
+    for grid in ("kimi", "rtn"):
+        # a strided member, then the aligned (vectorized) path in fp32 and in bf16, the inf second
+        for group in (ws[1:3], [ws[2], ws[0]], [ws[3], ws[0]]):
+            group = [w.to(group[0].dtype) for w in group]  # one input dtype per launch
+            packs, scales, flags = kernels.launch_quantize_group(group, group_size=32, grid=grid)
+            for i, w in enumerate(group):
+                _, p, s, flag = kernels.launch_quantize(w, group_size=32, grid=grid, codes=False, packed=True)
+                assert int(flags[i]) == int(flag), (i, flags)
+                if not int(flag):
+                    assert torch.equal(packs[i], p) and torch.equal(
+                        scales[i].view(torch.int16), s.view(torch.int16)
+                    )
+    assert int(kernels.launch_quantize_group(ws[:1], group_size=32, grid="kimi")[2][0]) == 1
+    _into_check(kernels.launch_quantize_group, ws[1:3], dict(group_size=32, grid="kimi"))
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--interpret"]:

@@ -405,7 +405,7 @@ def test_int4_serialize_many_keeps_its_weight_shape_rows_between_calls(gen):
     assert first[1][2][0] == tuple(n.replace(".weight", ".weight_shape") for n in names)
 
 
-@pytest.mark.parametrize("fmt", ["fp8_blockwise", "mxfp8"])
+@pytest.mark.parametrize("fmt", ["fp8_blockwise", "mxfp8", "int4"])
 def test_grouped_quantize_into_given_tensors_gives_the_per_tensor_bits(gen, fmt):
     """`dispatch.*_group(..., out=)` writes each result into the given tensors (views into one byte
     buffer, as a weight sync's buckets) with the bits of the per-tensor call; a wrong place is
@@ -416,9 +416,12 @@ def test_grouped_quantize_into_given_tensors_gives_the_per_tensor_bits(gen, fmt)
     if fmt == "fp8_blockwise":
         group = lambda out=None: dispatch.quantize_fp8_blockwise_group(ws, ["a", "b"], out=out)  # noqa: E731
         want = [dispatch.quantize_fp8_blockwise(w) for w in ws]
-    else:
+    elif fmt == "mxfp8":
         group = lambda out=None: dispatch.quantize_mxfp8_group(ws, ["a", "b"], out=out)  # noqa: E731
         want = [dispatch.quantize_mxfp8(w) for w in ws]
+    else:
+        group = lambda out=None: dispatch.quantize_int4_packed_group(ws, ["a", "b"], group_size=32, out=out)  # noqa: E731
+        want = [dispatch.quantize_int4_packed(w, group_size=32) for w in ws]
     sizes = [t.numel() * t.element_size() for pair in want for t in pair]
     buf = torch.zeros(sum(sizes) + 16 * len(sizes), dtype=torch.uint8)
     views, pos = [], 0

@@ -234,7 +234,7 @@ def test_copy_into_refuses_a_mismatched_place_and_copies_large_and_small(gen):
         copy_into([(torch.empty(5), torch.empty(4))])
 
 
-@pytest.mark.parametrize("fmt", ["fp8_blockwise", "mxfp8"])
+@pytest.mark.parametrize("fmt", ["fp8_blockwise", "mxfp8", "int4_qat"])
 def test_the_grouped_write_into_the_buckets_gives_the_packed_bytes(gen, fmt, monkeypatch):
     """The path CUDA takes (`serialize_many_into` writing codes and scales straight into bucket
     views, one table row per piece), run on the CPU: the strategy is told its inputs are on a

@@ -239,6 +239,46 @@ def quantize_int4_packed(
     return int4.pack(q, name=name), scale
 
 
+def quantize_int4_packed_group(
+    ws: Sequence[Tensor],
+    names: Sequence[str],
+    *,
+    group_size: int,
+    grid: Int4Grid | str = Int4Grid.kimi,
+    out: Sequence[tuple[Tensor, Tensor]] | None = None,
+) -> list[tuple[Tensor, Tensor]]:
+    """`quantize_int4_packed(ws[i], name=names[i])` for every i, the same bits: on CUDA one kernel
+    launch for all of them and one finite check for the group; elsewhere one call each. `out`: as
+    `quantize_fp8_blockwise_group` takes it."""
+    if (
+        ws
+        and all(_int4_kernel_ok(w, group_size, grid) and w.device == ws[0].device for w in ws)
+        and _outputs_ok(out, ws[0].device)
+    ):
+        from skyq.quant.kernels import triton_int4 as kernels
+
+        if kernels.group_supports(list(ws), group_size):
+            packs, scales, flags = kernels.launch_quantize_group(
+                list(ws), group_size=group_size, grid=grid, out=out
+            )
+
+            def validate() -> None:  # the first non-finite input, named as the per-call check names it
+                for w, name in zip(ws, names):
+                    int4.quantize(w, group_size=group_size, grid=grid, name=name)
+
+            _common.raise_if_flagged(flags.amax(), validate)
+            if out is not None:
+                return list(out)
+            return [
+                (p.reshape(*w.shape[:-1], p.shape[-1]), s.reshape(*w.shape[:-1], s.shape[-1]))
+                for w, p, s in zip(ws, packs, scales)
+            ]
+    return _written(
+        [quantize_int4_packed(w, group_size=group_size, grid=grid, name=name) for w, name in zip(ws, names)],
+        out,
+    )
+
+
 def dequantize_int4_packed(
     packed: Tensor,
     scale: Tensor,

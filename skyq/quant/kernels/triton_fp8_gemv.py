@@ -212,26 +212,28 @@ def supports(block_size: tuple[int, int]) -> bool:
 
 def tiling(m: int, n: int, k: int, block_k: int, sms: int) -> tuple[int, int, int, int]:
     """(BM, BN, TK, split): the batch padded to the dot's minimum of 16 (at most 64 per tile), 64
-    weight rows per program (128 at 64 batch rows when tiles are plentiful), K split in powers of
-    two up to 8 while there are fewer than ~2 programs per SM (~1 at 64 rows, whose programs carry
-    4x the activations) and each split keeps >= 2 K tiles. From the H200 sweep in
-    benchmarks/decode.py (docs/benchmarks.md, M4)."""
+    weight rows per program, K split in powers of two up to 8 while there are fewer than ~2
+    programs per SM and each split keeps >= 4 K tiles (>= 8 at 64 batch rows, whose split-K
+    partials are 4x larger). From the H200 sweeps in benchmarks/decode.py (docs/benchmarks.md, M4;
+    session 7: 128-row tiles at 64 rows and one program per SM there lost to this, e.g. the fused
+    gate/up 12288 x 2048 at 64 rows 21.8 -> 17.7 us)."""
     bm = min(64, max(16, triton.next_power_of_2(m)))
-    bn = 128 if bm >= 64 and cdiv(n, 64) >= 4 * sms else 64
+    bn = 64
     tk = min(128, block_k)
     tiles = cdiv(n, bn) * cdiv(m, bm)
     k_tiles = cdiv(k, tk)
-    target = 0.9 * sms * (1 if bm >= 64 else 2)
+    min_tiles = 8 if bm >= 64 else 4
     split = 1
-    while split < 8 and tiles * split < target and k_tiles >= 2 * (2 * split):
+    while split < 8 and tiles * split < 1.8 * sms and k_tiles >= min_tiles * 2 * split:
         split *= 2
     return bm, bn, tk, split
 
 
 def launch_options(bm: int, bn: int, split_tiles: int) -> tuple[int, int]:
-    """(num_warps, num_stages): 8 warps for 128-row weight tiles (4 spill registers there), and
-    a pipeline deep enough to keep a split's K tiles in flight (at most 4 stages)."""
-    return (8 if bn >= 128 else 4), max(2, min(4, split_tiles + 1))
+    """(num_warps, num_stages): 8 warps for 128-row weight tiles (4 spill registers there), and a
+    3-stage pipeline (2 for a split of one K tile): 4 stages were slower or equal in every cell of
+    the session-7 H200 sweep (e.g. the fused q/k/v 5120 x 2048 at one row 9.0 -> 8.4 us)."""
+    return (8 if bn >= 128 else 4), max(2, min(3, split_tiles + 1))
 
 
 def linear(

@@ -9,6 +9,8 @@ intermediate in HBM.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -17,6 +19,7 @@ from torch import Tensor
 from skyq.config.enums import Int4Grid
 from skyq.quant import int4
 from skyq.quant.kernels._common import as_3d, cdiv, new_flag, raise_if_flagged
+from skyq.quant.kernels._group import GroupTable, group_member, group_ok
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 _AMAX_FLOOR = tl.constexpr(1e-10)  # the reference's fp32(1e-10)
@@ -33,6 +36,40 @@ def _max_propagating_nan(a, b):
 
 
 @triton.jit
+def _encode_groups(x, rn, rg, N, K, flag_ptr, scale_ptr, DIVISOR: tl.constexpr, QMIN: tl.constexpr,
+                   QMAX: tl.constexpr, G: tl.constexpr):  # fmt: skip
+    """x [TN, TK/G, G] fp32 (rows rn [TN, 1, 1], groups rg [1, TK/G, 1]) -> (scale [TN, TK/G, 1] in
+    the scale pointer's dtype, code + 8 int32 [TN, TK/G, G] in [0, 15]); stores 1 at `flag_ptr`
+    when a group holds NaN or inf (the group amax propagates NaN, so the finiteness check costs no
+    extra pass).
+
+    The quotient fl(x / s) is the reference's IEEE division, computed per element with one
+    multiply and two FMAs instead of a division: with r = fl(1 / s) (one division per group) and
+    q0 = fl(x * r) (within 1 ulp of x / s), rem = x - q0 * s is exact in an FMA and
+    fl(q0 + rem * r) is the correctly rounded x / s (Markstein's theorem; no operand here is
+    subnormal where it matters: |x / s| <= 8.5 and s >= 1e-10 / 7.5)."""
+    amax_or_nan = tl.reduce(tl.abs(x), 2, _max_propagating_nan, keep_dims=True)
+    group_ok = (rn < N) & (rg < K // G)
+    bad = group_ok & ~(amax_or_nan <= _FLT_MAX)
+    tl.store(flag_ptr + tl.zeros(amax_or_nan.shape, dtype=tl.int32), 1, mask=bad)
+    amax = tl.maximum(amax_or_nan, _AMAX_FLOOR)
+    scale = tl.math.div_rn(amax, tl.zeros_like(amax) + DIVISOR).to(scale_ptr.dtype.element_ty)
+    s = scale.to(tl.float32)
+    r = tl.math.div_rn(tl.zeros_like(s) + 1.0, s)
+    q0 = x * r
+    q = tl.fma(tl.fma(-q0, s, x), r, q0)
+    z = tl.clamp(q, QMIN, QMAX) + _ROUND_MAGIC  # clamp then round == round then clamp: integer bounds
+    return scale, z.to(tl.int32, bitcast=True) - (_ROUND_MAGIC_BITS - 8)  # code + 8, in [0, 15]
+
+
+@triton.jit
+def _pack_words(biased, TN: tl.constexpr, TK: tl.constexpr):
+    """Codes + 8 [TN, TK/G, G] -> [TN, TK/8] int32, eight nibbles per word, lowest first."""
+    nibbles = tl.reshape(biased, (TN, TK // 8, 8))
+    return tl.sum(nibbles << (tl.arange(0, 8) * 4)[None, None, :], axis=2)
+
+
+@triton.jit
 def _quant_pack_kernel(
     x_ptr, packed_ptr, codes_ptr, scale_ptr, flag_ptr,
     N, K, n_tiles_k,
@@ -43,13 +80,7 @@ def _quant_pack_kernel(
 ):  # fmt: skip
     """x [B, N, K] (K % G == 0) -> packed int32 [B, N, K/8] and/or codes int8 [B, N, K], and
     scale [B, N, K/G] in the scale pointer's dtype (bf16). Sets flag[0] = 1 when a group holds
-    NaN or inf (the group amax propagates NaN, so the finiteness check costs no extra pass).
-
-    The quotient fl(x / s) is the reference's IEEE division, computed per element with one
-    multiply and two FMAs instead of a division: with r = fl(1 / s) (one division per group) and
-    q0 = fl(x * r) (within 1 ulp of x / s), rem = x - q0 * s is exact in an FMA and
-    fl(q0 + rem * r) is the correctly rounded x / s (Markstein's theorem; no operand here is
-    subnormal where it matters: |x / s| <= 8.5 and s >= 1e-10 / 7.5)."""
+    NaN or inf (`_encode_groups`)."""
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pid_n = pid // n_tiles_k
@@ -59,28 +90,72 @@ def _quant_pack_kernel(
     rk = rg * G + tl.arange(0, G)[None, None, :]
     mask = (rn < N) & (rk < K)
     x = tl.load(x_ptr + b * sxb + rn * sxn + rk * sxk, mask=mask, other=0.0).to(tl.float32)
-    amax_or_nan = tl.reduce(tl.abs(x), 2, _max_propagating_nan, keep_dims=True)
-    group_ok = (rn < N) & (rg < K // G)
-    bad = group_ok & ~(amax_or_nan <= _FLT_MAX)
-    tl.store(flag_ptr + tl.zeros([TN, TK // G, 1], dtype=tl.int32), 1, mask=bad)
-    amax = tl.maximum(amax_or_nan, _AMAX_FLOOR)
-    scale = tl.math.div_rn(amax, tl.zeros_like(amax) + DIVISOR).to(scale_ptr.dtype.element_ty)
-    s = scale.to(tl.float32)
-    r = tl.math.div_rn(tl.zeros_like(s) + 1.0, s)
-    q0 = x * r
-    q = tl.fma(tl.fma(-q0, s, x), r, q0)
-    z = tl.clamp(q, QMIN, QMAX) + _ROUND_MAGIC  # clamp then round == round then clamp: integer bounds
-    biased = z.to(tl.int32, bitcast=True) - (_ROUND_MAGIC_BITS - 8)  # code + 8, in [0, 15]
+    scale, biased = _encode_groups(x, rn, rg, N, K, flag_ptr, scale_ptr, DIVISOR, QMIN, QMAX, G)
     n_groups = K // G
-    tl.store(scale_ptr + b * N * n_groups + rn * n_groups + rg, scale, mask=group_ok)
+    tl.store(scale_ptr + b * N * n_groups + rn * n_groups + rg, scale, mask=(rn < N) & (rg < n_groups))
     if WRITE_CODES:
         tl.store(codes_ptr + b * N * K + rn * K + rk, (biased - 8).to(tl.int8), mask=mask)
     if WRITE_PACKED:
-        nibbles = tl.reshape(biased, (TN, TK // 8, 8))
-        words = tl.sum(nibbles << (tl.arange(0, 8) * 4)[None, None, :], axis=2)
+        words = _pack_words(biased, TN, TK)
         rw = (pid_k * (TK // 8) + tl.arange(0, TK // 8))[None, :]
         rn2 = pid_n.to(tl.int64) * TN + tl.arange(0, TN)[:, None]
         tl.store(packed_ptr + b * N * (K // 8) + rn2 * (K // 8) + rw, words, mask=(rn2 < N) & (rw < K // 8))
+
+
+@triton.jit
+def _quant_pack_group_kernel(
+    tbl_ptr, flag_ptr, n_tensors,
+    DIVISOR: tl.constexpr, QMIN: tl.constexpr, QMAX: tl.constexpr,
+    G: tl.constexpr, TN: tl.constexpr, TK: tl.constexpr, LOG: tl.constexpr, DT: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):  # fmt: skip
+    """`_quant_pack_kernel` (packed output only) over many tensors in one launch (rows as `_group`
+    describes them, the q column the packed words'): x [B, N, K] of dtype DT at any strides ->
+    packed int32 [B, N, K/8] and scale bf16 [B, N, K/G], both contiguous; sets `flag_ptr[t]` on a
+    non-finite input. ALIGNED: x rows load as 16-byte vectors (`GroupTable.aligned`)."""
+    t, row, local = group_member(tbl_ptr, n_tensors, LOG)
+    if DT == 0:
+        x_ptr = tl.load(row).to(tl.pointer_type(tl.bfloat16))
+    elif DT == 1:
+        x_ptr = tl.load(row).to(tl.pointer_type(tl.float16))
+    else:
+        x_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+    p_ptr = tl.load(row + 1).to(tl.pointer_type(tl.int32))
+    s_ptr = tl.load(row + 2).to(tl.pointer_type(tl.bfloat16))
+    n = tl.load(row + 3)
+    k = tl.load(row + 4)
+    sxb = tl.load(row + 5)
+    sxn = tl.load(row + 6)
+    sxk = tl.load(row + 7)
+    tiles = tl.load(row + 9)
+    n_tiles_k = tl.load(row + 10)
+    b = local // tiles
+    tile = local % tiles
+    pid_n = tile // n_tiles_k
+    pid_k = tile % n_tiles_k
+    rn1 = pid_n * TN + tl.arange(0, TN)
+    rn = rn1[:, None, None]
+    rg = (pid_k * (TK // G) + tl.arange(0, TK // G))[None, :, None]
+    rk = rg * G + tl.arange(0, G)[None, None, :]
+    if ALIGNED:
+        x_ptr = tl.multiple_of(x_ptr, 16)
+        k = tl.multiple_of(k, 16)
+        if DT == 2:
+            x_rows = tl.multiple_of(b * sxb + rn1 * sxn, 4)
+        else:
+            x_rows = tl.multiple_of(b * sxb + rn1 * sxn, 8)
+        mask = (rn < n) & (rk < k)
+        x = tl.load(x_ptr + x_rows[:, None, None] + rk, mask=mask, other=0.0).to(tl.float32)
+    else:
+        mask = (rn < n) & (rk < k)
+        x = tl.load(x_ptr + b * sxb + rn * sxn + rk * sxk, mask=mask, other=0.0).to(tl.float32)
+    scale, biased = _encode_groups(x, rn, rg, n, k, flag_ptr + t, s_ptr, DIVISOR, QMIN, QMAX, G)
+    n_groups = k // G
+    tl.store(s_ptr + b * n * n_groups + rn * n_groups + rg, scale, mask=(rn < n) & (rg < n_groups))
+    words = _pack_words(biased, TN, TK)
+    rw = (pid_k * (TK // 8) + tl.arange(0, TK // 8))[None, :]
+    rn2 = rn1[:, None]
+    tl.store(p_ptr + b * n * (k // 8) + rn2 * (k // 8) + rw, words, mask=(rn2 < n) & (rw < k // 8))
 
 
 @triton.jit
@@ -148,6 +223,45 @@ def launch_quantize(
         num_warps=num_warps,
     )  # fmt: skip
     return codes_out, packed_out, scale, flag
+
+
+def group_supports(ws: list[Tensor], group_size: int) -> bool:
+    """Whether `launch_quantize_group` takes these tensors (`_group.group_ok`, a supported group
+    size dividing every K)."""
+    return supports(group_size) and group_ok(ws) and all(w.shape[-1] % group_size == 0 for w in ws)
+
+
+def launch_quantize_group(
+    ws: list[Tensor],
+    *,
+    group_size: int,
+    grid: Int4Grid | str,
+    out: Sequence[tuple[Tensor, Tensor]] | None = None,
+    num_warps: int = 4,
+    tile_elements: int = 4096,
+) -> tuple[list[Tensor], list[Tensor], Tensor]:
+    """One launch for all of `ws` (`group_supports`), no host sync: `(packed int32 [B, N, K/8] per
+    tensor, scale bf16 [B, N, K/G] per tensor, flags int32 [len(ws)])`, the same bits as
+    `launch_quantize(..., packed=True)` of each. `out`: per tensor, contiguous (packed, scale) to
+    write into instead."""
+    divisor, qmin, qmax = int4.GRIDS[Int4Grid(grid)]
+    tk = _tile_k(group_size)
+    tn = max(1, tile_elements // tk)
+    group = GroupTable(ws)
+    packs, scales = [], []
+    for i, w in enumerate(ws):
+        nb, n, k = as_3d(w).shape
+        n_tiles_k = cdiv(k, tk)
+        packs.append(group.output(out, i, 0, (nb, n, k // 8), torch.int32))
+        scales.append(group.output(out, i, 1, (nb, n, k // group_size), torch.bfloat16))
+        group.add(w, packs[-1], scales[-1], cdiv(n, tn) * n_tiles_k, n_tiles_k)
+    table, flags, log = group.args()
+    _quant_pack_group_kernel[(group.programs,)](
+        table, flags, group.n,
+        DIVISOR=divisor, QMIN=qmin, QMAX=qmax, G=group_size, TN=tn, TK=tk,
+        LOG=log, DT=group.dtype_code, ALIGNED=group.aligned, num_warps=num_warps,
+    )  # fmt: skip
+    return packs, scales, flags
 
 
 def quantize(

@@ -45,7 +45,7 @@ class Int4QatStrategy(QuantizationStrategy):
             raise StrategyError(f"precision.int4_group_size={g!r}: expected a positive int (32 or 128)")
         self.group_size = g
         self._shape_rows: dict[tuple[int, int, int, torch.device], Tensor] = {}
-        """`weight_shape` rows per (N, K, members, device) for `_encode_group`: made once, never written."""
+        """`weight_shape` rows per (N, K, members, device) for `_quantize_group`: made once, never written."""
 
     @property
     def quantized_roles(self) -> frozenset[Role]:
@@ -93,28 +93,41 @@ class Int4QatStrategy(QuantizationStrategy):
         shapes = int4.weight_shape_tensor(n, k).to(stack.device).expand(len(stems), 2).contiguous()
         return packed, scale, shapes
 
-    def _encode_group(
-        self, inputs: Sequence[Tensor], stems: Sequence[Sequence[str]]
+    grouped_quantizer = True
+
+    def _quantize_group(
+        self, inputs: Sequence[Tensor], names: Sequence[str], out: Sequence[tuple[Tensor, ...]] | None = None
     ) -> list[tuple[Tensor, ...]]:
-        """`_encode` / `_encode_stack` of each input, with the `weight_shape` tensors kept on the
-        input's device between calls: a host tensor copied to the GPU waits for the stream (a
-        blocking copy), once per matrix and stack of every sync otherwise. They are shared by
-        every sync and never written (the sender only reads wire tensors)."""
-        out: list[tuple[Tensor, ...]] = []
-        for t, s in zip(inputs, stems):
-            packed, scale = dispatch.quantize_int4_packed(
-                t, group_size=self.group_size, grid=self.precision_cfg.int4_grid, name=s[0] + "weight"
+        """`dispatch.quantize_int4_packed_group` (one launch on CUDA), with the `weight_shape`
+        tensors kept on the input's device between calls: a host tensor copied to the GPU waits for
+        the stream (a blocking copy), once per matrix and stack of every sync otherwise. They are
+        shared by every sync and never written (the sender only reads wire tensors); into `out`
+        they are copied by one multi-tensor copy."""
+        pairs = dispatch.quantize_int4_packed_group(
+            inputs,
+            names,
+            group_size=self.group_size,
+            grid=self.precision_cfg.int4_grid,
+            out=None if out is None else [(o[0], o[1]) for o in out],
+        )
+        shapes = [self._shape_row(t) for t in inputs]
+        if out is None:
+            return [(packed, scale, rows) for (packed, scale), rows in zip(pairs, shapes)]
+        torch._foreach_copy_([o[2] for o in out], shapes)
+        return list(out)
+
+    def _shape_row(self, t: Tensor) -> Tensor:
+        """`weight_shape` of matrix `t` [N, K], or the [E, 2] rows of stack `t` [E, N, K], on t's
+        device: made once per (N, K, members, device), never written."""
+        n, k = t.shape[-2:]
+        members = t.shape[0] if t.ndim == 3 else 0
+        key = (n, k, members, t.device)
+        if key not in self._shape_rows:
+            rows = int4.weight_shape_tensor(n, k)
+            self._shape_rows[key] = (
+                rows.expand(members, 2).contiguous().to(t.device) if members else rows.to(t.device)
             )
-            n, k = t.shape[-2:]
-            members = t.shape[0] if t.ndim == 3 else 0
-            key = (n, k, members, t.device)
-            if key not in self._shape_rows:
-                rows = int4.weight_shape_tensor(n, k)
-                self._shape_rows[key] = (
-                    rows.expand(members, 2).contiguous().to(t.device) if members else rows.to(t.device)
-                )
-            out.append((packed, scale, self._shape_rows[key]))
-        return out
+        return self._shape_rows[key]
 
     def _decode(self, stem: str, wire: Mapping[str, Tensor], dtype: torch.dtype) -> Tensor:
         return int4.dequantize_packed(
