@@ -168,7 +168,8 @@ def sweep_configs(m: int, n: int, k: int) -> list[tuple[tuple[int, int, int, int
     1-16 (>= 1 K tile each, <= ~6 programs per SM); stages at most one more than a split's tiles.
     K tiles of 128 columns, and 256 or 512 (two or four scale blocks per loop step, scales loaded in
     the loop) for BN 64 and, at batches <= 16, for 16- and 32-row weight tiles (1-4 warps, split <= 2)
-    that fill the GPU with output tiles rather than K splits."""
+    that fill the GPU with output tiles rather than K splits. At batches <= 4 also the CUDA-core
+    kernel (BM 1, 2 or 4): BN 16-64, 2-8 warps, TK 128-512, split 1-8, 1 or 2 stages."""
     from skyq.quant.kernels import triton_fp8_gemv as kern
 
     bm = min(64, max(16, 1 << (m - 1).bit_length()))
@@ -180,6 +181,20 @@ def sweep_configs(m: int, n: int, k: int) -> list[tuple[tuple[int, int, int, int
         families += [(bn, warps, tk, (2, 3, 4), (1, 2)) for bn, warps in ((16, (1, 2)), (32, (2, 4)))
                      for tk in (256, 512)]  # fmt: skip
     out = []
+    if m <= 4:  # the CUDA-core kernel (BM = the batch rounded up to 1, 2 or 4; no pipelining or 2 stages)
+        bmc = 1 << (m - 1).bit_length()
+        for bn in (16, 32, 64):
+            for warps in (2, 4, 8):
+                if bn * bmc > 16 * warps:  # the [BN, BM, 128] fp32 sums: <= 64 registers a thread
+                    continue
+                for tk in (128, 256, 512):
+                    k_tiles = -(-k // tk)
+                    for split in (1, 2, 4, 8):
+                        if split > 1 and (-(-k_tiles // split)) * (split - 1) >= k_tiles:
+                            continue
+                        if -(-n // bn) * split > 8 * sms or -(-n // bn) * split < sms // 2:
+                            continue
+                        out += [((bmc, bn, tk, split), warps, st) for st in (1, 2)]
     for bn, warp_counts, tk, depths, splits in families:
         if bn > 128 and (bm < 32 or n < 2048):
             continue
@@ -212,11 +227,21 @@ def _compile_jobs(jobs: list, pdl: bool) -> None:
 
 
 def sweep(
-    gen: torch.Generator, batches: list[int], deadline: float, log: str | None, shapes: dict = SWEEP_SHAPES
+    gen: torch.Generator,
+    batches: list[int],
+    deadline: float,
+    log: str | None,
+    shapes: dict = SWEEP_SHAPES,
+    cc_only: bool = False,
 ) -> dict:
     """Every `sweep_configs` variant per shape and batch, graphed like per_shape; kernels compiled
     first by a pool of processes. Prints bf16, the default tiling and the best 4 per cell; returns
-    {(N, K, M): (config, num_warps, num_stages)} of the best."""
+    {(N, K, M): (config, num_warps, num_stages)} of the best. `cc_only`: the CUDA-core variants only
+    (batches <= 4; the cells of larger batches are skipped)."""
+
+    def configs(m: int, n: int, k: int) -> list:
+        return [c for c in sweep_configs(m, n, k) if not cc_only or c[0][0] < 16]
+
     import json
     import multiprocessing as mp
     import os
@@ -224,7 +249,7 @@ def sweep(
     from skyq.quant.kernels import triton_fp8_gemv as kern
 
     cells = [(label, n, k, m) for label, (n, k) in shapes.items() for m in batches]
-    jobs = [(m, n, k, *c) for _, n, k, m in cells for c in sweep_configs(m, n, k)]
+    jobs = [(m, n, k, *c) for _, n, k, m in cells for c in configs(m, n, k)]
     procs = max(1, min(14, (os.cpu_count() or 2) - 2))
     t0 = time.time()
     with mp.get_context("spawn").Pool(procs) as pool:
@@ -239,11 +264,13 @@ def sweep(
             if time.time() > deadline:
                 print("sweep: out of time")
                 return best
+            if not configs(m, n, k):
+                continue
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
             tb = time_per_call([lambda w=w, x=x: torch.matmul(x, w.T) for w in ws])
             auto = kern.tiling(m, n, k, 128, kern.sm_count(x.device))
             res = []
-            for cfg, warps, stages in sweep_configs(m, n, k):
+            for cfg, warps, stages in configs(m, n, k):
                 fns = [lambda q=q, s=s, x=x, c=cfg, w=warps, st=stages: kern.linear(
                            x, q, s, block_size=(128, 128), config=c, num_warps=w, num_stages=st)
                        for q, s in qs]  # fmt: skip
@@ -279,6 +306,7 @@ def main() -> None:
         help="model, sweep (of the fused shapes with --fused), then model with the sweep's best",
     )
     ap.add_argument("--pdl", action="store_true", help="with --tuned: the model with PDL first")
+    ap.add_argument("--cc-only", action="store_true", help="sweep only the CUDA-core kernel (batches <= 4)")
     ap.add_argument("--only", choices=["model", "per-shape", "sweep"], default=None)
     ap.add_argument("--fused", action="store_true", help="q/k/v and gate/up as one weight each, both sides")
     ap.add_argument(
@@ -302,7 +330,8 @@ def main() -> None:
         per_shape(gen, args.batches)
         return
     if args.only == "sweep":
-        sweep(gen, args.batches, deadline, args.sweep_log, FUSED_SWEEP_SHAPES if args.fused else SWEEP_SHAPES)
+        shapes = FUSED_SWEEP_SHAPES if args.fused else SWEEP_SHAPES
+        sweep(gen, args.batches, deadline, args.sweep_log, shapes, args.cc_only)
         return
     layers = make_layers(args.layers, gen, args.fused)
     fp8 = [{name: dispatch.quantize_fp8_blockwise(w) for name, w in layer.items()} for layer in layers]
@@ -356,7 +385,7 @@ def main() -> None:
     rows = run_model("fp8 kernel tiling: the default (triton_fp8_gemv.tiling)")
     if args.tuned:  # the sweep's best variant per projection shape and batch, then the model again
         shapes = FUSED_SWEEP_SHAPES if args.fused else SWEEP_SHAPES
-        best = sweep(gen, args.batches, deadline, args.sweep_log, shapes)
+        best = sweep(gen, args.batches, deadline, args.sweep_log, shapes, args.cc_only)
         kern.linear = tuned_linear(kern.linear, best)
         run_model("fp8 kernel tiling: the sweep's best per shape and batch")
         print("\nthe default tiling, again:")

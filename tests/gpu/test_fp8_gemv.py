@@ -179,3 +179,28 @@ def test_deferred_checks_name_the_bad_tensor_with_one_sync(gen):
         q, s = dispatch.quantize_fp8_blockwise(good, name="first")
     q_ref, s_ref = fp8_blockwise.quantize(good)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)
+
+
+@pytest.mark.parametrize(("n", "k", "block"), SHAPES)
+@pytest.mark.parametrize(
+    ("m", "config"),
+    [
+        (1, (1, 16, 512, 1)),
+        (1, (1, 64, 128, 4)),
+        (2, (2, 32, 256, 2)),
+        (3, (4, 16, 256, 8)),
+        (4, (4, 16, 128, 1)),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_cuda_core_kernel_is_the_bf16_weight_product(gen, n, k, block, m, config, dtype):
+    """The CUDA-core variant (BM < 16: no MMA, products summed elementwise over the K loop), forced
+    by its config: within the same bound as the MMA kernel, every element written."""
+    from skyq.quant.kernels import triton_fp8_gemv as kern
+
+    q, s, x = _weight_and_input(gen, n, k, block, m)
+    got = kern.linear(x.to(dtype), q, s, block_size=block, config=config)
+    torch.cuda.synchronize()
+    assert got.shape == (m, n) and got.dtype == dtype
+    ok, worst = _bounded(got, x, q, s, block)
+    assert ok, f"error reaches {worst:.3g} of the bound"

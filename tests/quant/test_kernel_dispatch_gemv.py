@@ -171,6 +171,10 @@ def _interpreter_main() -> None:
         (3, 100, 300, (32, 64), (16, 16, 128, 1)),  # 32 x 64 blocks: two scale columns per K tile
         (2, 100, 300, (32, 64), (16, 64, 256, 1)),  # and two scale rows per weight tile (not uniform)
         (33, 130, 900, (64, 128), (64, 64, 256, 2)),
+        # the CUDA-core kernel (BM < 16): one row, a few rows over two row tiles, split K, not uniform
+        (1, 200, 1100, (128, 128), (1, 16, 512, 1)),
+        (3, 70, 700, (128, 128), (2, 32, 256, 2)),
+        (4, 100, 300, (32, 64), (4, 64, 128, 3)),
     ]
     for m, n, k, block, config in cases:
         q, s = _quantized_weight(gen, n, k, block)

@@ -148,6 +148,14 @@ def _gemv_kernel(
                 s = tl.sum(tl.where(ti[None, :] == t // TK, s_all, 0.0), axis=1)
                 w = (codes.to(tl.float32) * s[:, None]).to(tl.bfloat16)
             acc = tl.dot(w, xt.to(tl.bfloat16), acc)
+    _write_out(acc, rn, rm, n_ok, m_ok, y_ptr, p_ptr, cnt_ptr, M, N, sym, syn, pid_s, SPLIT, BN, BM)
+
+
+@triton.jit
+def _write_out(acc, rn, rm, n_ok, m_ok, y_ptr, p_ptr, cnt_ptr, M, N, sym, syn, pid_s,
+               SPLIT: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr):  # fmt: skip
+    """acc [BN, BM] (y^T of this tile) -> y; with SPLIT > 1 an fp32 partial, and the last program
+    of the tile to arrive sums the partials in split order, writes y and resets its counter."""
     out_mask = n_ok[:, None] & m_ok[None, :]
     out_off = rm[None, :].to(tl.int64) * sym + rn[:, None] * syn
     if SPLIT == 1:
@@ -156,7 +164,7 @@ def _gemv_kernel(
         mn = M * N
         tl.store(p_ptr + pid_s.to(tl.int64) * mn + out_off, acc, mask=out_mask)
         tl.debug_barrier()  # every thread's partial is stored before the release below
-        tile = pid_m * tl.num_programs(0) + pid_n
+        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
         if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
             # unrolled, so all SPLIT partial loads are in flight at once; summed in split order
             total = tl.zeros([BN, BM], dtype=tl.float32)
@@ -164,6 +172,63 @@ def _gemv_kernel(
                 total += tl.load(p_ptr + i * mn + out_off, mask=out_mask, other=0.0, cache_modifier=".cg")
             tl.store(y_ptr + out_off, total.to(y_ptr.dtype.element_ty), mask=out_mask)
             tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+@triton.jit
+def _gemv_cc_kernel(
+    x_ptr, q_ptr, s_ptr, y_ptr, p_ptr, cnt_ptr,
+    M, N, K, k_per_split,
+    sxm, sxk, sqn, sqk, ssn, ssk, sym, syn,
+    BLK_N: tl.constexpr, BLK_K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, TK: tl.constexpr, SPLIT: tl.constexpr, SUB: tl.constexpr,
+    UNIFORM: tl.constexpr,
+):  # fmt: skip
+    """`_gemv_kernel`'s product on the CUDA cores, for a batch of a few rows (BM <= 4): no MMA, so
+    no operand layout to reach and nothing staged in shared memory; each weight tile is loaded
+    straight into registers (16-byte vectors along K), dequantized as bf16(fp32(q) * s), widened
+    (exact) and multiplied by the rows of x (rounded to bf16 as the MMA path rounds them), the
+    products summed elementwise in fp32 [BN, BM, TK / SUB] across the K loop and reduced over K at
+    the end. The same weight and products as `_gemv_kernel`; fp32 sums in another order."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    SUB_K: tl.constexpr = TK // SUB
+    rn = pid_n * BN + tl.arange(0, BN)
+    rm = pid_m * BM + tl.arange(0, BM)
+    n_ok = rn < N
+    m_ok = rm < M
+    # Everything in [BN, BM, SUB_K] index space, the weights [BN, 1, SUB_K] and the rows of x
+    # [1, BM, SUB_K] loaded as such, so the products need no layout conversion (shared memory).
+    n3 = rn[:, None, None]
+    q_rows = q_ptr + n3.to(tl.int64) * sqn
+    x_rows = x_ptr + rm[None, :, None].to(tl.int64) * sxm
+    m3_ok = m_ok[None, :, None]
+    n3_ok = n_ok[:, None, None]
+    s_row = s_ptr + (pid_n * BN // BLK_N).to(tl.int64) * ssn
+    k_lo = pid_s * k_per_split
+    acc = tl.zeros([BN, BM, SUB_K], dtype=tl.float32)
+    for t in range(0, k_per_split, TK):  # k_per_split % TK == 0; the last split's tail is masked
+        for j in tl.static_range(SUB):
+            k0 = k_lo + t + j * SUB_K
+            rk = (k0 + tl.arange(0, SUB_K))[None, None, :]
+            k_ok = rk < K
+            # 8 codes per thread (8-byte vectors), as many as one 16-byte vector of bf16 x holds:
+            # the weight tile and x then share one register layout (else Triton converts the tile)
+            codes = tl.load(q_rows + tl.max_contiguous(rk, [1, 1, 8]) * sqk, mask=n3_ok & k_ok, other=0.0)
+            if UNIFORM:  # one scale for the whole sub-tile
+                s = tl.load(s_row + (k0 // BLK_K) * ssk, mask=k0 < K, other=0.0)
+            else:
+                s = tl.load(
+                    s_ptr + (n3 // BLK_N).to(tl.int64) * ssn + (k0 // BLK_K) * ssk, mask=n3_ok & (k0 < K)
+                )
+            w = (codes.to(tl.float32) * s).to(tl.bfloat16).to(tl.float32)
+            # x loaded at the product's full shape (the same row for every weight row, from L1):
+            # a [1, BM, SUB_K] load gets a layout of its own, and the tile was converted to it
+            xs = tl.load(x_rows + rk * sxk + n3 * 0, mask=m3_ok & k_ok & n3_ok, other=0.0)
+            acc += w * xs.to(tl.bfloat16).to(tl.float32)
+    _write_out(
+        tl.sum(acc, axis=2), rn, rm, n_ok, m_ok, y_ptr, p_ptr, cnt_ptr, M, N, sym, syn, pid_s, SPLIT, BN, BM
+    )
 
 
 SCALES_IN_LOOP_MAX_M = 8
@@ -248,7 +313,8 @@ def linear(
 ) -> Tensor:
     """y [..., N] in x's dtype for x [..., K], q e4m3 [N, K], scale_inv fp32 [ceil(N/bn), ceil(K/bk)]
     (shapes checked by the caller). No host sync. `config` (BM, BN, TK, split), `num_warps`,
-    `num_stages`: for sweeps; by default `tiling` and `launch_options`."""
+    `num_stages`: for sweeps; by default `tiling` and `launch_options`. BM < 16 (a power of two
+    <= 4) runs the CUDA-core kernel (`_gemv_cc_kernel`), else the MMA one."""
     x2 = x.reshape(-1, x.shape[-1])
     m, k = x2.shape
     n = q.shape[0]
@@ -273,6 +339,15 @@ def linear(
         counters = _arrival_counters(x.device, grid[0] * grid[1])
     else:
         part = counters = y
+    if bm < 16:  # a few rows on the CUDA cores
+        _gemv_cc_kernel[grid](
+            x2, q, scale_inv, y, part, counters,
+            m, n, k, k_per_split,
+            *x2.stride(), *q.stride(), *scale_inv.stride(), *y.stride(),
+            BLK_N=blk_n, BLK_K=blk_k, BM=bm, BN=bn, TK=tk, SPLIT=split, SUB=sub, UNIFORM=blk_n % bn == 0,
+            num_warps=num_warps or warps, num_stages=num_stages or 1,
+        )  # fmt: skip
+        return y.reshape(*x.shape[:-1], n)
     _gemv_kernel[grid](
         x2, q, scale_inv, y, part, counters,
         m, n, k, k_per_split,
