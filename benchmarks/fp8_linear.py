@@ -8,7 +8,8 @@ Shapes (M tokens, N out, K in) are Qwen3-30B-A3B's: routed-expert gate+up (N = 2
 - fwd+bwd: `torch.autograd.grad` of the layer (y, dx, dw) with every quantization inside it:
   `fp8` re-quantizes the weight each call, `fp8 (w cached)` reuses it as a training step does
   across microbatches (the weight changes once per optimizer step);
-- eager launches and CUDA-graph replays (the latter without CPU launch overhead).
+- eager launches and CUDA-graph replays (the latter without CPU launch overhead);
+- blocks: q/k/v reading one activation, which the fp8 side quantizes once for all three.
 Ratios are bf16 time / fp8 time: median over rounds, [min, max] spread. Needs an SM90 GPU.
 """
 
@@ -100,6 +101,36 @@ def variants(m: int, n: int, k: int) -> tuple[dict[str, Callable[[], object]], f
     y16 = F.linear(xd, wd)
     rel = float((y8.double() - y16.double()).norm() / y16.double().norm())
     return fns, rel
+
+
+BLOCKS = {
+    "attn q/k/v 4096x(4096+512+512)x2048": (4096, (4096, 512, 512), 2048),
+    "attn q/k/v 8192x(4096+512+512)x2048": (8192, (4096, 512, 512), 2048),
+}
+"""Linears that read one activation (the attention block's normed input feeds q, k and v): the
+fp8 side quantizes it once for all three (`fp8_linear._LastActivation`), as a model's forward does."""
+
+
+def block_variants(m: int, ns: tuple[int, ...], k: int) -> dict[str, Callable[[], object]]:
+    """fwd+bwd of the linears `ns` reading one x [m, k] (gradients of x and every weight), bf16 vs
+    fp8 with the weights cached as across microbatches; eager and graphed."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ws = [(torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16).requires_grad_() for n in ns]
+    dys = [torch.randn(m, n, device="cuda", dtype=torch.bfloat16) for n in ns]
+    ops = [quantize_weight(w) for w in ws]
+
+    def bf16_step():
+        return torch.autograd.grad([F.linear(x, w) for w in ws], (x, *ws), dys)
+
+    def fp8_step():
+        forget_last_activation()  # each step quantizes x once, shared by its linears
+        ys = [fp8_blockwise_linear(x, w, weight_operands=o) for w, o in zip(ws, ops)]
+        return torch.autograd.grad(ys, (x, *ws), dys)
+
+    fns = {"fwd+bwd bf16": bf16_step, "fwd+bwd fp8 (w cached)": fp8_step}
+    for name in list(fns):
+        fns[name + " graph"] = graphed(fns[name])
+    return fns
 
 
 def host_overhead(m: int, n: int, k: int) -> dict[str, float]:
@@ -202,6 +233,28 @@ def main() -> None:
             profile_kernels(label, fns)
         del fns
         torch.cuda.empty_cache()
+    blocks: dict[str, dict] = {}
+    for label, (m, ns, k) in BLOCKS.items():
+        fns = block_variants(m, ns, k)
+        times = {name: [] for name in fns}
+        for _ in range(args.rounds):
+            for name, fn in fns.items():
+                times[name].append(time_ms(fn))
+        blocks[label] = {
+            "ms": {name: statistics.median(t) for name, t in times.items()},
+            "ratio": {
+                key: [
+                    f(
+                        b / q
+                        for b, q in zip(times["fwd+bwd bf16" + sfx], times["fwd+bwd fp8 (w cached)" + sfx])
+                    )
+                    for f in (statistics.median, min, max)
+                ]
+                for key, sfx in (("eager w cached", ""), ("graph w cached", " graph"))
+            },
+        }
+        del fns
+        torch.cuda.empty_cache()
     overhead = host_overhead(*SHAPES["expert gate_up 8192x1536x2048"])
     print("host us per call (8192x1536x2048): " + ", ".join(f"{k} {v:.0f}" for k, v in overhead.items()))
     record = {
@@ -211,6 +264,7 @@ def main() -> None:
         "torch": torch.__version__,
         "rounds": args.rounds,
         "results": results,
+        "blocks": blocks,
     }
     if args.json:
         with open(args.json, "w") as f:
@@ -238,6 +292,14 @@ def main() -> None:
             print(
                 f"| M3 {label} {key} (gemm alone {g:.2f}x; bar 1.3: {verdict}) | {ours:.3f} ms | bf16 {base:.3f} ms | "
                 f"{med:.2f}x [{lo:.2f}-{hi:.2f}] | {device} |"
+            )
+
+    for label, r in blocks.items():
+        for key, (med, lo, hi) in r["ratio"].items():
+            sfx = " graph" if "graph" in key else ""
+            print(
+                f"| M3 block {label} fwd+bwd {key} (x quantized once) | {r['ms']['fwd+bwd fp8 (w cached)' + sfx]:.3f} ms "
+                f"| bf16 {r['ms']['fwd+bwd bf16' + sfx]:.3f} ms | {med:.2f}x [{lo:.2f}-{hi:.2f}] | {device} |"
             )
 
 
