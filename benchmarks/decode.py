@@ -306,6 +306,16 @@ def main() -> None:
         help="model, sweep (of the fused shapes with --fused), then model with the sweep's best",
     )
     ap.add_argument("--pdl", action="store_true", help="with --tuned: the model with PDL first")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="per-kernel device time of one graphed step per side and batch (torch.profiler) instead",
+    )
+    ap.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="also the model with triton_fp8_gemv.PREFETCH on (L2 prefetch of a split's weights first)",
+    )
     ap.add_argument("--cc-only", action="store_true", help="sweep only the CUDA-core kernel (batches <= 4)")
     ap.add_argument("--only", choices=["model", "per-shape", "sweep"], default=None)
     ap.add_argument("--fused", action="store_true", help="q/k/v and gate/up as one weight each, both sides")
@@ -375,6 +385,9 @@ def main() -> None:
 
     from skyq.quant.kernels import triton_fp8_gemv as kern
 
+    if args.profile:
+        profile_step(layers, bf16_linear, fp8_linear, args.batches, gen)
+        return
     if args.tuned and args.pdl:
         kern.PDL, pdl = True, kern.PDL
         try:
@@ -383,6 +396,10 @@ def main() -> None:
             print(f"\nfp8 run with programmatic dependent launch failed: {type(e).__name__}: {e}")
         kern.PDL = pdl
     rows = run_model("fp8 kernel tiling: the default (triton_fp8_gemv.tiling)")
+    if args.prefetch:
+        kern.PREFETCH = True
+        run_model("the default tiling with triton_fp8_gemv.PREFETCH")
+        kern.PREFETCH = False
     if args.tuned:  # the sweep's best variant per projection shape and batch, then the model again
         shapes = FUSED_SWEEP_SHAPES if args.fused else SWEEP_SHAPES
         best = sweep(gen, args.batches, deadline, args.sweep_log, shapes, args.cc_only)
@@ -394,6 +411,35 @@ def main() -> None:
         per_shape(gen, args.batches)
         sweep(gen, args.batches, deadline, args.sweep_log)
         table(rows, device)
+
+
+def profile_step(
+    layers: list[dict], bf16_linear, fp8_linear, batches: list[int], gen: torch.Generator
+) -> None:
+    """Where a graphed decode step's time goes: per kernel name, device microseconds per step and
+    launches per step (torch.profiler over 10 replays), their sum against the step's wall time; the
+    rest is the gaps between kernels."""
+    for m in batches:
+        x = torch.randn(m, HIDDEN, generator=gen).to(torch.bfloat16).cuda()
+        for side, linear in (("bf16", bf16_linear), ("fp8", fp8_linear)):
+            g = graphed(lambda t, lin=linear: step(t, layers, lin), x)
+            wall = statistics.median(time_graph(g, 20, 5))
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    g.replay()
+                torch.cuda.synchronize()
+            rows = [
+                (e.device_time_total / 10, e.count / 10, e.key)
+                for e in prof.key_averages()
+                if e.device_time_total > 0
+            ]
+            rows.sort(reverse=True)
+            busy = sum(r[0] for r in rows)
+            print(f"\nbatch {m} {side}: step {wall * 1e6:.1f} us, kernels {busy:.1f} us ({busy / (wall * 1e6):.0%}), "
+                  f"{sum(r[1] for r in rows):.0f} launches")  # fmt: skip
+            for us, count, key in rows[:8]:
+                print(f"  {us:8.1f} us  {count:5.0f} x  {us / max(count, 1):6.2f} us each  {key[:90]}")
+            del g
 
 
 def tuned_linear(plain, best: dict):
