@@ -311,11 +311,6 @@ def main() -> None:
         action="store_true",
         help="per-kernel device time of one graphed step per side and batch (torch.profiler) instead",
     )
-    ap.add_argument(
-        "--prefetch",
-        action="store_true",
-        help="also the model with triton_fp8_gemv.PREFETCH on (L2 prefetch of a split's weights first)",
-    )
     ap.add_argument("--cc-only", action="store_true", help="sweep only the CUDA-core kernel (batches <= 4)")
     ap.add_argument("--only", choices=["model", "per-shape", "sweep"], default=None)
     ap.add_argument("--fused", action="store_true", help="q/k/v and gate/up as one weight each, both sides")
@@ -396,10 +391,6 @@ def main() -> None:
             print(f"\nfp8 run with programmatic dependent launch failed: {type(e).__name__}: {e}")
         kern.PDL = pdl
     rows = run_model("fp8 kernel tiling: the default (triton_fp8_gemv.tiling)")
-    if args.prefetch:
-        kern.PREFETCH = True
-        run_model("the default tiling with triton_fp8_gemv.PREFETCH")
-        kern.PREFETCH = False
     if args.tuned:  # the sweep's best variant per projection shape and batch, then the model again
         shapes = FUSED_SWEEP_SHAPES if args.fused else SWEEP_SHAPES
         best = sweep(gen, args.batches, deadline, args.sweep_log, shapes, args.cc_only)

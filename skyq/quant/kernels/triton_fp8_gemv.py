@@ -48,11 +48,6 @@ lets the next one launch. Off by default: on the H200 (benchmarks/decode.py --tu
 it made the graphed decode step slower, 484 -> 526 us at batch 1 and 705 -> 783 us at batch 64."""
 
 
-PREFETCH = False
-"""Opt-in (CUDA, K tiles of one scale block): each program prefetches all of its split's weight and
-scale lines into L2 before its first load (`_gemv_kernel`'s PREFETCH)."""
-
-
 @triton.jit
 def _prefetch_l2(ptrs):
     tl.inline_asm_elementwise(
@@ -68,7 +63,6 @@ def _gemv_kernel(
     BLK_N: tl.constexpr, BLK_K: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, TK: tl.constexpr, SPLIT: tl.constexpr, TILES: tl.constexpr,
     PDL: tl.constexpr, UNIFORM: tl.constexpr, SCALES_IN_LOOP: tl.constexpr, SUB: tl.constexpr,
-    PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """acc[n, m] = sum over this split's K range, in TK-column tiles, of bf16(q[n, k] *
     s[n // BLK_N, k // BLK_K]) * x[m, k] (TK divides BLK_K, one scale per row per tile, or with
@@ -77,8 +71,6 @@ def _gemv_kernel(
     two >= the split's K tiles (k_per_split / TK), the width of the PDL prefetch.
     PDL: launched as a programmatic dependent launch: the weight and scale lines are prefetched into
     L2 while the previous kernel finishes, and nothing is read or written before `gdc_wait`.
-    PREFETCH: the same L2 prefetches without PDL, so all of a split's weight lines are requested at
-    once rather than as the pipeline reaches them.
     UNIFORM: BN divides BLK_N, so all rows of a program's tile share one scale row and each K tile
     has one scale: a scalar, whose multiply leaves the codes' conversion to the MMA operand layout
     in registers (a per-row scale vector of another layout made Triton route every weight tile
@@ -96,15 +88,15 @@ def _gemv_kernel(
     k_lo = pid_s * k_per_split
     ti = tl.arange(0, TILES)
     tk0 = k_lo + ti * TK
-    if PDL or PREFETCH:
-        # L2 prefetches (hints: no data is read) of this program's code lines and scales, all
-        # issued before the first load (with PDL: before waiting for the previous kernel, whose
-        # output x is); addresses clamped in bounds
+    if PDL:
+        # L2 prefetches (hints: no data is read) of this program's code lines and scales, issued
+        # before waiting for the previous kernel, whose output x is; addresses clamped in bounds.
+        # (The same prefetches without PDL, before the first load, made the graphed decode step
+        # slower on the H200: 1.16x -> 1.01x of bf16 at batch 1, session 7.)
         kc = tl.minimum(tk0, K - 1)[None, :]
         nc = tl.minimum(rn, N - 1)[:, None].to(tl.int64)
         _prefetch_l2(q_ptr + nc * sqn + kc * sqk)
         _prefetch_l2(s_ptr + (nc // BLK_N) * ssn + (kc // BLK_K) * ssk)
-    if PDL:
         gdc_wait()  # the previous kernel is complete and its writes are visible
         gdc_launch_dependents()  # the next kernel may start its prefetches
     if not SCALES_IN_LOOP:
@@ -364,7 +356,6 @@ def linear(
         *x2.stride(), *q.stride(), *scale_inv.stride(), *y.stride(),
         BLK_N=blk_n, BLK_K=blk_k, BM=bm, BN=bn, TK=tk, SPLIT=split,
         TILES=triton.next_power_of_2(k_per_split // tk), PDL=pdl, UNIFORM=blk_n % bn == 0,
-        PREFETCH=PREFETCH and sub == 1 and x.device.type == "cuda",
         SCALES_IN_LOOP=in_loop, SUB=sub, launch_pdl=pdl,
         num_warps=num_warps or warps, num_stages=num_stages or stages,
     )  # fmt: skip
