@@ -36,8 +36,10 @@ def test_a_repeat_sync_on_the_gpu_commits_the_per_tensor_wire(gen, fmt):
     assert pair.engine.snapshot() == (2, test_fill.per_tensor_wire(pair.serialize, items))
 
 
-def test_a_non_finite_expert_on_the_gpu_is_refused_by_name(gen):
-    pair = test_fill.Pair("fp8_blockwise", bucket_bytes=9000)
+@pytest.mark.parametrize("fmt", ["fp8_blockwise", "mxfp8", "int4_qat"])
+def test_a_non_finite_expert_on_the_gpu_is_refused_by_name(gen, fmt):
+    """The grouped quantizers' per-tensor flags (the in-place fill) name the expert, nothing is sent."""
+    pair = test_fill.Pair(fmt, bucket_bytes=9000)
     assert not pair.sync(test_fill.trainer_items(pair.plan, gen, device="cuda"), 1)[1]
     items = test_fill.trainer_items(pair.plan, gen, device="cuda")
     k = next(i for i, (name, _) in enumerate(items) if not isinstance(name, str))

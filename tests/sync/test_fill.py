@@ -181,7 +181,7 @@ def test_changed_items_are_serialized_and_packed_in_full(gen):
     assert pair.engine.snapshot()[0] == 3
 
 
-@pytest.mark.parametrize("fmt", ["fp8_blockwise", "bf16"])
+@pytest.mark.parametrize("fmt", ["fp8_blockwise", "int4_qat", "bf16"])
 def test_a_non_finite_expert_in_a_filled_sync_is_refused_by_name_with_nothing_committed(gen, fmt):
     pair = Pair(fmt, bucket_bytes=3000)
     assert not pair.sync(trainer_items(pair.plan, gen), 1)[1]
