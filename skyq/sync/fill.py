@@ -4,8 +4,9 @@ A sync whose layout the engine already holds (layout.py) knows, before anything 
 where every wire tensor goes. Its buckets are allocated first (one allocation each, the sizes
 packing makes, so the caching allocator can hand back the same blocks every sync), and each wire item's
 bytes are written where the layout puts them: a format with a grouped quantizer (FP8 blockwise,
-MXFP8) writes its codes and scales there itself, in one launch for the whole sync, and everything
-else (unquantized tensors, formats without such a quantizer) is copied there (`copy_into`). No packing pass, no per-bucket concatenation: the bytes are the same as `SenderLayout.pack`
+MXFP8, INT4) writes its codes and scales there itself, in one launch for the whole sync, and
+everything else (unquantized tensors) is copied there (`copy_into`). No packing pass, no
+per-bucket concatenation: the bytes are the same as `SenderLayout.pack`
 lays them (padding zeroed), so the checksums and the engine's side do not change.
 
 A `FillPlan` is derived from a layout once. Per wire item it lists `Piece`s: a range of members
