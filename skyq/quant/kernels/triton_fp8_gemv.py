@@ -187,10 +187,13 @@ def _gemv_cc_kernel(
 ):  # fmt: skip
     """`_gemv_kernel`'s product on the CUDA cores, for a batch of a few rows (BM <= 4): no MMA, so
     no operand layout to reach and nothing staged in shared memory; each weight tile is loaded
-    straight into registers (16-byte vectors along K), dequantized as bf16(fp32(q) * s), widened
+    straight into registers (8-byte vectors along K), dequantized as bf16(fp32(q) * s), widened
     (exact) and multiplied by the rows of x (rounded to bf16 as the MMA path rounds them), the
     products summed elementwise in fp32 [BN, BM, TK / SUB] across the K loop and reduced over K at
-    the end. The same weight and products as `_gemv_kernel`; fp32 sums in another order."""
+    the end. The same weight and products as `_gemv_kernel`; fp32 sums in another order. A sweep
+    variant (`linear(config=(BM < 16, ...))`), not in the default tiling: on the H200 it matched the
+    MMA kernel at one row, beat it at two on three of four shapes and lost at four (docs/benchmarks.md,
+    M4, session 7)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
