@@ -1,4 +1,4 @@
-"""What the grouped quantize kernels share (`triton_fp8_blockwise`, `triton_mxfp8`): one launch for
+"""What the grouped quantize kernels share (`triton_fp8_blockwise`, `triton_mxfp8`, `triton_int4`): one launch for
 many tensors, each described by a row of an int64 table on the device.
 
 Row of tensor t (`GROUP_COLS` int64): x, q and scale addresses, N, K, the three x strides, its first
@@ -39,6 +39,22 @@ def group_member(tbl_ptr, n_tensors, LOG: tl.constexpr):
         hi = tl.where(go, hi, mid)
     row = tbl_ptr + lo * GROUP_COLS
     return lo, row, pid - tl.load(row + 8)
+
+
+@triton.jit
+def group_tile(row, local):
+    """This program's place in its tensor, from the tensor's table row: (N, the three x strides
+    (batch, row, column), programs per matrix, matrix b, tile within it, tile row pid_n, tile column
+    pid_k). The addresses and K, which the kernels hint, they read themselves."""
+    n = tl.load(row + 3)
+    sxb = tl.load(row + 5)
+    sxn = tl.load(row + 6)
+    sxk = tl.load(row + 7)
+    tiles = tl.load(row + 9)
+    n_tiles_k = tl.load(row + 10)
+    b = local // tiles
+    tile = local % tiles
+    return n, sxb, sxn, sxk, tiles, b, tile, tile // n_tiles_k, tile % n_tiles_k
 
 
 def group_ok(ws: list[Tensor]) -> bool:

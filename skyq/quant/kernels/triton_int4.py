@@ -19,7 +19,7 @@ from torch import Tensor
 from skyq.config.enums import Int4Grid
 from skyq.quant import int4
 from skyq.quant.kernels._common import as_3d, cdiv, new_flag, raise_if_flagged
-from skyq.quant.kernels._group import GroupTable, group_member, group_ok
+from skyq.quant.kernels._group import GroupTable, group_member, group_ok, group_tile
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 _AMAX_FLOOR = tl.constexpr(1e-10)  # the reference's fp32(1e-10)
@@ -122,17 +122,8 @@ def _quant_pack_group_kernel(
         x_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
     p_ptr = tl.load(row + 1).to(tl.pointer_type(tl.int32))
     s_ptr = tl.load(row + 2).to(tl.pointer_type(tl.bfloat16))
-    n = tl.load(row + 3)
     k = tl.load(row + 4)
-    sxb = tl.load(row + 5)
-    sxn = tl.load(row + 6)
-    sxk = tl.load(row + 7)
-    tiles = tl.load(row + 9)
-    n_tiles_k = tl.load(row + 10)
-    b = local // tiles
-    tile = local % tiles
-    pid_n = tile // n_tiles_k
-    pid_k = tile % n_tiles_k
+    n, sxb, sxn, sxk, _, b, _, pid_n, pid_k = group_tile(row, local)
     rn1 = pid_n * TN + tl.arange(0, TN)
     rn = rn1[:, None, None]
     rg = (pid_k * (TK // G) + tl.arange(0, TK // G))[None, :, None]

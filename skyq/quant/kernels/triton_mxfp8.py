@@ -16,7 +16,7 @@ from torch import Tensor
 
 from skyq.quant import mxfp8
 from skyq.quant.kernels._common import as_3d, cdiv, new_flag, raise_if_flagged
-from skyq.quant.kernels._group import GroupTable, group_member, group_ok
+from skyq.quant.kernels._group import GroupTable, group_member, group_ok, group_tile
 from skyq.quant.kernels.triton_fp8_blockwise import to_e4m3
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
@@ -92,18 +92,9 @@ def _quant_group_kernel(
         x_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
     q_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float8e4nv))
     s_ptr = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
-    n = tl.load(row + 3)
     k = tl.load(row + 4)
     kb = k // 32
-    sxb = tl.load(row + 5)
-    sxn = tl.load(row + 6)
-    sxk = tl.load(row + 7)
-    tiles = tl.load(row + 9)
-    n_tiles_k = tl.load(row + 10)
-    b = local // tiles
-    tile = local % tiles
-    pid_n = tile // n_tiles_k
-    pid_k = tile % n_tiles_k
+    n, sxb, sxn, sxk, _, b, _, pid_n, pid_k = group_tile(row, local)
     rn1 = pid_n * TN + tl.arange(0, TN)
     rn = rn1[:, None, None]
     rg = (pid_k * TG + tl.arange(0, TG))[None, :, None]
