@@ -344,22 +344,15 @@ def linear(
         counters = _arrival_counters(x.device, grid[0] * grid[1])
     else:
         part = counters = y
+    args = (x2, q, scale_inv, y, part, counters, m, n, k, k_per_split,
+            *x2.stride(), *q.stride(), *scale_inv.stride(), *y.stride())  # fmt: skip
+    shape = dict(BLK_N=blk_n, BLK_K=blk_k, BM=bm, BN=bn, TK=tk, SPLIT=split, SUB=sub, UNIFORM=blk_n % bn == 0)
     if bm < 16:  # a few rows on the CUDA cores
-        _gemv_cc_kernel[grid](
-            x2, q, scale_inv, y, part, counters,
-            m, n, k, k_per_split,
-            *x2.stride(), *q.stride(), *scale_inv.stride(), *y.stride(),
-            BLK_N=blk_n, BLK_K=blk_k, BM=bm, BN=bn, TK=tk, SPLIT=split, SUB=sub, UNIFORM=blk_n % bn == 0,
-            num_warps=num_warps or warps, num_stages=num_stages or 1,
+        _gemv_cc_kernel[grid](*args, **shape, num_warps=num_warps or warps, num_stages=num_stages or 1)
+    else:
+        _gemv_kernel[grid](
+            *args, **shape,
+            TILES=triton.next_power_of_2(k_per_split // tk), PDL=pdl, SCALES_IN_LOOP=in_loop, launch_pdl=pdl,
+            num_warps=num_warps or warps, num_stages=num_stages or stages,
         )  # fmt: skip
-        return y.reshape(*x.shape[:-1], n)
-    _gemv_kernel[grid](
-        x2, q, scale_inv, y, part, counters,
-        m, n, k, k_per_split,
-        *x2.stride(), *q.stride(), *scale_inv.stride(), *y.stride(),
-        BLK_N=blk_n, BLK_K=blk_k, BM=bm, BN=bn, TK=tk, SPLIT=split,
-        TILES=triton.next_power_of_2(k_per_split // tk), PDL=pdl, UNIFORM=blk_n % bn == 0,
-        SCALES_IN_LOOP=in_loop, SUB=sub, launch_pdl=pdl,
-        num_warps=num_warps or warps, num_stages=num_stages or stages,
-    )  # fmt: skip
     return y.reshape(*x.shape[:-1], n)

@@ -89,9 +89,7 @@ class Int4QatStrategy(QuantizationStrategy):
         )
         # The shapes as rows of one [E, 2] tensor on the stack's device: no per-expert host tensor
         # that the bucket would copy to the device one at a time, and the rows lie back to back.
-        n, k = stack.shape[1:]
-        shapes = int4.weight_shape_tensor(n, k).to(stack.device).expand(len(stems), 2).contiguous()
-        return packed, scale, shapes
+        return packed, scale, self._shape_row(stack)
 
     grouped_quantizer = True
 
