@@ -293,6 +293,107 @@ def sweep(
     return best
 
 
+def gluon_configs(m: int, n: int, k: int) -> list[tuple[tuple[int, int, int, int, int], bool]]:
+    """((BM, BN, KC, split, warps), prefetch) variants of the Gluon kernel for one shape and batch:
+    64 rows on 4 warps or 128 on 4 or 8, 64- or 128-column steps, split 1-8 (>= 2 steps each),
+    with and without the register prefetch of the next step."""
+    bm = min(64, max(8, 1 << (m - 1).bit_length()))
+    out = []
+    for bn, warps in ((64, 4), (128, 4), (128, 8), (32, 2)):
+        for kc in (64, 128):
+            for split in (1, 2, 4, 8):
+                if -(-k // kc) < 2 * split:
+                    continue
+                out += [((bm, bn, kc, split, warps), pf) for pf in (False, True)]
+    return out
+
+
+def _compile_gluon_jobs(jobs: list) -> None:
+    from skyq.quant.kernels import gluon_fp8_gemv as g
+    from skyq.quant.kernels import triton_fp8_gemv as kern
+
+    for m, n, k, cfg, pf in jobs:
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        q = torch.zeros(n, k, device="cuda").to(torch.float8_e4m3fn)
+        s = torch.ones(-(-n // 128), -(-k // 128), device="cuda")
+        g.linear(
+            x, q, s, block_size=(128, 128), sms=132, counters=kern._arrival_counters, config=cfg, prefetch=pf
+        )
+    torch.cuda.synchronize()
+
+
+def gluon_sweep(gen: torch.Generator, batches: list[int], shapes: dict, deadline: float) -> dict:
+    """Every `gluon_configs` variant per shape and batch, graphed over rotating weight copies; prints
+    bf16, the Triton kernel's default, the Gluon default and the best 4; returns {(N, K, M): (config,
+    prefetch)} of the best."""
+    import multiprocessing as mp
+    import os
+
+    from skyq.quant.kernels import gluon_fp8_gemv as g
+    from skyq.quant.kernels import triton_fp8_gemv as kern
+
+    cells = [(label, n, k, m) for label, (n, k) in shapes.items() for m in batches]
+    seen, jobs = set(), []
+    for _, n, k, m in cells:
+        for cfg, pf in gluon_configs(m, n, k):
+            key = (cfg, pf, k % cfg[2] == 0)
+            if key not in seen:
+                seen.add(key)
+                jobs.append((m, n, k, cfg, pf))
+    procs = max(1, min(14, (os.cpu_count() or 2) - 2))
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(procs) as pool:
+        pool.map(_compile_gluon_jobs, [jobs[i::procs] for i in range(procs)])
+    print(f"\ngluon sweep: {len(jobs)} variants compiled in {time.time() - t0:.0f} s by {procs} processes")
+    print("gluon sweep: us per call; cfg = BN/KC/split/warps/prefetch")
+    sms = kern.sm_count(torch.device("cuda"))
+    best = {}
+    for label, n, k in dict.fromkeys((lab, n, k) for lab, n, k, _ in cells):
+        ws, qs = rotated(n, k, gen)
+        for m in batches:
+            if time.time() > deadline:
+                print("gluon sweep: out of time")
+                return best
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+            tb = time_per_call([lambda w=w, x=x: torch.matmul(x, w.T) for w in ws])
+            kern.GLUON = False
+            tt = time_per_call(
+                [lambda q=q, s=s, x=x: kern.linear(x, q, s, block_size=(128, 128)) for q, s in qs]
+            )
+            kern.GLUON = True
+            tg = time_per_call(
+                [lambda q=q, s=s, x=x: kern.linear(x, q, s, block_size=(128, 128)) for q, s in qs]
+            )
+            res = []
+            for cfg, pf in gluon_configs(m, n, k):
+                fns = [lambda q=q, s=s, x=x, c=cfg, pf=pf: g.linear(
+                           x, q, s, block_size=(128, 128), sms=sms, counters=kern._arrival_counters, config=c,
+                           prefetch=pf) for q, s in qs]  # fmt: skip
+                res.append((time_per_call(fns), cfg, pf))
+            res.sort()
+            best[(n, k, m)] = res[0][1:]
+            auto = g.tiling(m, n, k, 128, sms)
+            top = ", ".join(f"{c[1]}/{c[2]}/{c[3]}/{c[4]}/{int(pf)} {t * 1e6:.1f}" for t, c, pf in res[:4])
+            print(f"{label} M={m}: bf16 {tb * 1e6:.1f}, triton {tt * 1e6:.1f}, gluon {auto[1]}/{auto[2]}/{auto[3]}/"
+                  f"{auto[4]}/0 {tg * 1e6:.1f} ({n * k / tg / 1e12:.2f} TB/s), best {top}", flush=True)  # fmt: skip
+        del ws, qs
+    return best
+
+
+def tuned_gluon(plain, best: dict):
+    """`gluon_fp8_gemv.linear` with the variant `best[(N, K, rows)]` where the sweep timed one."""
+
+    def linear(x, q, s, *, block_size, sms, counters, config=None, prefetch=False):
+        hit = best.get((q.shape[0], q.shape[1], x.numel() // x.shape[-1]))
+        if hit and config is None and tuple(block_size) == (128, 128):
+            config, prefetch = hit
+        return plain(
+            x, q, s, block_size=block_size, sms=sms, counters=counters, config=config, prefetch=prefetch
+        )
+
+    return linear
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8)
@@ -310,6 +411,11 @@ def main() -> None:
         "--profile",
         action="store_true",
         help="per-kernel device time of one graphed step per side and batch (torch.profiler) instead",
+    )
+    ap.add_argument(
+        "--gluon",
+        action="store_true",
+        help="model with the Triton kernel beside (same run), Gluon sweep, model with the sweep's best",
     )
     ap.add_argument("--cc-only", action="store_true", help="sweep only the CUDA-core kernel (batches <= 4)")
     ap.add_argument("--only", choices=["model", "per-shape", "sweep"], default=None)
@@ -353,21 +459,32 @@ def main() -> None:
         q, s = by_id[id(w)]
         return dispatch.fp8_weight_only_linear(x, q, s)
 
-    def run_model(label: str) -> list[tuple]:
-        rows = []
+    def run_model(label: str, triton_beside: bool = False) -> list[tuple]:
+        """bf16 vs fp8 per batch; `triton_beside`: also the fp8 model on the Triton kernel
+        (`triton_fp8_gemv.GLUON = False` while its graph is captured), interleaved with both."""
+        rows, beside = [], []
         for m in args.batches:
             x = torch.randn(m, HIDDEN, generator=gen).to(torch.bfloat16).cuda()
             y_b, y_f = step(x, layers, bf16_linear), step(x, layers, fp8_linear)
             rel = float((y_f.float() - y_b.float()).norm() / y_b.float().norm())
             gb = graphed(lambda t: step(t, layers, bf16_linear), x)
             gf = graphed(lambda t: step(t, layers, fp8_linear), x)
-            tb, tf = [], []
-            for _ in range(args.repeats):  # interleaved so drift hits both sides alike
+            gt = None
+            if triton_beside:
+                kern.GLUON = False
+                gt = graphed(lambda t: step(t, layers, fp8_linear), x)
+                kern.GLUON = True
+            tb, tf, tt = [], [], []
+            for _ in range(args.repeats):  # interleaved so drift hits all sides alike
                 tb += time_graph(gb, args.replays, 1)
                 tf += time_graph(gf, args.replays, 1)
+                if gt is not None:
+                    tt += time_graph(gt, args.replays, 1)
             mb, mf = statistics.median(tb), statistics.median(tf)
             rows.append((m, m / mb, m / mf, mb, mf, min(tb), max(tb), min(tf), max(tf), rel))
-            del gb, gf
+            if gt is not None:
+                beside.append((m, mb, statistics.median(tt), mf))
+            del gb, gf, gt
         print(
             f"\n{label}\nbatch  bf16 step us [min-max]     fp8 step us [min-max]   fp8 weight GB/s  rel.diff vs bf16"
         )
@@ -375,6 +492,13 @@ def main() -> None:
         for m, _, _, mb, mf, b0, b1, f0, f1, rel in rows:
             print(f"{m:>5}  {mb * 1e6:8.1f} [{b0 * 1e6:.1f}-{b1 * 1e6:.1f}]   {mf * 1e6:8.1f} [{f0 * 1e6:.1f}-{f1 * 1e6:.1f}]"
                   f"   {fp8_bytes / mf / 1e9:8.0f}   {rel:.2e}")  # fmt: skip
+        if beside:
+            print("\nsame run: fp8 on the Triton kernel (GLUON off) vs the default (Gluon where it applies)")
+            print("batch  bf16 us  triton us  gluon us  triton/bf16  gluon/bf16 (tokens/s ratios)")
+            for m, mb, mt, mf in beside:
+                print(
+                    f"{m:>5}  {mb * 1e6:7.1f}  {mt * 1e6:9.1f}  {mf * 1e6:8.1f}  {mb / mt:11.2f}  {mb / mf:10.2f}"
+                )
         table(rows, device)  # printed before the diagnostics too, in case a time limit cuts them
         return rows
 
@@ -390,6 +514,18 @@ def main() -> None:
         except Exception as e:
             print(f"\nfp8 run with programmatic dependent launch failed: {type(e).__name__}: {e}")
         kern.PDL = pdl
+    if args.gluon:
+        rows = run_model("fp8: the default (the Gluon kernel, gluon_fp8_gemv.tiling)", triton_beside=True)
+        shapes = FUSED_SWEEP_SHAPES if args.fused else SWEEP_SHAPES
+        best = gluon_sweep(gen, args.batches, shapes, deadline)
+        from skyq.quant.kernels import gluon_fp8_gemv as g
+
+        g.linear, plain = tuned_gluon(g.linear, best), g.linear
+        run_model("fp8: the Gluon sweep's best per shape and batch")
+        g.linear = plain
+        print("\nthe default, again:")
+        table(rows, device)
+        return
     rows = run_model("fp8 kernel tiling: the default (triton_fp8_gemv.tiling)")
     if args.tuned:  # the sweep's best variant per projection shape and batch, then the model again
         shapes = FUSED_SWEEP_SHAPES if args.fused else SWEEP_SHAPES

@@ -204,3 +204,66 @@ def test_the_cuda_core_kernel_is_the_bf16_weight_product(gen, n, k, block, m, co
     assert got.shape == (m, n) and got.dtype == dtype
     ok, worst = _bounded(got, x, q, s, block)
     assert ok, f"error reaches {worst:.3g} of the bound"
+
+
+GLUON_SHAPES = [
+    (4096, 2048, (128, 128)),
+    (5120, 2048, (128, 128)),
+    (2048, 6144, (128, 128)),
+    (301, 276, (128, 128)),
+    (1000, 1032, (96, 128)),
+    (768, 2048, (128, 64)),
+]
+
+
+@pytest.mark.parametrize(("n", "k", "block"), GLUON_SHAPES)
+@pytest.mark.parametrize(
+    ("m", "config"),
+    [
+        (1, (8, 64, 128, 1, 4)),
+        (3, (8, 64, 128, 4, 4)),
+        (16, (16, 128, 128, 2, 8)),
+        (17, (32, 64, 128, 8, 4)),
+        (64, (64, 64, 64, 1, 4)),
+        (64, (64, 128, 64, 2, 4)),
+    ],
+)
+@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_gluon_kernel_is_the_bf16_weight_product(gen, n, k, block, m, config, prefetch, dtype):
+    """The Gluon kernel (codes read as int32 words into the MMA operand registers, K permuted in
+    64-column chunks on both operands) at explicit tilings: K and N tails, rows past the batch,
+    per-row scales (96-row blocks), 64-column scale blocks, split-K, the register prefetch, fp32
+    activations: within the MMA kernel's bound, every element written."""
+    from skyq.quant.kernels import gluon_fp8_gemv as g
+    from skyq.quant.kernels import triton_fp8_gemv as kern
+
+    bm, bn, kc, split, warps = config
+    if block[1] % kc:
+        kc = block[1]
+    q, s, x = _weight_and_input(gen, n, k, block, m)
+    got = g.linear(
+        x.to(dtype), q, s, block_size=block, sms=kern.sm_count(x.device), counters=kern._arrival_counters,
+        config=(bm, bn, kc, split, warps), prefetch=prefetch,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    assert got.shape == (m, n) and got.dtype == dtype
+    ok, worst = _bounded(got, x, q, s, block)
+    assert ok, f"error reaches {worst:.3g} of the bound"
+
+
+def test_decode_dispatches_to_the_gluon_kernel_where_it_applies(gen):
+    from skyq.quant.kernels import triton_fp8_gemv as kern
+
+    q, s, x = _weight_and_input(gen, 512, 2048, (128, 128), 4)
+    assert kern._gluon_applies(x, q, (128, 128))
+    assert not kern._gluon_applies(x, q[:, :2046], (128, 128))  # rows not 4-byte aligned
+    assert not kern._gluon_applies(x, q, (128, 32))
+    a = dispatch.fp8_weight_only_linear(x, q, s)
+    kern.GLUON = False
+    try:
+        b = dispatch.fp8_weight_only_linear(x, q, s)
+    finally:
+        kern.GLUON = True
+    for got in (a, b):
+        assert _bounded(got, x, q, s, (128, 128))[0]

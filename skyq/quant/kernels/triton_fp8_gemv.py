@@ -41,6 +41,17 @@ try:  # programmatic dependent launch (Hopper+): Triton >= 3.3
 except ImportError:  # pragma: no cover - older Triton: launched without PDL
     gdc_launch_dependents = gdc_wait = None
 
+try:  # the explicit-layout kernel (Triton >= 3.5's Gluon); without it, `_gemv_kernel` everywhere
+    from skyq.quant.kernels import gluon_fp8_gemv as _gluon
+except (ImportError, AttributeError):  # pragma: no cover - older Triton
+    _gluon = None
+
+GLUON = True
+"""Decode through `gluon_fp8_gemv` (16-byte code loads straight into the MMA operand registers, no
+shared memory) where it applies: a CUDA device of compute capability >= 8, weight blocks of >= 64
+power-of-two columns, K a multiple of 4 with unit stride. Else, and under the interpreter, or with
+an explicit `config`, `_gemv_kernel`. False: `_gemv_kernel` always (the A/B in benchmarks/decode.py)."""
+
 PDL = False
 """Opt-in programmatic dependent launch (CUDA devices of compute capability >= 9, Triton >= 3.3):
 each program prefetches its weight and scale lines into L2, waits for the previous kernel, then
@@ -306,6 +317,15 @@ def launch_options(bm: int, bn: int, split_tiles: int) -> tuple[int, int]:
     return (8 if bn >= 128 else 4), max(2, min(3, split_tiles + 1))
 
 
+def _gluon_applies(x: Tensor, q: Tensor, block_size: tuple[int, int]) -> bool:
+    """The Gluon kernel takes this launch (see `GLUON`): it reads q as int32 words of four codes."""
+    return (
+        GLUON and _gluon is not None and x.device.type == "cuda" and _capability(x.device.index or 0) >= 8
+        and _gluon.supports(block_size) and q.stride(1) == 1 and q.shape[1] % 4 == 0
+        and q.stride(0) % 4 == 0 and q.storage_offset() % 4 == 0
+    )  # fmt: skip
+
+
 def linear(
     x: Tensor,
     q: Tensor,
@@ -319,7 +339,12 @@ def linear(
     """y [..., N] in x's dtype for x [..., K], q e4m3 [N, K], scale_inv fp32 [ceil(N/bn), ceil(K/bk)]
     (shapes checked by the caller). No host sync. `config` (BM, BN, TK, split), `num_warps`,
     `num_stages`: for sweeps; by default `tiling` and `launch_options`. BM < 16 (a power of two
-    <= 4) runs the CUDA-core kernel (`_gemv_cc_kernel`), else the MMA one."""
+    <= 4) runs the CUDA-core kernel (`_gemv_cc_kernel`), else the MMA one. Without `config`, on a
+    GPU, `gluon_fp8_gemv.linear` where `GLUON` says it applies."""
+    if config is None and _gluon_applies(x, q, block_size):
+        return _gluon.linear(
+            x, q, scale_inv, block_size=block_size, sms=sm_count(x.device), counters=_arrival_counters
+        )
     x2 = x.reshape(-1, x.shape[-1])
     m, k = x2.shape
     n = q.shape[0]

@@ -1,0 +1,318 @@
+"""Weight-only FP8 decode linear in Gluon (Triton's explicit-layout dialect): no shared memory.
+
+`triton_fp8_gemv._gemv_kernel` lets Triton lay the weight tile out: the codes go through shared
+memory (cp.async in, then one 2-byte `ld.shared` per two codes into the MMA operand layout), and
+on the H200 its K loop issued ~7.3 instructions per weight element, which made it issue-bound at
+18-32% of DRAM bandwidth (docs/benchmarks.md, M4, session 7). Here the layouts are written out so
+that every thread loads its weight codes with 16-byte global loads straight into the registers the
+tensor-core operand needs, and converts them there: ~3.4 instructions per element, all of them
+the conversion and the MMA (verified in the sm_90 PTX by tests/quant/test_gluon_gemv.py).
+
+The trick is a permutation of K inside each 64-column chunk, applied to both operands (a dot
+product does not care in which order its terms are summed, only that both factors agree). The
+`mma.sync.m16n8k16` A fragment gives lane (g, t) = (lane // 4, lane % 4) the columns {2t, 2t+1,
+2t+8, 2t+9} of rows g and g+8 in each 16-column step. Over four steps (64 columns) the thread
+takes the 16 *contiguous* memory columns 16t .. 16t+15: step j's slot 2t+i holds memory column
+16t+4j+i and slot 2t+8+i holds 16t+4j+2+i. In layout terms: the load layout of the [BN, KC] code
+tile puts (i, h, j) = the low four bits of k in registers, t in lane bits 0-1, g in lane bits 2-4,
+row+8 in a register bit and 16-row groups in warps; `reshape`/`permute` rename memory column
+16t+4j+2h+i to MMA column 16j+8h+2t+i, and the result *is* the A operand layout
+(`convert_layout(..., assert_trivial=True)`: the compiler proves no data moves). The activations
+get the same permutation as the B operand (n8 per MMA; every warp reads the whole x tile, which
+stays in L1).
+
+Numerics are `triton_fp8_gemv`'s: each weight is bf16(fp32(code) * scale) (`fp8_blockwise.dequantize`
+to bf16, the trainer's weight), products exact in fp32, fp32 sums (here in mma.sync order), one
+rounding to x's dtype. Split-K writes fp32 partials reduced in split order by the last program to
+arrive (deterministic), as the Triton kernel does.
+
+Gluon kernels compile for the GPU only (no interpreter): on CPU the tests compile this kernel to
+sm_90 PTX and check its instructions; tests/gpu check its numbers on the H200.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+from torch import Tensor
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from skyq.quant.kernels._common import cdiv
+
+CHUNK = 64
+"""K columns over which each thread's 16 contiguous codes are spread (four 16-column MMA steps)."""
+
+
+def _bits(n: int) -> int:
+    return n.bit_length() - 1
+
+
+@functools.cache
+def weight_layout(bn: int, kc: int, warps: int) -> gl.DistributedLinearLayout:
+    """The [bn, kc] code tile's load layout: per thread 16 contiguous columns (one 16-byte load) of
+    rows g and g + 8, then further 64-column chunks, then further 16*warps-row groups; lanes take
+    (t, g), warps take 16-row groups: after the K permutation, the mma.sync A operand layout."""
+    reg = [[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]]
+    reg += [[0, CHUNK << i] for i in range(_bits(kc // CHUNK))]
+    reg += [[16 * warps << i, 0] for i in range(_bits(bn // (16 * warps)))]
+    lane = [[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]]
+    warp = [[16 << i, 0] for i in range(_bits(warps))]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [bn, kc])
+
+
+@functools.cache
+def word_layout(bn: int, kc: int, warps: int) -> gl.DistributedLinearLayout:
+    """`weight_layout` over the codes read as int32 words ([bn, kc // 4]: word w holds columns 4w ..
+    4w + 3): per thread 4 contiguous words (one 16-byte load)."""
+    reg = [[0, 1], [0, 2], [8, 0]]
+    reg += [[0, CHUNK // 4 << i] for i in range(_bits(kc // CHUNK))]
+    reg += [[16 * warps << i, 0] for i in range(_bits(bn // (16 * warps)))]
+    lane = [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]]
+    warp = [[16 << i, 0] for i in range(_bits(warps))]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [bn, kc // 4])
+
+
+@functools.cache
+def act_layout(bm: int, kc: int, warps: int) -> gl.DistributedLinearLayout:
+    """The [bm, kc] activation tile's load layout: the same columns per thread as the weights (16
+    contiguous bf16, two 16-byte loads), rows g, g + 8, ... in registers, every warp a copy (the B
+    operand of each warp's MMAs is the whole tile)."""
+    reg = [[0, 1], [0, 2], [0, 4], [0, 8]]
+    reg += [[0, CHUNK << i] for i in range(_bits(kc // CHUNK))]
+    reg += [[8 << i, 0] for i in range(_bits(bm // 8))]
+    lane = [[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]]
+    warp = [[0, 0]] * _bits(warps)
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [bm, kc])
+
+
+@gluon.jit
+def _mma_order(t, ROWS: gl.constexpr, KC: gl.constexpr):
+    """[ROWS, KC] with memory column c*64 + 16t + 4j + 2h + i renamed MMA column c*64 + 16j + 8h + 2t + i."""
+    return t.reshape([ROWS, KC // 64, 4, 4, 2, 2]).permute(0, 1, 3, 4, 2, 5).reshape([ROWS, KC])
+
+
+_DEQUANT4 = gl.constexpr("""{
+.reg .b16 c01, c23, f0, f1, f2, f3;
+.reg .b32 h01, h23, p01, p23;
+.reg .f32 g0, g1, g2, g3;
+mov.b32 {c01, c23}, $4;
+cvt.rn.f16x2.e4m3x2 h01, c01;
+cvt.rn.f16x2.e4m3x2 h23, c23;
+mov.b32 {f0, f1}, h01;
+mov.b32 {f2, f3}, h23;
+cvt.f32.f16 g0, f0;
+cvt.f32.f16 g1, f1;
+cvt.f32.f16 g2, f2;
+cvt.f32.f16 g3, f3;
+mul.rn.f32 g0, g0, $5;
+mul.rn.f32 g1, g1, $5;
+mul.rn.f32 g2, g2, $5;
+mul.rn.f32 g3, g3, $5;
+cvt.rn.bf16x2.f32 p01, g1, g0;
+cvt.rn.bf16x2.f32 p23, g3, g2;
+mov.b32 {$0, $1}, p01;
+mov.b32 {$2, $3}, p23;
+}""")
+"""Four e4m3 codes (one int32 word, byte i = column 4w + i) -> bf16(fp32(code) * scale) each: two
+`cvt.rn.f16x2.e4m3x2` (exact), four widenings to fp32 (exact), four fp32 multiplies (round to
+nearest), two `cvt.rn.bf16x2.f32` (round to nearest even): `fp8_blockwise.dequantize` to bf16."""
+
+
+@gluon.jit
+def _load_step(q_rows, x_rows, s_ptrs, k0, K, ssk, rw, rkx, BLK_K: gl.constexpr, EVEN_K: gl.constexpr):
+    """The code words, activations and scale(s) of the KC columns from k0. Rows past N and M were
+    clamped to the last row (read, never stored); columns past K are masked to zero."""
+    if EVEN_K:
+        words = gl.load(q_rows + (k0 // 4 + rw)[None, :])
+        xt = gl.load(x_rows + (k0 + rkx)[None, :])
+    else:
+        words = gl.load(q_rows + (k0 // 4 + rw)[None, :], mask=((k0 + 4 * rw) < K)[None, :], other=0)
+        xt = gl.load(x_rows + (k0 + rkx)[None, :], mask=((k0 + rkx) < K)[None, :], other=0.0)
+    s = gl.load(s_ptrs + (k0 // BLK_K) * ssk)
+    return words, xt, s
+
+
+@gluon.jit
+def _mma_step(words, xt, s, acc, DA: gl.constexpr, DB: gl.constexpr,
+              BN: gl.constexpr, BM: gl.constexpr, KC: gl.constexpr, UNIFORM: gl.constexpr):  # fmt: skip
+    """acc += bf16(fp32(codes) * s) @ bf16(x)^T over the step's KC columns."""
+    if UNIFORM:
+        sc = gl.full(words.shape, s, gl.float32, layout=words.type.layout)
+    else:
+        sc = gl.broadcast(s[:, None], words)[0]
+    e0, e1, e2, e3 = gl.inline_asm_elementwise(
+        _DEQUANT4, "=h,=h,=h,=h,r,r", [words, sc],
+        dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=1,
+    )  # fmt: skip
+    w = gl.join(gl.join(e0, e1), gl.join(e2, e3)).permute(0, 1, 3, 2).reshape([BN, KC])
+    a = gl.convert_layout(_mma_order(w, BN, KC), DA, assert_trivial=True)
+    b = gl.convert_layout(_mma_order(xt.to(gl.bfloat16), BM, KC).permute(1, 0), DB, assert_trivial=True)
+    return mma_v2(a, b, acc)
+
+
+@gluon.jit
+def _gemv_kernel(
+    x_ptr, q_ptr, s_ptr, y_ptr, p_ptr, cnt_ptr,
+    M, N, K, k_per_split,
+    sxm, sqn, ssn, ssk, sym,
+    BLK_N: gl.constexpr, BLK_K: gl.constexpr,
+    BM: gl.constexpr, BN: gl.constexpr, KC: gl.constexpr, SPLIT: gl.constexpr, W: gl.constexpr,
+    LW: gl.constexpr, LX: gl.constexpr, UNIFORM: gl.constexpr, EVEN_K: gl.constexpr, PREFETCH: gl.constexpr,
+):  # fmt: skip
+    """y[m, n] (or split partials) = sum over this split's K range of bf16(q * s)[n, k] * x[m, k];
+    q and x have unit stride along K. The next step's codes, activations and scale are loaded
+    before this step's are converted and multiplied (a two-deep register pipeline)."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
+    DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    pid_s = gl.program_id(2)
+    rn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LW))
+    rw = gl.arange(0, KC // 4, layout=gl.SliceLayout(0, LW))
+    rm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, LX))
+    rkx = gl.arange(0, KC, layout=gl.SliceLayout(0, LX))
+    # rows past N or M read the last row (in bounds, no mask in the K loop); their sums are not stored
+    q_rows = q_ptr + gl.minimum(rn, N - 1)[:, None].to(gl.int64) * sqn
+    x_rows = x_ptr + gl.minimum(rm, M - 1)[:, None].to(gl.int64) * sxm
+    if UNIFORM:  # BN divides BLK_N: one scale row for the tile, a scalar per step
+        s_ptrs = s_ptr + ((pid_n * BN) // BLK_N).to(gl.int64) * ssn
+    else:  # each row its block's scale
+        s_ptrs = s_ptr + (gl.minimum(rn, N - 1) // BLK_N).to(gl.int64) * ssn
+    k_lo = pid_s * k_per_split
+    k_hi = gl.minimum(k_lo + k_per_split, K)
+    acc = gl.zeros([BN, BM], gl.float32, layout=MMA)
+    if PREFETCH:  # the next step's loads issued before this step's math (values carried in registers)
+        words, xt, s = _load_step(q_rows, x_rows, s_ptrs, k_lo, K, ssk, rw, rkx, BLK_K, EVEN_K)
+        for k0 in range(k_lo + KC, k_hi, KC):
+            nxt_words, nxt_xt, nxt_s = _load_step(q_rows, x_rows, s_ptrs, k0, K, ssk, rw, rkx, BLK_K, EVEN_K)
+            acc = _mma_step(words, xt, s, acc, DA, DB, BN, BM, KC, UNIFORM)
+            words = nxt_words
+            xt = nxt_xt
+            s = nxt_s
+        acc = _mma_step(words, xt, s, acc, DA, DB, BN, BM, KC, UNIFORM)
+    else:  # latency hidden by the other warps on the SM
+        for k0 in range(k_lo, k_hi, KC):
+            words, xt, s = _load_step(q_rows, x_rows, s_ptrs, k0, K, ssk, rw, rkx, BLK_K, EVEN_K)
+            acc = _mma_step(words, xt, s, acc, DA, DB, BN, BM, KC, UNIFORM)
+    on = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+    om = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
+    out_mask = (on < N)[:, None] & (om < M)[None, :]
+    out_off = om[None, :].to(gl.int64) * sym + on[:, None]
+    if SPLIT == 1:
+        gl.store(y_ptr + out_off, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        mn = M * N
+        gl.store(p_ptr + pid_s.to(gl.int64) * mn + out_off, acc, mask=out_mask)
+        gl.thread_barrier()  # every thread's partial is stored before the release below
+        tile = pid_m * gl.num_programs(0) + pid_n
+        if gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+            total = gl.zeros([BN, BM], gl.float32, layout=MMA)
+            for i in gl.static_range(SPLIT):  # unrolled: all partial loads in flight; summed in split order
+                total += gl.load(p_ptr + i * mn + out_off, mask=out_mask, other=0.0, cache_modifier=".cg")
+            gl.store(y_ptr + out_off, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            gl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+def supports(block_size: tuple[int, int]) -> bool:
+    """Weight blocks this kernel tiles: any row count, a power-of-two column count >= 64 (a K step
+    of KC <= BLK_K columns then has one scale per row)."""
+    bn, bk = block_size
+    return bn > 0 and bk >= CHUNK and bk & (bk - 1) == 0
+
+
+def tiling(m: int, n: int, k: int, block_k: int, sms: int) -> tuple[int, int, int, int, int]:
+    """(BM, BN, KC, split, warps): the batch padded to the MMA's 8 columns (at most 64 per tile),
+    64 weight rows on 4 warps, 128-column steps (<= the scale block), K split in powers of two up to
+    8 while there are fewer than ~2 programs per SM and each split keeps >= 4 steps."""
+    bm = min(64, max(8, triton.next_power_of_2(m)))
+    bn, warps = 64, 4
+    kc = min(128, block_k)
+    tiles = cdiv(n, bn) * cdiv(m, bm)
+    steps = cdiv(k, kc)
+    split = 1
+    while split < 8 and tiles * split < 1.8 * sms and steps >= 8 * split:
+        split *= 2
+    return bm, bn, kc, split, warps
+
+
+def linear(
+    x: Tensor,
+    q: Tensor,
+    scale_inv: Tensor,
+    *,
+    block_size: tuple[int, int],
+    sms: int,
+    counters,
+    config: tuple[int, int, int, int, int] | None = None,
+    prefetch: bool = False,
+) -> Tensor:
+    """y [..., N] in x's dtype for x [..., K] (bf16 or fp32 values), q e4m3 [N, K] with unit
+    stride along K, scale_inv fp32 [ceil(N/bn), ceil(K/bk)]; `supports(block_size)` holds. No host
+    sync. `counters(device, tiles)`: a zeroed int32 buffer the split launches leave zeroed.
+    `config` (BM, BN, KC, split, warps) for sweeps; by default `tiling`."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, k = x2.shape
+    n = q.shape[0]
+    blk_n, blk_k = block_size
+    bm, bn, kc, split, warps = config or tiling(m, n, k, blk_k, sms)
+    if bn % (16 * warps) or kc % CHUNK or blk_k % kc or bm < 8:
+        raise ValueError(
+            f"gluon fp8 gemv: config {(bm, bn, kc, split, warps)} does not tile block {block_size}"
+        )
+    k_per_split = cdiv(cdiv(k, kc), split) * kc
+    split = cdiv(k, k_per_split)
+    words = q.view(torch.int32)  # four codes per word (K % 4 == 0, rows 4-byte aligned)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = (cdiv(n, bn), cdiv(m, bm), split)
+    if split > 1:
+        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        cnt = counters(x.device, grid[0] * grid[1])
+    else:
+        part = cnt = y
+    _gemv_kernel[grid](
+        x2, words, scale_inv, y, part, cnt, m, n, k, k_per_split,
+        x2.stride(0), words.stride(0), *scale_inv.stride(), y.stride(0),
+        BLK_N=blk_n, BLK_K=blk_k, BM=bm, BN=bn, KC=kc, SPLIT=split, W=warps,
+        LW=word_layout(bn, kc, warps), LX=act_layout(bm, kc, warps),
+        UNIFORM=blk_n % bn == 0, EVEN_K=k % kc == 0, PREFETCH=prefetch,
+        num_warps=warps,
+    )  # fmt: skip
+    return y.reshape(*x.shape[:-1], n)
+
+
+def compile_offline(
+    config: tuple[int, int, int, int, int],
+    *,
+    block_size: tuple[int, int] = (128, 128),
+    x_dtype: str = "bf16",
+    even_k: bool = True,
+    prefetch: bool = False,
+    capability: int = 90,
+):
+    """Compile `_gemv_kernel` for a CUDA target without a GPU (Triton's compiler and its bundled
+    ptxas): the CompiledKernel, whose `asm` holds "ptx" and "cubin". What the tests read the
+    instructions of; it fails to compile where a layout conversion would move data."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    bm, bn, kc, split, warps = config
+    names = "x_ptr q_ptr s_ptr y_ptr p_ptr cnt_ptr M N K k_per_split sxm sqn ssn ssk sym".split()
+    types = [f"*{x_dtype}", "*i32", "*fp32", f"*{x_dtype}", "*fp32", "*i32"] + ["i32"] * 9
+    consts = dict(
+        BLK_N=block_size[0], BLK_K=block_size[1], BM=bm, BN=bn, KC=kc, SPLIT=split, W=warps,
+        LW=word_layout(bn, kc, warps), LX=act_layout(bm, kc, warps),
+        UNIFORM=block_size[0] % bn == 0, EVEN_K=even_k, PREFETCH=prefetch,
+    )  # fmt: skip
+    signature = dict(zip(names, types, strict=True)) | {c: "constexpr" for c in consts}
+    # what a launch specializes on: 16-byte aligned pointers, K and the row strides multiples of 16
+    aligned = "x_ptr q_ptr s_ptr y_ptr p_ptr cnt_ptr K k_per_split sxm sqn sym".split()
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    src = GluonASTSource(_gemv_kernel, signature, consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(num_warps=warps))

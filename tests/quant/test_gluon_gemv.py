@@ -1,0 +1,125 @@
+"""The Gluon FP8 decode kernel, compiled for the H200 (sm_90) on this CPU machine.
+
+Gluon kernels do not run under Triton's interpreter, so their numbers are checked on the GPU
+(tests/gpu/test_fp8_gemv.py). What this machine can check is the compiler's output, with Triton's
+own compiler and its bundled ptxas / cuobjdump: every variant the tiling or a sweep picks compiles
+(a layout conversion that would move data fails `assert_trivial`), the K loop reads codes and
+activations with 16-byte global loads and never touches shared memory, and the SASS of its loop
+issues the instructions per weight element that make the kernel memory-bound rather than
+issue-bound (the Triton kernel's loop: ~7.3 PTX instructions per element, docs/benchmarks.md M4).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import subprocess
+import tempfile
+
+import pytest
+
+pytest.importorskip("triton.experimental.gluon")
+
+from skyq.quant.kernels import gluon_fp8_gemv as g  # noqa: E402
+from skyq.quant.kernels import triton_fp8_gemv  # noqa: E402
+
+
+@functools.cache
+def _compiled(config, **kw):
+    return g.compile_offline(config, **kw)
+
+
+def _sass(kernel) -> str:
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def _loop_ops(sass: str) -> list[str]:
+    """Opcodes of the main K loop: from the target of the last backward branch to that branch."""
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)(.*);", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    loops = []
+    for addr, op, rest in ins:
+        if op == "BRA":
+            target = int(rest.split()[0], 16)
+            if target < addr:
+                loops.append([o.split(".")[0] for a, o, _ in ins if target <= a <= addr])
+    assert loops, "no K loop found in the SASS"
+    return max(loops, key=len)
+
+
+# (BM, BN, KC, split, warps): the default tiling's families and the sweep's
+CONFIGS = [
+    (8, 64, 128, 1, 4),
+    (16, 64, 128, 4, 4),
+    (32, 64, 128, 2, 4),
+    (64, 64, 64, 1, 4),
+    (16, 128, 128, 1, 8),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_the_k_loop_loads_16_byte_vectors_into_the_mma_registers_without_shared_memory(config):
+    bm, bn, kc, _split, warps = config
+    k = _compiled(config)
+    assert "ldmatrix" not in k.asm["ptx"] and "cp.async" not in k.asm["ptx"]
+    ops = _loop_ops(_sass(k))
+    assert not {"LDS", "STS", "LDSM", "LDGSTS", "BAR"} & set(ops), "the K loop uses shared memory"
+    loads = ops.count("LDG")
+    per_thread = bn * kc // (32 * warps)  # codes per thread per step
+    x_vectors = bm * kc * 2 // 16 // 32  # 16-byte activation vectors per lane (every warp the whole tile)
+    assert loads == per_thread // 16 + x_vectors + 1  # + the scale
+    assert ops.count("HMMA") == (bn // (16 * warps)) * (kc // 16) * (bm // 8)
+    # the dequantization: one e4m3x2 unpack per 2 codes, one widening and one multiply per code,
+    # one bf16x2 pack per 2: 3 per weight element; all else (MMA, loads, addressing) on top
+    assert ops.count("FMUL") == per_thread and ops.count("HADD2") == per_thread
+    assert ops.count("F2FP") == per_thread
+    per_element = len(ops) / per_thread
+    limit = 4.5 if bm <= 16 else 6.0
+    assert per_element <= limit, f"{per_element:.2f} instructions per weight element in the K loop"
+
+
+def test_uneven_k_fp32_activations_row_scales_and_prefetch_variants_compile():
+    """Each other code path of the kernel compiles to the same conversion-free operand layout."""
+    for kw in (
+        dict(even_k=False),
+        dict(x_dtype="fp32"),
+        dict(block_size=(96, 128)),
+        dict(prefetch=True),
+        dict(block_size=(128, 64)),
+    ):
+        config = (16, 64, 64 if kw.get("block_size") == (128, 64) else 128, 2, 4)
+        ptx = _compiled(config, **kw).asm["ptx"]
+        assert "ldmatrix" not in ptx and "mma.sync.aligned.m16n8k16" in ptx, kw
+
+
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 16, 31, 64, 100])
+@pytest.mark.parametrize(
+    ("n", "k"), [(5120, 2048), (2048, 4096), (12288, 2048), (2048, 6144), (512, 2048), (64, 128)]
+)
+def test_tiling_gives_launchable_configs(m, n, k):
+    bm, bn, kc, split, warps = g.tiling(m, n, k, 128, 132)
+    assert bm in (8, 16, 32, 64) and bm >= min(m, 64) and bm <= max(8, 2 * m)
+    assert bn % (16 * warps) == 0 and kc % g.CHUNK == 0 and 128 % kc == 0
+    steps = -(-k // kc)
+    assert 1 <= split <= 8 and (split == 1 or steps >= 8 * (split // 2))
+    tiles = -(-n // bn) * -(-m // bm)
+    assert split == 1 or tiles * split // 2 < 1.8 * 132
+
+
+def test_supports_and_applies():
+    import torch
+
+    assert g.supports((128, 128)) and g.supports((1, 64)) and g.supports((128, 256))
+    assert not g.supports((128, 32)) and not g.supports((128, 96)) and not g.supports((0, 128))
+    q = torch.zeros(256, 256, dtype=torch.float8_e4m3fn)
+    assert not triton_fp8_gemv._gluon_applies(torch.zeros(1, 256), q, (128, 128))  # not a GPU tensor
