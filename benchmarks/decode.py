@@ -295,16 +295,16 @@ def sweep(
 
 def gluon_configs(m: int, n: int, k: int) -> list[tuple[tuple[int, int, int, int, int], bool]]:
     """((BM, BN, KC, split, warps), prefetch) variants of the Gluon kernel for one shape and batch:
-    64 rows on 4 warps or 128 on 4 or 8, 64- or 128-column steps, split 1-8 (>= 2 steps each),
-    with and without the register prefetch of the next step."""
+    32 rows on 2 warps, 64 on 4, 128 on 4 or 8; 128-column steps (and 64 at >= 32 batch rows);
+    split 1-16 (>= 2 steps each); one step or two (ping-pong) loaded ahead."""
     bm = min(64, max(8, 1 << (m - 1).bit_length()))
     out = []
     for bn, warps in ((64, 4), (128, 4), (128, 8), (32, 2)):
-        for kc in (64, 128):
-            for split in (1, 2, 4, 8):
+        for kc in (64, 128) if bm >= 32 else (128,):
+            for split in (1, 2, 4, 8, 16):
                 if -(-k // kc) < 2 * split:
                     continue
-                out += [((bm, bn, kc, split, warps), pf) for pf in (False, True)]
+                out += [((bm, bn, kc, split, warps), pf) for pf in (1, 2)]
     return out
 
 
@@ -373,9 +373,9 @@ def gluon_sweep(gen: torch.Generator, batches: list[int], shapes: dict, deadline
             res.sort()
             best[(n, k, m)] = res[0][1:]
             auto = g.tiling(m, n, k, 128, sms)
-            top = ", ".join(f"{c[1]}/{c[2]}/{c[3]}/{c[4]}/{int(pf)} {t * 1e6:.1f}" for t, c, pf in res[:4])
+            top = ", ".join(f"{c[1]}/{c[2]}/{c[3]}/{c[4]}/{pf} {t * 1e6:.1f}" for t, c, pf in res[:4])
             print(f"{label} M={m}: bf16 {tb * 1e6:.1f}, triton {tt * 1e6:.1f}, gluon {auto[1]}/{auto[2]}/{auto[3]}/"
-                  f"{auto[4]}/0 {tg * 1e6:.1f} ({n * k / tg / 1e12:.2f} TB/s), best {top}", flush=True)  # fmt: skip
+                  f"{auto[4]}/2 {tg * 1e6:.1f} ({n * k / tg / 1e12:.2f} TB/s), best {top}", flush=True)  # fmt: skip
         del ws, qs
     return best
 
@@ -383,7 +383,7 @@ def gluon_sweep(gen: torch.Generator, batches: list[int], shapes: dict, deadline
 def tuned_gluon(plain, best: dict):
     """`gluon_fp8_gemv.linear` with the variant `best[(N, K, rows)]` where the sweep timed one."""
 
-    def linear(x, q, s, *, block_size, sms, counters, config=None, prefetch=False):
+    def linear(x, q, s, *, block_size, sms, counters, config=None, prefetch=2):
         hit = best.get((q.shape[0], q.shape[1], x.numel() // x.shape[-1]))
         if hit and config is None and tuple(block_size) == (128, 128):
             config, prefetch = hit

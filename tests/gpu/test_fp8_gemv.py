@@ -228,12 +228,13 @@ GLUON_SHAPES = [
         (64, (64, 128, 64, 2, 4)),
     ],
 )
-@pytest.mark.parametrize("prefetch", [False, True])
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_gluon_kernel_is_the_bf16_weight_product(gen, n, k, block, m, config, prefetch, dtype):
     """The Gluon kernel (codes read as int32 words into the MMA operand registers, K permuted in
     64-column chunks on both operands) at explicit tilings: K and N tails, rows past the batch,
-    per-row scales (96-row blocks), 64-column scale blocks, split-K, the register prefetch, fp32
+    per-row scales (96-row blocks), 64-column scale blocks, split-K, no prefetch, one step or two
+    (ping-pong, zero-scale steps past a split's end) loaded ahead, fp32 (and bf16 as int32 pairs)
     activations: within the MMA kernel's bound, every element written."""
     from skyq.quant.kernels import gluon_fp8_gemv as g
     from skyq.quant.kernels import triton_fp8_gemv as kern

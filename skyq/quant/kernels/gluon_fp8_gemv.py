@@ -89,6 +89,21 @@ def act_layout(bm: int, kc: int, warps: int) -> gl.DistributedLinearLayout:
     return gl.DistributedLinearLayout(reg, lane, warp, [], [bm, kc])
 
 
+@functools.cache
+def act_word_layout(bm: int, kc: int, warps: int) -> gl.DistributedLinearLayout:
+    """`act_layout` over bf16 activations read as int32 words (two columns each): [bm, kc // 2]."""
+    reg = [[0, 1], [0, 2], [0, 4]]
+    reg += [[0, CHUNK // 2 << i] for i in range(_bits(kc // CHUNK))]
+    reg += [[8 << i, 0] for i in range(_bits(bm // 8))]
+    lane = [[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]]
+    warp = [[0, 0]] * _bits(warps)
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [bm, kc // 2])
+
+
+_SPLIT2 = gl.constexpr("mov.b32 {$0, $1}, $2;")
+"""One int32 word -> its two bf16 halves (low half first): no arithmetic, only register naming."""
+
+
 @gluon.jit
 def _mma_order(t, ROWS: gl.constexpr, KC: gl.constexpr):
     """[ROWS, KC] with memory column c*64 + 16t + 4j + 2h + i renamed MMA column c*64 + 16j + 8h + 2t + i."""
@@ -123,22 +138,36 @@ nearest), two `cvt.rn.bf16x2.f32` (round to nearest even): `fp8_blockwise.dequan
 
 
 @gluon.jit
-def _load_step(q_rows, x_rows, s_ptrs, k0, K, ssk, rw, rkx, BLK_K: gl.constexpr, EVEN_K: gl.constexpr):
-    """The code words, activations and scale(s) of the KC columns from k0. Rows past N and M were
-    clamped to the last row (read, never stored); columns past K are masked to zero."""
+def _load_step(q_rows, x_rows, s_ptrs, k0, K, ssk, rw, rkx,
+               BLK_K: gl.constexpr, EVEN_K: gl.constexpr, XW: gl.constexpr):  # fmt: skip
+    """The code words, activations (with XW, bf16 pairs as int32 words) and scale(s) of the KC
+    columns from k0. Rows past N and M were clamped to the last row (read, never stored); columns
+    past K are masked to zero."""
+    XPW: gl.constexpr = 2 if XW else 1  # activation columns per loaded element
     if EVEN_K:
         words = gl.load(q_rows + (k0 // 4 + rw)[None, :])
-        xt = gl.load(x_rows + (k0 + rkx)[None, :])
+        xt = gl.load(x_rows + (k0 // XPW + rkx)[None, :])
     else:
         words = gl.load(q_rows + (k0 // 4 + rw)[None, :], mask=((k0 + 4 * rw) < K)[None, :], other=0)
-        xt = gl.load(x_rows + (k0 + rkx)[None, :], mask=((k0 + rkx) < K)[None, :], other=0.0)
+        xt = gl.load(x_rows + (k0 // XPW + rkx)[None, :], mask=((k0 + XPW * rkx) < K)[None, :], other=0)
     s = gl.load(s_ptrs + (k0 // BLK_K) * ssk)
     return words, xt, s
 
 
 @gluon.jit
-def _mma_step(words, xt, s, acc, DA: gl.constexpr, DB: gl.constexpr,
-              BN: gl.constexpr, BM: gl.constexpr, KC: gl.constexpr, UNIFORM: gl.constexpr):  # fmt: skip
+def _load_step_or_zero(q_rows, x_rows, s_ptrs, k0, k_lo, k_hi, K, ssk, rw, rkx,
+                       BLK_K: gl.constexpr, EVEN_K: gl.constexpr, XW: gl.constexpr):  # fmt: skip
+    """`_load_step` at k0 if k0 < k_hi, else the split's first step with a zero scale."""
+    valid = k0 < k_hi
+    words, xt, s = _load_step(
+        q_rows, x_rows, s_ptrs, gl.where(valid, k0, k_lo), K, ssk, rw, rkx, BLK_K, EVEN_K, XW
+    )
+    return words, xt, gl.where(valid, s, 0.0)
+
+
+@gluon.jit
+def _mma_step(words, xt, s, acc, DA: gl.constexpr, DB: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr,
+              KC: gl.constexpr, UNIFORM: gl.constexpr, XW: gl.constexpr):  # fmt: skip
     """acc += bf16(fp32(codes) * s) @ bf16(x)^T over the step's KC columns."""
     if UNIFORM:
         sc = gl.full(words.shape, s, gl.float32, layout=words.type.layout)
@@ -150,7 +179,14 @@ def _mma_step(words, xt, s, acc, DA: gl.constexpr, DB: gl.constexpr,
     )  # fmt: skip
     w = gl.join(gl.join(e0, e1), gl.join(e2, e3)).permute(0, 1, 3, 2).reshape([BN, KC])
     a = gl.convert_layout(_mma_order(w, BN, KC), DA, assert_trivial=True)
-    b = gl.convert_layout(_mma_order(xt.to(gl.bfloat16), BM, KC).permute(1, 0), DB, assert_trivial=True)
+    if XW:
+        lo, hi = gl.inline_asm_elementwise(
+            _SPLIT2, "=h,=h,r", [xt], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1
+        )
+        xb = gl.join(lo, hi).reshape([BM, KC])
+    else:
+        xb = xt.to(gl.bfloat16)
+    b = gl.convert_layout(_mma_order(xb, BM, KC).permute(1, 0), DB, assert_trivial=True)
     return mma_v2(a, b, acc)
 
 
@@ -162,6 +198,7 @@ def _gemv_kernel(
     BLK_N: gl.constexpr, BLK_K: gl.constexpr,
     BM: gl.constexpr, BN: gl.constexpr, KC: gl.constexpr, SPLIT: gl.constexpr, W: gl.constexpr,
     LW: gl.constexpr, LX: gl.constexpr, UNIFORM: gl.constexpr, EVEN_K: gl.constexpr, PREFETCH: gl.constexpr,
+    XW: gl.constexpr,
 ):  # fmt: skip
     """y[m, n] (or split partials) = sum over this split's K range of bf16(q * s)[n, k] * x[m, k];
     q and x have unit stride along K. The next step's codes, activations and scale are loaded
@@ -175,7 +212,7 @@ def _gemv_kernel(
     rn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LW))
     rw = gl.arange(0, KC // 4, layout=gl.SliceLayout(0, LW))
     rm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, LX))
-    rkx = gl.arange(0, KC, layout=gl.SliceLayout(0, LX))
+    rkx = gl.arange(0, KC // 2 if XW else KC, layout=gl.SliceLayout(0, LX))
     # rows past N or M read the last row (in bounds, no mask in the K loop); their sums are not stored
     q_rows = q_ptr + gl.minimum(rn, N - 1)[:, None].to(gl.int64) * sqn
     x_rows = x_ptr + gl.minimum(rm, M - 1)[:, None].to(gl.int64) * sxm
@@ -186,19 +223,38 @@ def _gemv_kernel(
     k_lo = pid_s * k_per_split
     k_hi = gl.minimum(k_lo + k_per_split, K)
     acc = gl.zeros([BN, BM], gl.float32, layout=MMA)
-    if PREFETCH:  # the next step's loads issued before this step's math (values carried in registers)
-        words, xt, s = _load_step(q_rows, x_rows, s_ptrs, k_lo, K, ssk, rw, rkx, BLK_K, EVEN_K)
+    if PREFETCH == 2:
+        # Two steps in flight, ping-pong: each buffer is reloaded right after its MMA consumed it, so
+        # no register moves. A step past the split's end loads its first step again (in bounds)
+        # with scale 0: it adds exact zeros (finite x).
+        a_w, a_x, a_s = _load_step(q_rows, x_rows, s_ptrs, k_lo, K, ssk, rw, rkx, BLK_K, EVEN_K, XW)
+        b_w, b_x, b_s = _load_step_or_zero(
+            q_rows, x_rows, s_ptrs, k_lo + KC, k_lo, k_hi, K, ssk, rw, rkx, BLK_K, EVEN_K, XW
+        )
+        for k0 in range(k_lo, k_hi, 2 * KC):
+            acc = _mma_step(a_w, a_x, a_s, acc, DA, DB, BN, BM, KC, UNIFORM, XW)
+            a_w, a_x, a_s = _load_step_or_zero(
+                q_rows, x_rows, s_ptrs, k0 + 2 * KC, k_lo, k_hi, K, ssk, rw, rkx, BLK_K, EVEN_K, XW
+            )
+            acc = _mma_step(b_w, b_x, b_s, acc, DA, DB, BN, BM, KC, UNIFORM, XW)
+            b_w, b_x, b_s = _load_step_or_zero(
+                q_rows, x_rows, s_ptrs, k0 + 3 * KC, k_lo, k_hi, K, ssk, rw, rkx, BLK_K, EVEN_K, XW
+            )
+    elif PREFETCH == 1:  # the next step's loads issued before this step's math (values moved along)
+        words, xt, s = _load_step(q_rows, x_rows, s_ptrs, k_lo, K, ssk, rw, rkx, BLK_K, EVEN_K, XW)
         for k0 in range(k_lo + KC, k_hi, KC):
-            nxt_words, nxt_xt, nxt_s = _load_step(q_rows, x_rows, s_ptrs, k0, K, ssk, rw, rkx, BLK_K, EVEN_K)
-            acc = _mma_step(words, xt, s, acc, DA, DB, BN, BM, KC, UNIFORM)
+            nxt_words, nxt_xt, nxt_s = _load_step(
+                q_rows, x_rows, s_ptrs, k0, K, ssk, rw, rkx, BLK_K, EVEN_K, XW
+            )
+            acc = _mma_step(words, xt, s, acc, DA, DB, BN, BM, KC, UNIFORM, XW)
             words = nxt_words
             xt = nxt_xt
             s = nxt_s
-        acc = _mma_step(words, xt, s, acc, DA, DB, BN, BM, KC, UNIFORM)
-    else:  # latency hidden by the other warps on the SM
+        acc = _mma_step(words, xt, s, acc, DA, DB, BN, BM, KC, UNIFORM, XW)
+    else:  # latency hidden by the other warps on the SM only
         for k0 in range(k_lo, k_hi, KC):
-            words, xt, s = _load_step(q_rows, x_rows, s_ptrs, k0, K, ssk, rw, rkx, BLK_K, EVEN_K)
-            acc = _mma_step(words, xt, s, acc, DA, DB, BN, BM, KC, UNIFORM)
+            words, xt, s = _load_step(q_rows, x_rows, s_ptrs, k0, K, ssk, rw, rkx, BLK_K, EVEN_K, XW)
+            acc = _mma_step(words, xt, s, acc, DA, DB, BN, BM, KC, UNIFORM, XW)
     on = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
     om = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
     out_mask = (on < N)[:, None] & (om < M)[None, :]
@@ -228,14 +284,15 @@ def supports(block_size: tuple[int, int]) -> bool:
 def tiling(m: int, n: int, k: int, block_k: int, sms: int) -> tuple[int, int, int, int, int]:
     """(BM, BN, KC, split, warps): the batch padded to the MMA's 8 columns (at most 64 per tile),
     64 weight rows on 4 warps, 128-column steps (<= the scale block), K split in powers of two up to
-    8 while there are fewer than ~2 programs per SM and each split keeps >= 4 steps."""
+    8 while there are fewer than ~2.5 programs per SM and each split keeps >= 2 steps (the
+    ping-pong prefetch's pair)."""
     bm = min(64, max(8, triton.next_power_of_2(m)))
     bn, warps = 64, 4
     kc = min(128, block_k)
     tiles = cdiv(n, bn) * cdiv(m, bm)
     steps = cdiv(k, kc)
     split = 1
-    while split < 8 and tiles * split < 1.8 * sms and steps >= 8 * split:
+    while split < 8 and tiles * split < 2.5 * sms and steps >= 4 * split:
         split *= 2
     return bm, bn, kc, split, warps
 
@@ -249,12 +306,13 @@ def linear(
     sms: int,
     counters,
     config: tuple[int, int, int, int, int] | None = None,
-    prefetch: bool = False,
+    prefetch: int = 2,
 ) -> Tensor:
     """y [..., N] in x's dtype for x [..., K] (bf16 or fp32 values), q e4m3 [N, K] with unit
     stride along K, scale_inv fp32 [ceil(N/bn), ceil(K/bk)]; `supports(block_size)` holds. No host
     sync. `counters(device, tiles)`: a zeroed int32 buffer the split launches leave zeroed.
-    `config` (BM, BN, KC, split, warps) for sweeps; by default `tiling`."""
+    `config` (BM, BN, KC, split, warps) for sweeps; by default `tiling`. `prefetch`: steps
+    loaded ahead of the math: 0, 1 (the next, values moved along), 2 (two, ping-pong buffers)."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -266,9 +324,13 @@ def linear(
         raise ValueError(
             f"gluon fp8 gemv: config {(bm, bn, kc, split, warps)} does not tile block {block_size}"
         )
-    k_per_split = cdiv(cdiv(k, kc), split) * kc
+    steps = cdiv(cdiv(k, kc), split)
+    k_per_split = (steps + (steps % 2 if prefetch == 2 else 0)) * kc  # whole ping-pong pairs
     split = cdiv(k, k_per_split)
     words = q.view(torch.int32)  # four codes per word (K % 4 == 0, rows 4-byte aligned)
+    # bf16 activations as int32 pairs: carried across the prefetch as whole registers
+    xw = x2.dtype == torch.bfloat16 and k % 2 == 0 and x2.stride(0) % 2 == 0 and x2.storage_offset() % 2 == 0
+    xin = x2.view(torch.int32) if xw else x2
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (cdiv(n, bn), cdiv(m, bm), split)
     if split > 1:
@@ -277,11 +339,11 @@ def linear(
     else:
         part = cnt = y
     _gemv_kernel[grid](
-        x2, words, scale_inv, y, part, cnt, m, n, k, k_per_split,
-        x2.stride(0), words.stride(0), *scale_inv.stride(), y.stride(0),
+        xin, words, scale_inv, y, part, cnt, m, n, k, k_per_split,
+        xin.stride(0), words.stride(0), *scale_inv.stride(), y.stride(0),
         BLK_N=blk_n, BLK_K=blk_k, BM=bm, BN=bn, KC=kc, SPLIT=split, W=warps,
-        LW=word_layout(bn, kc, warps), LX=act_layout(bm, kc, warps),
-        UNIFORM=blk_n % bn == 0, EVEN_K=k % kc == 0, PREFETCH=prefetch,
+        LW=word_layout(bn, kc, warps), LX=(act_word_layout if xw else act_layout)(bm, kc, warps),
+        UNIFORM=blk_n % bn == 0, EVEN_K=k % kc == 0, PREFETCH=prefetch, XW=xw,
         num_warps=warps,
     )  # fmt: skip
     return y.reshape(*x.shape[:-1], n)
@@ -293,7 +355,7 @@ def compile_offline(
     block_size: tuple[int, int] = (128, 128),
     x_dtype: str = "bf16",
     even_k: bool = True,
-    prefetch: bool = False,
+    prefetch: int = 2,
     capability: int = 90,
 ):
     """Compile `_gemv_kernel` for a CUDA target without a GPU (Triton's compiler and its bundled
@@ -304,11 +366,12 @@ def compile_offline(
 
     bm, bn, kc, split, warps = config
     names = "x_ptr q_ptr s_ptr y_ptr p_ptr cnt_ptr M N K k_per_split sxm sqn ssn ssk sym".split()
-    types = [f"*{x_dtype}", "*i32", "*fp32", f"*{x_dtype}", "*fp32", "*i32"] + ["i32"] * 9
+    xw = x_dtype == "bf16"
+    types = ["*i32" if xw else f"*{x_dtype}", "*i32", "*fp32", f"*{x_dtype}", "*fp32", "*i32"] + ["i32"] * 9
     consts = dict(
         BLK_N=block_size[0], BLK_K=block_size[1], BM=bm, BN=bn, KC=kc, SPLIT=split, W=warps,
-        LW=word_layout(bn, kc, warps), LX=act_layout(bm, kc, warps),
-        UNIFORM=block_size[0] % bn == 0, EVEN_K=even_k, PREFETCH=prefetch,
+        LW=word_layout(bn, kc, warps), LX=(act_word_layout if xw else act_layout)(bm, kc, warps),
+        UNIFORM=block_size[0] % bn == 0, EVEN_K=even_k, PREFETCH=prefetch, XW=xw,
     )  # fmt: skip
     signature = dict(zip(names, types, strict=True)) | {c: "constexpr" for c in consts}
     # what a launch specializes on: 16-byte aligned pointers, K and the row strides multiples of 16
