@@ -258,6 +258,7 @@ def test_decode_dispatches_to_the_gluon_kernel_where_it_applies(gen):
 
     q, s, x = _weight_and_input(gen, 512, 2048, (128, 128), 4)
     assert kern._gluon_applies(x, q, (128, 128))
+    assert not kern._gluon_applies(torch.zeros(kern.GLUON_MAX_M + 1, 2048, device=x.device), q, (128, 128))
     assert not kern._gluon_applies(x, q[:, :2046], (128, 128))  # rows not 4-byte aligned
     assert not kern._gluon_applies(x, q, (128, 32))
     a = dispatch.fp8_weight_only_linear(x, q, s)

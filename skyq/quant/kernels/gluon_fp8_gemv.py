@@ -284,15 +284,18 @@ def supports(block_size: tuple[int, int]) -> bool:
 def tiling(m: int, n: int, k: int, block_k: int, sms: int) -> tuple[int, int, int, int, int]:
     """(BM, BN, KC, split, warps): the batch padded to the MMA's 8 columns (at most 64 per tile),
     64 weight rows on 4 warps, 128-column steps (<= the scale block), K split in powers of two up to
-    8 while there are fewer than ~2.5 programs per SM and each split keeps >= 2 steps (the
-    ping-pong prefetch's pair)."""
+    16 while there are fewer programs than ~2.9 per SM (~1.9 at more than 8 batch rows, whose
+    split partials cost more) and each split keeps >= 2 steps. From the H200 sweep of the fused
+    model's shapes (benchmarks/decode.py --gluon; docs/benchmarks.md, M4, session 8): e.g. the
+    2048 x 4096 o projection at one row, split 8 -> 16: 6.8 -> 6.5 us."""
     bm = min(64, max(8, triton.next_power_of_2(m)))
     bn, warps = 64, 4
     kc = min(128, block_k)
     tiles = cdiv(n, bn) * cdiv(m, bm)
     steps = cdiv(k, kc)
+    target = (2.9 if bm <= 8 else 1.9) * sms
     split = 1
-    while split < 8 and tiles * split < 2.5 * sms and steps >= 4 * split:
+    while split < 16 and tiles * split < target and steps >= 4 * split:
         split *= 2
     return bm, bn, kc, split, warps
 
@@ -306,13 +309,15 @@ def linear(
     sms: int,
     counters,
     config: tuple[int, int, int, int, int] | None = None,
-    prefetch: int = 2,
+    prefetch: int = 1,
 ) -> Tensor:
     """y [..., N] in x's dtype for x [..., K] (bf16 or fp32 values), q e4m3 [N, K] with unit
     stride along K, scale_inv fp32 [ceil(N/bn), ceil(K/bk)]; `supports(block_size)` holds. No host
     sync. `counters(device, tiles)`: a zeroed int32 buffer the split launches leave zeroed.
     `config` (BM, BN, KC, split, warps) for sweeps; by default `tiling`. `prefetch`: steps
-    loaded ahead of the math: 0, 1 (the next, values moved along), 2 (two, ping-pong buffers)."""
+    loaded ahead of the math: 0, 1 (the next, values moved along; the default: fastest or within
+    5% in most cells of the H200 sweep), 2 (two, ping-pong buffers: no moves, more registers; it
+    spills at 32+ batch rows of 128-column steps)."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()

@@ -48,9 +48,16 @@ except (ImportError, AttributeError):  # pragma: no cover - older Triton
 
 GLUON = True
 """Decode through `gluon_fp8_gemv` (16-byte code loads straight into the MMA operand registers, no
-shared memory) where it applies: a CUDA device of compute capability >= 8, weight blocks of >= 64
-power-of-two columns, K a multiple of 4 with unit stride. Else, and under the interpreter, or with
-an explicit `config`, `_gemv_kernel`. False: `_gemv_kernel` always (the A/B in benchmarks/decode.py)."""
+shared memory) where it applies: at most `GLUON_MAX_M` rows, a CUDA device of compute capability
+>= 8, weight blocks of >= 64 power-of-two columns, K a multiple of 4 with unit stride. Else, and
+under the interpreter, or with an explicit `config`, `_gemv_kernel`. False: `_gemv_kernel` always
+(the A/B in benchmarks/decode.py)."""
+
+GLUON_MAX_M = 16
+"""Batches of more rows go to `_gemv_kernel`: the Gluon kernel gives every warp the whole activation
+tile (registers and L1 traffic grow with the rows), and on the H200 (benchmarks/decode.py --gluon,
+session 8) its best variant lost to `_gemv_kernel` at 32 and 64 rows in every fused shape (e.g. the
+fused q/k/v at 64 rows 18.3 vs 13.9 us) while winning at 1-16 (6.8 vs 8.4 us at one row)."""
 
 PDL = False
 """Opt-in programmatic dependent launch (CUDA devices of compute capability >= 9, Triton >= 3.3):
@@ -320,7 +327,8 @@ def launch_options(bm: int, bn: int, split_tiles: int) -> tuple[int, int]:
 def _gluon_applies(x: Tensor, q: Tensor, block_size: tuple[int, int]) -> bool:
     """The Gluon kernel takes this launch (see `GLUON`): it reads q as int32 words of four codes."""
     return (
-        GLUON and _gluon is not None and x.device.type == "cuda" and _capability(x.device.index or 0) >= 8
+        GLUON and _gluon is not None and x.device.type == "cuda" and x.numel() <= GLUON_MAX_M * x.shape[-1]
+        and _capability(x.device.index or 0) >= 8
         and _gluon.supports(block_size) and q.stride(1) == 1 and q.shape[1] % 4 == 0
         and q.stride(0) % 4 == 0 and q.storage_offset() % 4 == 0
     )  # fmt: skip
