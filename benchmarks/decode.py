@@ -293,18 +293,26 @@ def sweep(
     return best
 
 
-def gluon_configs(m: int, n: int, k: int) -> list[tuple[tuple[int, int, int, int, int], bool]]:
-    """((BM, BN, KC, split, warps), prefetch) variants of the Gluon kernel for one shape and batch:
-    32 rows on 2 warps, 64 on 4, 128 on 4 or 8; 128-column steps (and 64 at >= 32 batch rows);
-    split 1-16 (>= 2 steps each); one step or two (ping-pong) loaded ahead."""
+def gluon_configs(m: int, n: int, k: int) -> list[tuple[tuple[int, int, int, int, int], int, bool]]:
+    """((BM, BN, KC, split, warps), prefetch, warpgroup) variants of the Gluon kernels for one shape
+    and batch. mma.sync (at <= 32 batch rows): 32 rows on 2 warps, 64 on 4, 128 on 4 or 8;
+    128-column steps (and 64 at 32 rows); one step or two (ping-pong) loaded ahead. Warpgroup MMA
+    (at >= 16 rows): 64 or 128 rows on 4 warps, 64- or 128-column steps, none or one step ahead.
+    Split 1-16 (>= 2 steps each)."""
     bm = min(64, max(8, 1 << (m - 1).bit_length()))
     out = []
-    for bn, warps in ((64, 4), (128, 4), (128, 8), (32, 2)):
-        for kc in (64, 128) if bm >= 32 else (128,):
-            for split in (1, 2, 4, 8, 16):
-                if -(-k // kc) < 2 * split:
-                    continue
-                out += [((bm, bn, kc, split, warps), pf) for pf in (1, 2)]
+
+    def splits(kc):
+        return [sp for sp in (1, 2, 4, 8, 16) if -(-k // kc) >= 2 * sp]
+
+    if bm <= 32:
+        for bn, warps in ((64, 4), (128, 4), (128, 8), (32, 2)):
+            for kc in (64, 128) if bm >= 32 else (128,):
+                out += [((bm, bn, kc, sp, warps), pf, False) for sp in splits(kc) for pf in (1, 2)]
+    if bm >= 16:
+        for bn in (64, 128):
+            for kc in (64, 128):
+                out += [((bm, bn, kc, sp, 4), pf, True) for sp in splits(kc) for pf in (0, 1)]
     return out
 
 
@@ -312,20 +320,23 @@ def _compile_gluon_jobs(jobs: list) -> None:
     from skyq.quant.kernels import gluon_fp8_gemv as g
     from skyq.quant.kernels import triton_fp8_gemv as kern
 
-    for m, n, k, cfg, pf in jobs:
+    for m, n, k, cfg, pf, wg in jobs:
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         q = torch.zeros(n, k, device="cuda").to(torch.float8_e4m3fn)
         s = torch.ones(-(-n // 128), -(-k // 128), device="cuda")
-        g.linear(
-            x, q, s, block_size=(128, 128), sms=132, counters=kern._arrival_counters, config=cfg, prefetch=pf
-        )
+        g.linear(x, q, s, block_size=(128, 128), sms=132, counters=kern._arrival_counters, config=cfg,
+                 prefetch=pf, wgmma=wg)  # fmt: skip
     torch.cuda.synchronize()
+
+
+TRITON = "triton"
+"""A sweep's best that is the Triton kernel (`triton_fp8_gemv._gemv_kernel`, its default tiling)."""
 
 
 def gluon_sweep(gen: torch.Generator, batches: list[int], shapes: dict, deadline: float) -> dict:
     """Every `gluon_configs` variant per shape and batch, graphed over rotating weight copies; prints
     bf16, the Triton kernel's default, the Gluon default and the best 4; returns {(N, K, M): (config,
-    prefetch)} of the best."""
+    prefetch, warpgroup)} of the best, or TRITON where the Triton kernel was faster."""
     import multiprocessing as mp
     import os
 
@@ -335,17 +346,17 @@ def gluon_sweep(gen: torch.Generator, batches: list[int], shapes: dict, deadline
     cells = [(label, n, k, m) for label, (n, k) in shapes.items() for m in batches]
     seen, jobs = set(), []
     for _, n, k, m in cells:
-        for cfg, pf in gluon_configs(m, n, k):
-            key = (cfg, pf, k % cfg[2] == 0)
+        for cfg, pf, wg in gluon_configs(m, n, k):
+            key = (cfg, pf, wg, k % cfg[2] == 0)
             if key not in seen:
                 seen.add(key)
-                jobs.append((m, n, k, cfg, pf))
+                jobs.append((m, n, k, cfg, pf, wg))
     procs = max(1, min(14, (os.cpu_count() or 2) - 2))
     t0 = time.time()
     with mp.get_context("spawn").Pool(procs) as pool:
         pool.map(_compile_gluon_jobs, [jobs[i::procs] for i in range(procs)])
     print(f"\ngluon sweep: {len(jobs)} variants compiled in {time.time() - t0:.0f} s by {procs} processes")
-    print("gluon sweep: us per call; cfg = BN/KC/split/warps/prefetch")
+    print("gluon sweep: us per call; cfg = BN/KC/split/warps/prefetch, w = warpgroup MMA")
     sms = kern.sm_count(torch.device("cuda"))
     best = {}
     for label, n, k in dict.fromkeys((lab, n, k) for lab, n, k, _ in cells):
@@ -361,34 +372,50 @@ def gluon_sweep(gen: torch.Generator, batches: list[int], shapes: dict, deadline
                 [lambda q=q, s=s, x=x: kern.linear(x, q, s, block_size=(128, 128)) for q, s in qs]
             )
             kern.GLUON = True
-            tg = time_per_call(
-                [lambda q=q, s=s, x=x: kern.linear(x, q, s, block_size=(128, 128)) for q, s in qs]
-            )
-            res = []
-            for cfg, pf in gluon_configs(m, n, k):
-                fns = [lambda q=q, s=s, x=x, c=cfg, pf=pf: g.linear(
+            res = [(tt, TRITON, 0, False)]
+            for cfg, pf, wg in gluon_configs(m, n, k):
+                fns = [lambda q=q, s=s, x=x, c=cfg, pf=pf, wg=wg: g.linear(
                            x, q, s, block_size=(128, 128), sms=sms, counters=kern._arrival_counters, config=c,
-                           prefetch=pf) for q, s in qs]  # fmt: skip
-                res.append((time_per_call(fns), cfg, pf))
-            res.sort()
-            best[(n, k, m)] = res[0][1:]
-            auto = g.tiling(m, n, k, 128, sms)
-            top = ", ".join(f"{c[1]}/{c[2]}/{c[3]}/{c[4]}/{pf} {t * 1e6:.1f}" for t, c, pf in res[:4])
-            print(f"{label} M={m}: bf16 {tb * 1e6:.1f}, triton {tt * 1e6:.1f}, gluon {auto[1]}/{auto[2]}/{auto[3]}/"
-                  f"{auto[4]}/2 {tg * 1e6:.1f} ({n * k / tg / 1e12:.2f} TB/s), best {top}", flush=True)  # fmt: skip
+                           prefetch=pf, wgmma=wg) for q, s in qs]  # fmt: skip
+                res.append((time_per_call(fns), cfg, pf, wg))
+            res.sort(key=lambda r: r[0])
+            best[(n, k, m)] = TRITON if res[0][1] == TRITON else res[0][1:]
+            top = ", ".join(
+                "triton"
+                if c == TRITON
+                else f"{c[1]}/{c[2]}/{c[3]}/{c[4]}/{pf}{'w' if wg else ''} {t * 1e6:.1f}"
+                for t, c, pf, wg in res[:5]
+            )
+            print(f"{label} M={m}: bf16 {tb * 1e6:.1f}, triton {tt * 1e6:.1f}, best {top}", flush=True)
         del ws, qs
     return best
 
 
 def tuned_gluon(plain, best: dict):
-    """`gluon_fp8_gemv.linear` with the variant `best[(N, K, rows)]` where the sweep timed one."""
+    """`gluon_fp8_gemv.linear` with the variant `best[(N, K, rows)]` where the sweep timed one; a
+    TRITON cell runs the Triton kernel instead."""
+    from skyq.quant.kernels import triton_fp8_gemv as kern
 
-    def linear(x, q, s, *, block_size, sms, counters, config=None, prefetch=2):
+    def linear(x, q, s, *, block_size, sms, counters, config=None, prefetch=1, wgmma=None):
         hit = best.get((q.shape[0], q.shape[1], x.numel() // x.shape[-1]))
+        if hit == TRITON and config is None:
+            kern.GLUON = False
+            try:
+                return kern.linear(x, q, s, block_size=block_size)
+            finally:
+                kern.GLUON = True
         if hit and config is None and tuple(block_size) == (128, 128):
-            config, prefetch = hit
+            config, prefetch, wgmma = hit
         return plain(
-            x, q, s, block_size=block_size, sms=sms, counters=counters, config=config, prefetch=prefetch
+            x,
+            q,
+            s,
+            block_size=block_size,
+            sms=sms,
+            counters=counters,
+            config=config,
+            prefetch=prefetch,
+            wgmma=wgmma,
         )
 
     return linear
@@ -520,9 +547,10 @@ def main() -> None:
         best = gluon_sweep(gen, args.batches, shapes, deadline)
         from skyq.quant.kernels import gluon_fp8_gemv as g
 
-        g.linear, plain = tuned_gluon(g.linear, best), g.linear
-        run_model("fp8: the Gluon sweep's best per shape and batch")
-        g.linear = plain
+        g.linear, plain, max_m = tuned_gluon(g.linear, best), g.linear, kern.GLUON_MAX_M
+        kern.GLUON_MAX_M = 64  # every batch through the tuned wrapper (which may pick the Triton kernel)
+        run_model("fp8: the sweep's best per shape and batch (Gluon variants or the Triton kernel)")
+        g.linear, kern.GLUON_MAX_M = plain, max_m
         print("\nthe default, again:")
         table(rows, device)
         return

@@ -144,3 +144,23 @@ def test_supports_and_applies():
     assert not g.supports((128, 32)) and not g.supports((128, 96)) and not g.supports((0, 128))
     q = torch.zeros(256, 256, dtype=torch.float8_e4m3fn)
     assert not triton_fp8_gemv._gluon_applies(torch.zeros(1, 256), q, (128, 128))  # not a GPU tensor
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+@pytest.mark.parametrize(
+    "config", [(64, 64, 128, 2, 4), (32, 64, 128, 1, 4), (64, 128, 64, 2, 4), (16, 64, 128, 4, 4)]
+)
+def test_the_warpgroup_kernel_takes_the_codes_from_registers_and_x_from_shared_memory(config, prefetch):
+    """`_gemv_wg_kernel`: the same 16-byte code loads into the operand registers (the layout the
+    warpgroup MMA's register operand takes, proved by `assert_trivial`), the activations gathered
+    once per program (4-byte loads, no copy per warp) and stored to shared memory, one `HGMMA` per
+    64 rows and 16 columns, and the dequantization's 3 instructions per code; at most 6.5 per code."""
+    bm, bn, kc, _split, warps = config
+    ops = _loop_ops(_sass(_compiled(config, prefetch=prefetch, wgmma=True)))
+    per_thread = bn * kc // (32 * warps)
+    assert ops.count("HGMMA") == (bn // 64) * (kc // 16)
+    assert ops.count("LDG") == per_thread // 16 + bm * kc // 2 // (32 * warps) + 1
+    assert ops.count("STS") > 0 and "LDS" not in ops and "LDSM" not in ops
+    assert ops.count("FMUL") == per_thread and ops.count("HADD2") == per_thread
+    per_element = len(ops) / per_thread
+    assert per_element <= 6.5, f"{per_element:.2f} instructions per weight element in the K loop"

@@ -40,6 +40,7 @@ from torch import Tensor
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
 from skyq.quant.kernels._common import cdiv
 
@@ -100,6 +101,15 @@ def act_word_layout(bm: int, kc: int, warps: int) -> gl.DistributedLinearLayout:
     return gl.DistributedLinearLayout(reg, lane, warp, [], [bm, kc // 2])
 
 
+@functools.cache
+def act_gather_layout(bm: int, kc: int, warps: int) -> gl.BlockedLayout:
+    """The [bm, kc // 2] activation words of `_gemv_wg_kernel`, spread over all warps (no copies):
+    4 consecutive rows of one word per thread, so that the transposed tile's shared-memory stores
+    write 4 consecutive rows of each column at once."""
+    tm = min(32, bm // 4)
+    return gl.BlockedLayout([4, 1], [tm, 32 // tm], [1, warps], [0, 1])
+
+
 _SPLIT2 = gl.constexpr("mov.b32 {$0, $1}, $2;")
 """One int32 word -> its two bf16 halves (low half first): no arithmetic, only register naming."""
 
@@ -138,19 +148,27 @@ nearest), two `cvt.rn.bf16x2.f32` (round to nearest even): `fp8_blockwise.dequan
 
 
 @gluon.jit
-def _load_step(q_rows, x_rows, s_ptrs, k0, K, ssk, rw, rkx,
-               BLK_K: gl.constexpr, EVEN_K: gl.constexpr, XW: gl.constexpr):  # fmt: skip
-    """The code words, activations (with XW, bf16 pairs as int32 words) and scale(s) of the KC
-    columns from k0. Rows past N and M were clamped to the last row (read, never stored); columns
-    past K are masked to zero."""
-    XPW: gl.constexpr = 2 if XW else 1  # activation columns per loaded element
+def _load_codes(q_rows, s_ptrs, k0, K, ssk, rw, BLK_K: gl.constexpr, EVEN_K: gl.constexpr):
+    """The code words and scale(s) of the KC columns from k0. Rows past N were clamped to the last
+    row (read, never stored); columns past K are masked to zero."""
     if EVEN_K:
         words = gl.load(q_rows + (k0 // 4 + rw)[None, :])
-        xt = gl.load(x_rows + (k0 // XPW + rkx)[None, :])
     else:
         words = gl.load(q_rows + (k0 // 4 + rw)[None, :], mask=((k0 + 4 * rw) < K)[None, :], other=0)
+    return words, gl.load(s_ptrs + (k0 // BLK_K) * ssk)
+
+
+@gluon.jit
+def _load_step(q_rows, x_rows, s_ptrs, k0, K, ssk, rw, rkx,
+               BLK_K: gl.constexpr, EVEN_K: gl.constexpr, XW: gl.constexpr):  # fmt: skip
+    """`_load_codes` and the activations (with XW, bf16 pairs as int32 words) of the KC columns
+    from k0; rows past M clamped, columns past K masked to zero."""
+    XPW: gl.constexpr = 2 if XW else 1  # activation columns per loaded element
+    words, s = _load_codes(q_rows, s_ptrs, k0, K, ssk, rw, BLK_K, EVEN_K)
+    if EVEN_K:
+        xt = gl.load(x_rows + (k0 // XPW + rkx)[None, :])
+    else:
         xt = gl.load(x_rows + (k0 // XPW + rkx)[None, :], mask=((k0 + XPW * rkx) < K)[None, :], other=0)
-    s = gl.load(s_ptrs + (k0 // BLK_K) * ssk)
     return words, xt, s
 
 
@@ -188,6 +206,30 @@ def _mma_step(words, xt, s, acc, DA: gl.constexpr, DB: gl.constexpr, BN: gl.cons
         xb = xt.to(gl.bfloat16)
     b = gl.convert_layout(_mma_order(xb, BM, KC).permute(1, 0), DB, assert_trivial=True)
     return mma_v2(a, b, acc)
+
+
+@gluon.jit
+def _store_out(acc, MMA: gl.constexpr, y_ptr, p_ptr, cnt_ptr, M, N, sym, pid_n, pid_m, pid_s,
+               BN: gl.constexpr, BM: gl.constexpr, SPLIT: gl.constexpr):  # fmt: skip
+    """acc [BN, BM] (y^T of this tile) -> y; with SPLIT > 1 an fp32 partial, and the last program
+    of the tile to arrive sums the partials in split order, writes y and resets its counter."""
+    on = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+    om = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
+    out_mask = (on < N)[:, None] & (om < M)[None, :]
+    out_off = om[None, :].to(gl.int64) * sym + on[:, None]
+    if SPLIT == 1:
+        gl.store(y_ptr + out_off, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        mn = M * N
+        gl.store(p_ptr + pid_s.to(gl.int64) * mn + out_off, acc, mask=out_mask)
+        gl.thread_barrier()  # every thread's partial is stored before the release below
+        tile = pid_m * gl.num_programs(0) + pid_n
+        if gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
+            total = gl.zeros([BN, BM], gl.float32, layout=MMA)
+            for i in gl.static_range(SPLIT):  # unrolled: all partial loads in flight; summed in split order
+                total += gl.load(p_ptr + i * mn + out_off, mask=out_mask, other=0.0, cache_modifier=".cg")
+            gl.store(y_ptr + out_off, total.to(y_ptr.dtype.element_ty), mask=out_mask)
+            gl.atomic_xchg(cnt_ptr + tile, 0)
 
 
 @gluon.jit
@@ -255,23 +297,108 @@ def _gemv_kernel(
         for k0 in range(k_lo, k_hi, KC):
             words, xt, s = _load_step(q_rows, x_rows, s_ptrs, k0, K, ssk, rw, rkx, BLK_K, EVEN_K, XW)
             acc = _mma_step(words, xt, s, acc, DA, DB, BN, BM, KC, UNIFORM, XW)
-    on = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
-    om = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(0, MMA))
-    out_mask = (on < N)[:, None] & (om < M)[None, :]
-    out_off = om[None, :].to(gl.int64) * sym + on[:, None]
-    if SPLIT == 1:
-        gl.store(y_ptr + out_off, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+    _store_out(acc, MMA, y_ptr, p_ptr, cnt_ptr, M, N, sym, pid_n, pid_m, pid_s, BN, BM, SPLIT)
+
+
+@gluon.jit
+def _load_x_mma_order(x_rows, k0, K, rkw, XPW: gl.constexpr, EVEN_K: gl.constexpr):
+    """The activation words of the KC columns from k0, gathered straight into MMA column order (word
+    8j + 4h + t of each 32-word chunk is memory word 8t + 2j + h): 4-byte loads, no permute after."""
+    kw = (rkw // 32) * 32 + (rkw % 4) * 8 + ((rkw // 8) % 4) * 2 + (rkw // 4) % 2
+    if EVEN_K:
+        return gl.load(x_rows + (k0 // XPW + kw)[None, :])
+    return gl.load(x_rows + (k0 // XPW + kw)[None, :], mask=((k0 + XPW * kw) < K)[None, :], other=0)
+
+
+@gluon.jit
+def _wg_step(words, xw, s, acc, x_smem, DA: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr,
+             KC: gl.constexpr, UNIFORM: gl.constexpr):  # fmt: skip
+    """acc += bf16(fp32(codes) * s) @ x^T through one warpgroup MMA: the weights from registers
+    (the mma.sync operand layout, the same per warp), x^T from shared memory, written here."""
+    if UNIFORM:
+        sc = gl.full(words.shape, s, gl.float32, layout=words.type.layout)
     else:
-        mn = M * N
-        gl.store(p_ptr + pid_s.to(gl.int64) * mn + out_off, acc, mask=out_mask)
-        gl.thread_barrier()  # every thread's partial is stored before the release below
-        tile = pid_m * gl.num_programs(0) + pid_n
-        if gl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT - 1:
-            total = gl.zeros([BN, BM], gl.float32, layout=MMA)
-            for i in gl.static_range(SPLIT):  # unrolled: all partial loads in flight; summed in split order
-                total += gl.load(p_ptr + i * mn + out_off, mask=out_mask, other=0.0, cache_modifier=".cg")
-            gl.store(y_ptr + out_off, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-            gl.atomic_xchg(cnt_ptr + tile, 0)
+        sc = gl.broadcast(s[:, None], words)[0]
+    e0, e1, e2, e3 = gl.inline_asm_elementwise(
+        _DEQUANT4, "=h,=h,=h,=h,r,r", [words, sc],
+        dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=1,
+    )  # fmt: skip
+    w = gl.join(gl.join(e0, e1), gl.join(e2, e3)).permute(0, 1, 3, 2).reshape([BN, KC])
+    a = gl.convert_layout(_mma_order(w, BN, KC), DA, assert_trivial=True)
+    lo, hi = gl.inline_asm_elementwise(
+        _SPLIT2, "=h,=h,r", [xw], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1
+    )
+    gl.thread_barrier()  # the previous step's MMA has read x_smem (it completed in every warp)
+    x_smem.store(gl.join(lo, hi).reshape([BM, KC]).permute(1, 0))
+    fence_async_shared()
+    gl.thread_barrier()  # every warp's part of x^T is in shared memory
+    return warpgroup_mma(a, x_smem, acc)
+
+
+@gluon.jit
+def _gemv_wg_kernel(
+    x_ptr, q_ptr, s_ptr, y_ptr, p_ptr, cnt_ptr,
+    M, N, K, k_per_split,
+    sxm, sqn, ssn, ssk, sym,
+    BLK_N: gl.constexpr, BLK_K: gl.constexpr,
+    BM: gl.constexpr, BN: gl.constexpr, KC: gl.constexpr, SPLIT: gl.constexpr, W: gl.constexpr,
+    LW: gl.constexpr, LX: gl.constexpr, UNIFORM: gl.constexpr, EVEN_K: gl.constexpr, PREFETCH: gl.constexpr,
+):  # fmt: skip
+    """`_gemv_kernel`'s product for more batch rows, with Hopper's warpgroup MMA (one warpgroup, W
+    == 4): the codes as there (16-byte loads into the operand registers), the bf16 activations
+    (as int32 pairs) gathered in MMA column order by all warps once, stored to shared memory as the
+    B operand. One step loaded ahead of the math."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BM, 16]
+    )
+    DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, 2 * BM), element_bitwidth=16, rank=2)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [KC, BM], XS)
+    pid_n = gl.program_id(0)
+    pid_m = gl.program_id(1)
+    pid_s = gl.program_id(2)
+    rn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LW))
+    rw = gl.arange(0, KC // 4, layout=gl.SliceLayout(0, LW))
+    rm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, LX))
+    rkw = gl.arange(0, KC // 2, layout=gl.SliceLayout(0, LX))
+    q_rows = q_ptr + gl.minimum(rn, N - 1)[:, None].to(gl.int64) * sqn
+    x_rows = x_ptr + gl.minimum(rm, M - 1)[:, None].to(gl.int64) * sxm
+    if UNIFORM:
+        s_ptrs = s_ptr + ((pid_n * BN) // BLK_N).to(gl.int64) * ssn
+    else:
+        s_ptrs = s_ptr + (gl.minimum(rn, N - 1) // BLK_N).to(gl.int64) * ssn
+    k_lo = pid_s * k_per_split
+    k_hi = gl.minimum(k_lo + k_per_split, K)
+    acc = gl.zeros([BN, BM], gl.float32, layout=MMA)
+    if PREFETCH:
+        words, s = _load_codes(q_rows, s_ptrs, k_lo, K, ssk, rw, BLK_K, EVEN_K)
+        xw = _load_x_mma_order(x_rows, k_lo, K, rkw, 2, EVEN_K)
+        for k0 in range(k_lo + KC, k_hi, KC):
+            nxt_words, nxt_s = _load_codes(q_rows, s_ptrs, k0, K, ssk, rw, BLK_K, EVEN_K)
+            nxt_xw = _load_x_mma_order(x_rows, k0, K, rkw, 2, EVEN_K)
+            acc = _wg_step(words, xw, s, acc, x_smem, DA, BN, BM, KC, UNIFORM)
+            words = nxt_words
+            xw = nxt_xw
+            s = nxt_s
+        acc = _wg_step(words, xw, s, acc, x_smem, DA, BN, BM, KC, UNIFORM)
+    else:
+        for k0 in range(k_lo, k_hi, KC):
+            words, s = _load_codes(q_rows, s_ptrs, k0, K, ssk, rw, BLK_K, EVEN_K)
+            xw = _load_x_mma_order(x_rows, k0, K, rkw, 2, EVEN_K)
+            acc = _wg_step(words, xw, s, acc, x_smem, DA, BN, BM, KC, UNIFORM)
+    _store_out(acc, MMA, y_ptr, p_ptr, cnt_ptr, M, N, sym, pid_n, pid_m, pid_s, BN, BM, SPLIT)
+
+
+WGMMA_MIN_M = 32
+"""Batches of at least this many rows (on Hopper) go to `_gemv_wg_kernel`: with mma.sync each weight
+code costs BM / 64 MMA instructions (one per code at 64 rows, the tensor cores' mma.sync rate at
+full memory speed), and every warp reads the whole activation tile; a warpgroup MMA reads it once
+per program from shared memory."""
+
+
+@functools.cache
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
 
 
 def supports(block_size: tuple[int, int]) -> bool:
@@ -310,6 +437,7 @@ def linear(
     counters,
     config: tuple[int, int, int, int, int] | None = None,
     prefetch: int = 1,
+    wgmma: bool | None = None,
 ) -> Tensor:
     """y [..., N] in x's dtype for x [..., K] (bf16 or fp32 values), q e4m3 [N, K] with unit
     stride along K, scale_inv fp32 [ceil(N/bn), ceil(K/bk)]; `supports(block_size)` holds. No host
@@ -317,7 +445,8 @@ def linear(
     `config` (BM, BN, KC, split, warps) for sweeps; by default `tiling`. `prefetch`: steps
     loaded ahead of the math: 0, 1 (the next, values moved along; the default: fastest or within
     5% in most cells of the H200 sweep), 2 (two, ping-pong buffers: no moves, more registers; it
-    spills at 32+ batch rows of 128-column steps)."""
+    spills at 32+ batch rows of 128-column steps). `wgmma`: `_gemv_wg_kernel` (bf16 x, Hopper;
+    4 warps, prefetch 0 or 1); by default from `WGMMA_MIN_M` rows on a Hopper GPU."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -336,6 +465,12 @@ def linear(
     # bf16 activations as int32 pairs: carried across the prefetch as whole registers
     xw = x2.dtype == torch.bfloat16 and k % 2 == 0 and x2.stride(0) % 2 == 0 and x2.storage_offset() % 2 == 0
     xin = x2.view(torch.int32) if xw else x2
+    if wgmma is None:
+        wgmma = xw and bm >= WGMMA_MIN_M and _hopper(x.device.index or 0)
+    if wgmma and (not xw or warps != 4 or prefetch > 1):
+        raise ValueError(
+            "gluon fp8 gemv: the warpgroup kernel takes bf16 x (even K), 4 warps, prefetch 0 or 1"
+        )
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (cdiv(n, bn), cdiv(m, bm), split)
     if split > 1:
@@ -343,6 +478,15 @@ def linear(
         cnt = counters(x.device, grid[0] * grid[1])
     else:
         part = cnt = y
+    if wgmma:
+        _gemv_wg_kernel[grid](
+            xin, words, scale_inv, y, part, cnt, m, n, k, k_per_split,
+            xin.stride(0), words.stride(0), *scale_inv.stride(), y.stride(0),
+            BLK_N=blk_n, BLK_K=blk_k, BM=bm, BN=bn, KC=kc, SPLIT=split, W=warps,
+            LW=word_layout(bn, kc, warps), LX=act_gather_layout(bm, kc, warps),
+            UNIFORM=blk_n % bn == 0, EVEN_K=k % kc == 0, PREFETCH=prefetch, num_warps=warps,
+        )  # fmt: skip
+        return y.reshape(*x.shape[:-1], n)
     _gemv_kernel[grid](
         xin, words, scale_inv, y, part, cnt, m, n, k, k_per_split,
         xin.stride(0), words.stride(0), *scale_inv.stride(), y.stride(0),
@@ -362,6 +506,7 @@ def compile_offline(
     even_k: bool = True,
     prefetch: int = 2,
     capability: int = 90,
+    wgmma: bool = False,
 ):
     """Compile `_gemv_kernel` for a CUDA target without a GPU (Triton's compiler and its bundled
     ptxas): the CompiledKernel, whose `asm` holds "ptx" and "cubin". What the tests read the
@@ -382,5 +527,9 @@ def compile_offline(
     # what a launch specializes on: 16-byte aligned pointers, K and the row strides multiples of 16
     aligned = "x_ptr q_ptr s_ptr y_ptr p_ptr cnt_ptr K k_per_split sxm sqn sym".split()
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-    src = GluonASTSource(_gemv_kernel, signature, consts, attrs=attrs)
+    if wgmma:
+        consts.pop("XW")
+        consts["LX"] = act_gather_layout(bm, kc, warps)
+        signature.pop("XW")
+    src = GluonASTSource(_gemv_wg_kernel if wgmma else _gemv_kernel, signature, consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(num_warps=warps))
