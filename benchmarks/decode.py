@@ -543,6 +543,8 @@ def main() -> None:
         kern.PDL = pdl
     if args.gluon:
         rows = run_model("fp8: the default (the Gluon kernel, gluon_fp8_gemv.tiling)", triton_beside=True)
+        if args.no_sweep:
+            return
         shapes = FUSED_SWEEP_SHAPES if args.fused else SWEEP_SHAPES
         best = gluon_sweep(gen, args.batches, shapes, deadline)
         from skyq.quant.kernels import gluon_fp8_gemv as g

@@ -132,6 +132,7 @@ def test_tiling_gives_launchable_configs(m, n, k):
     steps = -(-k // kc)
     assert 1 <= split <= 16 and (split == 1 or steps >= 4 * (split // 2))
     tiles = -(-n // bn) * -(-m // bm)
+    assert bn == (128 if -(-n // 64) * -(-m // bm) >= 1.2 * 132 else 64)
     assert split == 1 or tiles * split // 2 < (2.9 if bm <= 8 else 1.9) * 132
     if split < 16 and steps >= 4 * split:  # stopped by the program count
         assert tiles * split >= (2.9 if bm <= 8 else 1.9) * 132

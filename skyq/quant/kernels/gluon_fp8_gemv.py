@@ -410,15 +410,18 @@ def supports(block_size: tuple[int, int]) -> bool:
 
 def tiling(m: int, n: int, k: int, block_k: int, sms: int) -> tuple[int, int, int, int, int]:
     """(BM, BN, KC, split, warps): the batch padded to the MMA's 8 columns (at most 64 per tile),
-    64 weight rows on 4 warps, 128-column steps (<= the scale block), K split in powers of two up to
-    16 while there are fewer programs than ~2.9 per SM (~1.9 at more than 8 batch rows, whose
-    split partials cost more) and each split keeps >= 2 steps. From the H200 sweep of the fused
-    model's shapes (benchmarks/decode.py --gluon; docs/benchmarks.md, M4, session 8): e.g. the
-    2048 x 4096 o projection at one row, split 8 -> 16: 6.8 -> 6.5 us."""
+    weight rows on 4 warps, 64 of them per program (128 where 64-row tiles alone already give ~1.2
+    programs per SM), 128-column steps (<= the scale block), K split in powers of two up to 16
+    while there are fewer programs than ~2.9 per SM (~1.9 at more than 8 batch rows, whose split
+    partials cost more) and each split keeps >= 2 steps. From the H200 sweep of the fused model's
+    shapes (benchmarks/decode.py --gluon; docs/benchmarks.md, M4, session 8): at one row the 2048 x
+    4096 o projection 6.8 -> 6.4 us with split 16 over 8, the 12288 x 2048 gate/up 11.2 -> 10.4 us
+    with 128-row tiles split 4 over 64-row tiles split 2."""
     bm = min(64, max(8, triton.next_power_of_2(m)))
-    bn, warps = 64, 4
+    rows = cdiv(m, bm)
+    bn, warps = (128 if cdiv(n, 64) * rows >= 1.2 * sms else 64), 4
     kc = min(128, block_k)
-    tiles = cdiv(n, bn) * cdiv(m, bm)
+    tiles = cdiv(n, bn) * rows
     steps = cdiv(k, kc)
     target = (2.9 if bm <= 8 else 1.9) * sms
     split = 1
