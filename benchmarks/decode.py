@@ -396,7 +396,7 @@ def tuned_gluon(plain, best: dict):
     TRITON cell runs the Triton kernel instead."""
     from skyq.quant.kernels import triton_fp8_gemv as kern
 
-    def linear(x, q, s, *, block_size, sms, counters, config=None, prefetch=1, wgmma=None):
+    def linear(x, q, s, *, block_size, sms, counters, config=None, prefetch=1, wgmma=False):
         hit = best.get((q.shape[0], q.shape[1], x.numel() // x.shape[-1]))
         if hit == TRITON and config is None:
             kern.GLUON = False

@@ -245,7 +245,7 @@ def test_the_gluon_kernel_is_the_bf16_weight_product(gen, n, k, block, m, config
     q, s, x = _weight_and_input(gen, n, k, block, m)
     got = g.linear(
         x.to(dtype), q, s, block_size=block, sms=kern.sm_count(x.device), counters=kern._arrival_counters,
-        config=(bm, bn, kc, split, warps), prefetch=prefetch,
+        config=(bm, bn, kc, split, warps), prefetch=prefetch, wgmma=False,
     )  # fmt: skip
     torch.cuda.synchronize()
     assert got.shape == (m, n) and got.dtype == dtype

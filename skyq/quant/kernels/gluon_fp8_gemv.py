@@ -347,7 +347,11 @@ def _gemv_wg_kernel(
     """`_gemv_kernel`'s product for more batch rows, with Hopper's warpgroup MMA (one warpgroup, W
     == 4): the codes as there (16-byte loads into the operand registers), the bf16 activations
     (as int32 pairs) gathered in MMA column order by all warps once, stored to shared memory as the
-    B operand. One step loaded ahead of the math."""
+    B operand; with PREFETCH, one step loaded ahead of the math. With mma.sync each weight code
+    costs BM / 64 MMA instructions (one at 64 rows: the tensor cores' mma.sync rate at full memory
+    speed) and every warp reads the whole activation tile; this reads it once per program. Still
+    slower than the Triton kernel at 32-64 rows on the H200: each step's MMA is synchronous (its
+    latency exposed) and the gather costs 4-byte loads, shared stores and two barriers per step."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BM, 16]
     )
@@ -389,18 +393,6 @@ def _gemv_wg_kernel(
     _store_out(acc, MMA, y_ptr, p_ptr, cnt_ptr, M, N, sym, pid_n, pid_m, pid_s, BN, BM, SPLIT)
 
 
-WGMMA_MIN_M = 32
-"""Batches of at least this many rows (on Hopper) go to `_gemv_wg_kernel`: with mma.sync each weight
-code costs BM / 64 MMA instructions (one per code at 64 rows, the tensor cores' mma.sync rate at
-full memory speed), and every warp reads the whole activation tile; a warpgroup MMA reads it once
-per program from shared memory."""
-
-
-@functools.cache
-def _hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] == 9
-
-
 def supports(block_size: tuple[int, int]) -> bool:
     """Weight blocks this kernel tiles: any row count, a power-of-two column count >= 64 (a K step
     of KC <= BLK_K columns then has one scale per row)."""
@@ -440,7 +432,7 @@ def linear(
     counters,
     config: tuple[int, int, int, int, int] | None = None,
     prefetch: int = 1,
-    wgmma: bool | None = None,
+    wgmma: bool = False,
 ) -> Tensor:
     """y [..., N] in x's dtype for x [..., K] (bf16 or fp32 values), q e4m3 [N, K] with unit
     stride along K, scale_inv fp32 [ceil(N/bn), ceil(K/bk)]; `supports(block_size)` holds. No host
@@ -448,8 +440,10 @@ def linear(
     `config` (BM, BN, KC, split, warps) for sweeps; by default `tiling`. `prefetch`: steps
     loaded ahead of the math: 0, 1 (the next, values moved along; the default: fastest or within
     5% in most cells of the H200 sweep), 2 (two, ping-pong buffers: no moves, more registers; it
-    spills at 32+ batch rows of 128-column steps). `wgmma`: `_gemv_wg_kernel` (bf16 x, Hopper;
-    4 warps, prefetch 0 or 1); by default from `WGMMA_MIN_M` rows on a Hopper GPU."""
+    spills at 32+ batch rows of 128-column steps). `wgmma`: `_gemv_wg_kernel` instead (bf16 x,
+    Hopper; 4 warps, prefetch 0 or 1), a sweep variant: on the H200 it lost to the Triton kernel at
+    32 and 64 rows in every fused shape (e.g. q/k/v at 64 rows 21.4 vs 13.8 us), and to the mma.sync
+    kernel at 16 (docs/benchmarks.md, M4, session 8)."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -468,8 +462,6 @@ def linear(
     # bf16 activations as int32 pairs: carried across the prefetch as whole registers
     xw = x2.dtype == torch.bfloat16 and k % 2 == 0 and x2.stride(0) % 2 == 0 and x2.storage_offset() % 2 == 0
     xin = x2.view(torch.int32) if xw else x2
-    if wgmma is None:
-        wgmma = xw and bm >= WGMMA_MIN_M and _hopper(x.device.index or 0)
     if wgmma and (not xw or warps != 4 or prefetch > 1):
         raise ValueError(
             "gluon fp8 gemv: the warpgroup kernel takes bf16 x (even K), 4 warps, prefetch 0 or 1"
