@@ -8,11 +8,12 @@ real decode). It is not a routed MoE: every token uses the same 8 "experts", so 
 per step do not grow with the batch as real routing's would. Attention itself (softmax over the KV
 cache) is left out; both sides run the same elementwise ops.
 
-bf16 side: `F.linear` (cuBLAS). FP8 side: `dispatch.fp8_weight_only_linear` (Triton, dequantizes
-in registers). One decode step of each side is captured in a CUDA graph and replayed, so launch
+bf16 side: `F.linear` (cuBLAS). FP8 side: `dispatch.fp8_weight_only_linear` (dequantizes in
+registers: the Gluon kernel at <= 16 rows, the Triton one above). One decode step of each side is captured in a CUDA graph and replayed, so launch
 overhead is equal and small. tokens/s = batch / step time; medians over repeats with the spread.
 
     python benchmarks/decode.py [--layers 8] [--repeats 15] [--fused]
+    python benchmarks/decode.py --gluon --fused [--no-sweep]   # + the Triton kernel beside, Gluon sweep
 """
 
 from __future__ import annotations
@@ -556,7 +557,7 @@ def main() -> None:
         print("\nthe default, again:")
         table(rows, device)
         return
-    rows = run_model("fp8 kernel tiling: the default (triton_fp8_gemv.tiling)")
+    rows = run_model("fp8: the default dispatch (Gluon at <= 16 rows, triton_fp8_gemv.tiling above)")
     if args.tuned:  # the sweep's best variant per projection shape and batch, then the model again
         shapes = FUSED_SWEEP_SHAPES if args.fused else SWEEP_SHAPES
         best = sweep(gen, args.batches, deadline, args.sweep_log, shapes, args.cc_only)

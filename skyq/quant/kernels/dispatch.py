@@ -403,9 +403,10 @@ def fp8_weight_only_linear(
     x: Tensor, q: Tensor, scale_inv: Tensor, block_size: tuple[int, int] = (128, 128)
 ) -> Tensor:
     """Decode linear `x [..., K] @ dequant(q e4m3 [N, K], weight_scale_inv fp32)^T -> [..., N]` in
-    x's dtype. On CUDA a Triton kernel dequantizes in registers (no dequantized weight in memory,
-    no host sync; meant for M <= 64 rows, correct for any M); elsewhere the reference (the same
-    bf16 weight, fp32 products and sums)."""
+    x's dtype. On CUDA a kernel dequantizes in registers (no dequantized weight in memory, no host
+    sync; meant for M <= 64 rows, correct for any M): the Gluon one at <= 16 rows on sm_89+, the
+    Triton one otherwise (`triton_fp8_gemv.linear`); elsewhere the reference (the same bf16
+    weight, fp32 products and sums)."""
     _check_linear_args(x, q, scale_inv, block_size)
     if uses_kernel(x) and q.is_cuda and scale_inv.is_cuda and x.dtype == torch.bfloat16:
         from skyq.quant.kernels import triton_fp8_gemv as kernels

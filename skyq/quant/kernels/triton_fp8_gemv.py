@@ -49,7 +49,7 @@ except (ImportError, AttributeError):  # pragma: no cover - older Triton
 GLUON = True
 """Decode through `gluon_fp8_gemv` (16-byte code loads straight into the MMA operand registers, no
 shared memory) where it applies: at most `GLUON_MAX_M` rows, a CUDA device of compute capability
->= 8, weight blocks of >= 64 power-of-two columns, K a multiple of 4 with unit stride. Else, and
+>= 8.9 (its PTX converts e4m3 in hardware), weight blocks of >= 64 power-of-two columns, K a multiple of 4 with unit stride. Else, and
 under the interpreter, or with an explicit `config`, `_gemv_kernel`. False: `_gemv_kernel` always
 (the A/B in benchmarks/decode.py)."""
 
@@ -266,6 +266,12 @@ def _capability(index: int) -> int:
 
 
 @functools.cache
+def _has_e4m3_cvt(index: int) -> bool:
+    """`cvt.rn.f16x2.e4m3x2`, which the Gluon kernel's dequantization is written in: sm_89+."""
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+@functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -328,7 +334,7 @@ def _gluon_applies(x: Tensor, q: Tensor, block_size: tuple[int, int]) -> bool:
     """The Gluon kernel takes this launch (see `GLUON`): it reads q as int32 words of four codes."""
     return (
         GLUON and _gluon is not None and x.device.type == "cuda" and x.numel() <= GLUON_MAX_M * x.shape[-1]
-        and _capability(x.device.index or 0) >= 8
+        and _has_e4m3_cvt(x.device.index or 0)
         and _gluon.supports(block_size) and q.stride(1) == 1 and q.shape[1] % 4 == 0
         and q.stride(0) % 4 == 0 and q.storage_offset() % 4 == 0
     )  # fmt: skip
