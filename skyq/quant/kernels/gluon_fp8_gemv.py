@@ -102,12 +102,28 @@ def act_word_layout(bm: int, kc: int, warps: int) -> gl.DistributedLinearLayout:
 
 
 @functools.cache
-def act_gather_layout(bm: int, kc: int, warps: int) -> gl.BlockedLayout:
-    """The [bm, kc // 2] activation words of `_gemv_wg_kernel`, spread over all warps (no copies):
-    4 consecutive rows of one word per thread, so that the transposed tile's shared-memory stores
-    write 4 consecutive rows of each column at once."""
-    tm = min(32, bm // 4)
-    return gl.BlockedLayout([4, 1], [tm, 32 // tm], [1, warps], [0, 1])
+def act_gather_layout(bm: int, kc: int, warps: int) -> gl.DistributedLinearLayout:
+    """The [bm, kc // 2] activation words of `_gemv_wg_kernel` in MMA column order (word 8j + 4h + t
+    of a 32-word chunk is memory word 8t + 2j + h), over all warps (no copies): per thread the four
+    words t = 0..3 of one (row, j, h), i.e. 8 consecutive MMA columns (one 16-byte shared store);
+    lanes take h, j (8 lanes read 32 contiguous bytes of a row: coalesced), then the chunk, then
+    rows; warps and further registers take rows."""
+    reg = [[0, 1], [0, 2]]
+    lane = [[0, 4], [0, 8], [0, 16]]
+    lane += [[0, 32]] if kc >= 128 else []
+    rows = 1
+    while len(lane) < 5:
+        lane.append([rows, 0])
+        rows *= 2
+    warp = []
+    for _ in range(_bits(warps)):
+        warp.append([rows, 0])
+        rows *= 2
+    reg += [[0, 64 << i] for i in range(_bits(max(1, kc // 128)))]
+    while rows < bm:
+        reg.append([rows, 0])
+        rows *= 2
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [bm, kc // 2])
 
 
 _SPLIT2 = gl.constexpr("mov.b32 {$0, $1}, $2;")
@@ -329,10 +345,10 @@ def _wg_step(words, xw, s, acc, x_smem, DA: gl.constexpr, BN: gl.constexpr, BM: 
         _SPLIT2, "=h,=h,r", [xw], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1
     )
     gl.thread_barrier()  # the previous step's MMA has read x_smem (it completed in every warp)
-    x_smem.store(gl.join(lo, hi).reshape([BM, KC]).permute(1, 0))
+    x_smem.store(gl.join(lo, hi).reshape([BM, KC]))
     fence_async_shared()
-    gl.thread_barrier()  # every warp's part of x^T is in shared memory
-    return warpgroup_mma(a, x_smem, acc)
+    gl.thread_barrier()  # every warp's part of x is in shared memory
+    return warpgroup_mma(a, x_smem.permute((1, 0)), acc)  # x^T: K-major B
 
 
 @gluon.jit
@@ -356,8 +372,8 @@ def _gemv_wg_kernel(
         version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BM, 16]
     )
     DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(128, 2 * BM), element_bitwidth=16, rank=2)
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [KC, BM], XS)
+    XS: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, KC], XS)
     pid_n = gl.program_id(0)
     pid_m = gl.program_id(1)
     pid_s = gl.program_id(2)
