@@ -366,8 +366,9 @@ def _gemv_wg_kernel(
     B operand; with PREFETCH, one step loaded ahead of the math. With mma.sync each weight code
     costs BM / 64 MMA instructions (one at 64 rows: the tensor cores' mma.sync rate at full memory
     speed) and every warp reads the whole activation tile; this reads it once per program. Still
-    slower than the Triton kernel at 32-64 rows on the H200: each step's MMA is synchronous (its
-    latency exposed) and the gather costs 4-byte loads, shared stores and two barriers per step."""
+    slower than the Triton kernel at 64 rows on the H200 (q/k/v 16.7 vs 13.9 us) and level at 16-32:
+    each step's MMA is synchronous (its latency exposed), the gather costs 4-byte loads, shared
+    stores and two barriers per step, and the split-K partials grow with the rows."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BM, 16]
     )
@@ -458,8 +459,8 @@ def linear(
     5% in most cells of the H200 sweep), 2 (two, ping-pong buffers: no moves, more registers; it
     spills at 32+ batch rows of 128-column steps). `wgmma`: `_gemv_wg_kernel` instead (bf16 x,
     Hopper; 4 warps, prefetch 0 or 1), a sweep variant: on the H200 it lost to the Triton kernel at
-    32 and 64 rows in every fused shape (e.g. q/k/v at 64 rows 21.4 vs 13.8 us), and to the mma.sync
-    kernel at 16 (docs/benchmarks.md, M4, session 8)."""
+    64 rows in every fused shape (q/k/v 16.7 vs 13.9 us), came within 2-7% at 32 and level with the
+    mma.sync kernel at 16 (docs/benchmarks.md, M4, session 8)."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
