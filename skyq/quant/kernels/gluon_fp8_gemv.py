@@ -52,53 +52,43 @@ def _bits(n: int) -> int:
     return n.bit_length() - 1
 
 
-@functools.cache
-def weight_layout(bn: int, kc: int, warps: int) -> gl.DistributedLinearLayout:
-    """The [bn, kc] code tile's load layout: per thread 16 contiguous columns (one 16-byte load) of
-    rows g and g + 8, then further 64-column chunks, then further 16*warps-row groups; lanes take
-    (t, g), warps take 16-row groups: after the K permutation, the mma.sync A operand layout."""
-    reg = [[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]]
-    reg += [[0, CHUNK << i] for i in range(_bits(kc // CHUNK))]
-    reg += [[16 * warps << i, 0] for i in range(_bits(bn // (16 * warps)))]
-    lane = [[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]]
-    warp = [[16 << i, 0] for i in range(_bits(warps))]
-    return gl.DistributedLinearLayout(reg, lane, warp, [], [bn, kc])
+def _tile_layout(rows: int, kc: int, warps: int, cols: int, weights: bool) -> gl.DistributedLinearLayout:
+    """A [rows, kc // cols] tile of elements holding `cols` K columns each (int32 words of four
+    codes or two bf16, or single values): per thread 16 contiguous columns (one 16-byte load of codes,
+    two of bf16) in registers, then further 64-column chunks; lanes take (t, g) = (lane % 4, lane //
+    4), t the column group, g the row. Weights: rows g and g + 8 in registers, warps 16-row groups,
+    then further 16*warps-row groups in registers: after the K permutation, the mma.sync (and
+    warpgroup) A operand layout. Activations: rows g, g + 8, ... in registers, every warp a copy (the
+    B operand of each warp's MMAs is the whole tile)."""
+    reg = [[0, 1 << i] for i in range(_bits(16 // cols))]
+    reg += [[8, 0]] if weights else []
+    reg += [[0, CHUNK // cols << i] for i in range(_bits(kc // CHUNK))]
+    if weights:
+        reg += [[16 * warps << i, 0] for i in range(_bits(rows // (16 * warps)))]
+        warp = [[16 << i, 0] for i in range(_bits(warps))]
+    else:
+        reg += [[8 << i, 0] for i in range(_bits(rows // 8))]
+        warp = [[0, 0]] * _bits(warps)
+    lane = [[0, 16 // cols], [0, 32 // cols], [1, 0], [2, 0], [4, 0]]
+    return gl.DistributedLinearLayout(reg, lane, warp, [], [rows, kc // cols])
 
 
 @functools.cache
 def word_layout(bn: int, kc: int, warps: int) -> gl.DistributedLinearLayout:
-    """`weight_layout` over the codes read as int32 words ([bn, kc // 4]: word w holds columns 4w ..
-    4w + 3): per thread 4 contiguous words (one 16-byte load)."""
-    reg = [[0, 1], [0, 2], [8, 0]]
-    reg += [[0, CHUNK // 4 << i] for i in range(_bits(kc // CHUNK))]
-    reg += [[16 * warps << i, 0] for i in range(_bits(bn // (16 * warps)))]
-    lane = [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]]
-    warp = [[16 << i, 0] for i in range(_bits(warps))]
-    return gl.DistributedLinearLayout(reg, lane, warp, [], [bn, kc // 4])
+    """The weight tile read as int32 words of four codes: [bn, kc // 4], 4 words a thread."""
+    return _tile_layout(bn, kc, warps, 4, weights=True)
 
 
 @functools.cache
 def act_layout(bm: int, kc: int, warps: int) -> gl.DistributedLinearLayout:
-    """The [bm, kc] activation tile's load layout: the same columns per thread as the weights (16
-    contiguous bf16, two 16-byte loads), rows g, g + 8, ... in registers, every warp a copy (the B
-    operand of each warp's MMAs is the whole tile)."""
-    reg = [[0, 1], [0, 2], [0, 4], [0, 8]]
-    reg += [[0, CHUNK << i] for i in range(_bits(kc // CHUNK))]
-    reg += [[8 << i, 0] for i in range(_bits(bm // 8))]
-    lane = [[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]]
-    warp = [[0, 0]] * _bits(warps)
-    return gl.DistributedLinearLayout(reg, lane, warp, [], [bm, kc])
+    """The activation tile (fp32, or bf16 in odd strides) element by element: [bm, kc]."""
+    return _tile_layout(bm, kc, warps, 1, weights=False)
 
 
 @functools.cache
 def act_word_layout(bm: int, kc: int, warps: int) -> gl.DistributedLinearLayout:
-    """`act_layout` over bf16 activations read as int32 words (two columns each): [bm, kc // 2]."""
-    reg = [[0, 1], [0, 2], [0, 4]]
-    reg += [[0, CHUNK // 2 << i] for i in range(_bits(kc // CHUNK))]
-    reg += [[8 << i, 0] for i in range(_bits(bm // 8))]
-    lane = [[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]]
-    warp = [[0, 0]] * _bits(warps)
-    return gl.DistributedLinearLayout(reg, lane, warp, [], [bm, kc // 2])
+    """The bf16 activation tile read as int32 words of two columns: [bm, kc // 2]."""
+    return _tile_layout(bm, kc, warps, 2, weights=False)
 
 
 @functools.cache
