@@ -190,9 +190,10 @@ def _load_step_or_zero(q_rows, x_rows, s_ptrs, k0, k_lo, k_hi, K, ssk, rw, rkx,
 
 
 @gluon.jit
-def _mma_step(words, xt, s, acc, DA: gl.constexpr, DB: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr,
-              KC: gl.constexpr, UNIFORM: gl.constexpr, XW: gl.constexpr):  # fmt: skip
-    """acc += bf16(fp32(codes) * s) @ bf16(x)^T over the step's KC columns."""
+def _weight_operand(words, s, DA: gl.constexpr, BN: gl.constexpr, KC: gl.constexpr, UNIFORM: gl.constexpr):
+    """The [BN, KC] bf16 A operand in MMA column order from the step's code words: bf16(fp32(code)
+    * s) (e4m3 -> fp32 through fp16: exact, full-rate `cvt.rn.f16x2.e4m3x2`), in the registers the
+    words were loaded into."""
     if UNIFORM:
         sc = gl.full(words.shape, s, gl.float32, layout=words.type.layout)
     else:
@@ -203,11 +204,25 @@ def _mma_step(words, xt, s, acc, DA: gl.constexpr, DB: gl.constexpr, BN: gl.cons
     )  # fmt: skip
     w = gl.join(gl.join(e0, e1), gl.join(e2, e3)).permute(0, 1, 3, 2).reshape([BN, KC])
     a = gl.convert_layout(_mma_order(w, BN, KC), DA, assert_trivial=True)
+    return a
+
+
+@gluon.jit
+def _bf16_pairs(xw, BM: gl.constexpr, KC: gl.constexpr):
+    """[BM, KC // 2] int32 words -> the [BM, KC] bf16 columns they hold (no data movement)."""
+    lo, hi = gl.inline_asm_elementwise(
+        _SPLIT2, "=h,=h,r", [xw], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1
+    )
+    return gl.join(lo, hi).reshape([BM, KC])
+
+
+@gluon.jit
+def _mma_step(words, xt, s, acc, DA: gl.constexpr, DB: gl.constexpr, BN: gl.constexpr, BM: gl.constexpr,
+              KC: gl.constexpr, UNIFORM: gl.constexpr, XW: gl.constexpr):  # fmt: skip
+    """acc += bf16(fp32(codes) * s) @ bf16(x)^T over the step's KC columns."""
+    a = _weight_operand(words, s, DA, BN, KC, UNIFORM)
     if XW:
-        lo, hi = gl.inline_asm_elementwise(
-            _SPLIT2, "=h,=h,r", [xt], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1
-        )
-        xb = gl.join(lo, hi).reshape([BM, KC])
+        xb = _bf16_pairs(xt, BM, KC)
     else:
         xb = xt.to(gl.bfloat16)
     b = gl.convert_layout(_mma_order(xb, BM, KC).permute(1, 0), DB, assert_trivial=True)
@@ -321,21 +336,10 @@ def _wg_step(words, xw, s, acc, x_smem, DA: gl.constexpr, BN: gl.constexpr, BM: 
              KC: gl.constexpr, UNIFORM: gl.constexpr):  # fmt: skip
     """acc += bf16(fp32(codes) * s) @ x^T through one warpgroup MMA: the weights from registers
     (the mma.sync operand layout, the same per warp), x^T from shared memory, written here."""
-    if UNIFORM:
-        sc = gl.full(words.shape, s, gl.float32, layout=words.type.layout)
-    else:
-        sc = gl.broadcast(s[:, None], words)[0]
-    e0, e1, e2, e3 = gl.inline_asm_elementwise(
-        _DEQUANT4, "=h,=h,=h,=h,r,r", [words, sc],
-        dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=1,
-    )  # fmt: skip
-    w = gl.join(gl.join(e0, e1), gl.join(e2, e3)).permute(0, 1, 3, 2).reshape([BN, KC])
-    a = gl.convert_layout(_mma_order(w, BN, KC), DA, assert_trivial=True)
-    lo, hi = gl.inline_asm_elementwise(
-        _SPLIT2, "=h,=h,r", [xw], dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1
-    )
+    a = _weight_operand(words, s, DA, BN, KC, UNIFORM)
+    xb = _bf16_pairs(xw, BM, KC)
     gl.thread_barrier()  # the previous step's MMA has read x_smem (it completed in every warp)
-    x_smem.store(gl.join(lo, hi).reshape([BM, KC]))
+    x_smem.store(xb)
     fence_async_shared()
     gl.thread_barrier()  # every warp's part of x is in shared memory
     return warpgroup_mma(a, x_smem.permute((1, 0)), acc)  # x^T: K-major B
