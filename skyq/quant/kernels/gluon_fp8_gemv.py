@@ -263,9 +263,10 @@ def _gemv_kernel(
     LW: gl.constexpr, LX: gl.constexpr, UNIFORM: gl.constexpr, EVEN_K: gl.constexpr, PREFETCH: gl.constexpr,
     XW: gl.constexpr,
 ):  # fmt: skip
-    """y[m, n] (or split partials) = sum over this split's K range of bf16(q * s)[n, k] * x[m, k];
-    q and x have unit stride along K. The next step's codes, activations and scale are loaded
-    before this step's are converted and multiplied (a two-deep register pipeline)."""
+    """y[m, n] (or split partials) = sum over this split's K range of bf16(q * s)[n, k] * x[m, k]
+    with mma.sync; q (int32 words of four codes) and x (int32 pairs with XW) have unit stride along
+    K. PREFETCH: how many steps' codes, activations and scales are loaded before a step's are
+    converted and multiplied (0, 1, or 2 in ping-pong buffers)."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1], instr_shape=[16, 8])
     DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
