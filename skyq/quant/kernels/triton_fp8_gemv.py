@@ -41,10 +41,14 @@ try:  # programmatic dependent launch (Hopper+): Triton >= 3.3
 except ImportError:  # pragma: no cover - older Triton: launched without PDL
     gdc_launch_dependents = gdc_wait = None
 
-try:  # the explicit-layout kernel (Triton >= 3.5's Gluon); without it, `_gemv_kernel` everywhere
-    from skyq.quant.kernels import gluon_fp8_gemv as _gluon
-except (ImportError, AttributeError):  # pragma: no cover - older Triton
-    _gluon = None
+_gluon = None
+if tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 6):
+    # the explicit-layout kernel, written against Triton 3.6's (experimental) Gluon API; with an
+    # older Triton, or one whose Gluon lacks what it uses, `_gemv_kernel` everywhere
+    try:
+        from skyq.quant.kernels import gluon_fp8_gemv as _gluon
+    except (ImportError, AttributeError):  # pragma: no cover - a Gluon API change
+        _gluon = None
 
 GLUON = True
 """Decode through `gluon_fp8_gemv` (16-byte code loads straight into the MMA operand registers, no
