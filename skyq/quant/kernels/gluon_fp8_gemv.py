@@ -254,6 +254,27 @@ def _store_out(acc, MMA: gl.constexpr, y_ptr, p_ptr, cnt_ptr, M, N, sym, pid_n, 
 
 
 @gluon.jit
+def _tile_pointers(x_ptr, q_ptr, s_ptr, M, N, K, k_per_split, sxm, sqn, ssn, pid_n, pid_m, pid_s,
+                   BLK_N: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, XCOLS: gl.constexpr,
+                   KC: gl.constexpr, LW: gl.constexpr, LX: gl.constexpr, UNIFORM: gl.constexpr):  # fmt: skip
+    """A program's code-row, activation-row and scale pointers, its word and activation column
+    offsets (XCOLS loaded elements a step) and its split's K range [k_lo, k_hi). Rows past N or M
+    read the last row (in bounds, no mask in the K loop); their sums are not stored."""
+    rn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LW))
+    rw = gl.arange(0, KC // 4, layout=gl.SliceLayout(0, LW))
+    rm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, LX))
+    rkx = gl.arange(0, XCOLS, layout=gl.SliceLayout(0, LX))
+    q_rows = q_ptr + gl.minimum(rn, N - 1)[:, None].to(gl.int64) * sqn
+    x_rows = x_ptr + gl.minimum(rm, M - 1)[:, None].to(gl.int64) * sxm
+    if UNIFORM:  # BN divides BLK_N: one scale row for the tile, a scalar per step
+        s_ptrs = s_ptr + ((pid_n * BN) // BLK_N).to(gl.int64) * ssn
+    else:  # each row its block's scale
+        s_ptrs = s_ptr + (gl.minimum(rn, N - 1) // BLK_N).to(gl.int64) * ssn
+    k_lo = pid_s * k_per_split
+    return q_rows, x_rows, s_ptrs, rw, rkx, k_lo, gl.minimum(k_lo + k_per_split, K)
+
+
+@gluon.jit
 def _gemv_kernel(
     x_ptr, q_ptr, s_ptr, y_ptr, p_ptr, cnt_ptr,
     M, N, K, k_per_split,
@@ -273,19 +294,10 @@ def _gemv_kernel(
     pid_n = gl.program_id(0)
     pid_m = gl.program_id(1)
     pid_s = gl.program_id(2)
-    rn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LW))
-    rw = gl.arange(0, KC // 4, layout=gl.SliceLayout(0, LW))
-    rm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, LX))
-    rkx = gl.arange(0, KC // 2 if XW else KC, layout=gl.SliceLayout(0, LX))
-    # rows past N or M read the last row (in bounds, no mask in the K loop); their sums are not stored
-    q_rows = q_ptr + gl.minimum(rn, N - 1)[:, None].to(gl.int64) * sqn
-    x_rows = x_ptr + gl.minimum(rm, M - 1)[:, None].to(gl.int64) * sxm
-    if UNIFORM:  # BN divides BLK_N: one scale row for the tile, a scalar per step
-        s_ptrs = s_ptr + ((pid_n * BN) // BLK_N).to(gl.int64) * ssn
-    else:  # each row its block's scale
-        s_ptrs = s_ptr + (gl.minimum(rn, N - 1) // BLK_N).to(gl.int64) * ssn
-    k_lo = pid_s * k_per_split
-    k_hi = gl.minimum(k_lo + k_per_split, K)
+    q_rows, x_rows, s_ptrs, rw, rkx, k_lo, k_hi = _tile_pointers(
+        x_ptr, q_ptr, s_ptr, M, N, K, k_per_split, sxm, sqn, ssn, pid_n, pid_m, pid_s,
+        BLK_N, BM, BN, KC // 2 if XW else KC, KC, LW, LX, UNIFORM,
+    )  # fmt: skip
     acc = gl.zeros([BN, BM], gl.float32, layout=MMA)
     if PREFETCH == 2:
         # Two steps in flight, ping-pong: each buffer is reloaded right after its MMA consumed it, so
@@ -373,18 +385,10 @@ def _gemv_wg_kernel(
     pid_n = gl.program_id(0)
     pid_m = gl.program_id(1)
     pid_s = gl.program_id(2)
-    rn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LW))
-    rw = gl.arange(0, KC // 4, layout=gl.SliceLayout(0, LW))
-    rm = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, LX))
-    rkw = gl.arange(0, KC // 2, layout=gl.SliceLayout(0, LX))
-    q_rows = q_ptr + gl.minimum(rn, N - 1)[:, None].to(gl.int64) * sqn
-    x_rows = x_ptr + gl.minimum(rm, M - 1)[:, None].to(gl.int64) * sxm
-    if UNIFORM:
-        s_ptrs = s_ptr + ((pid_n * BN) // BLK_N).to(gl.int64) * ssn
-    else:
-        s_ptrs = s_ptr + (gl.minimum(rn, N - 1) // BLK_N).to(gl.int64) * ssn
-    k_lo = pid_s * k_per_split
-    k_hi = gl.minimum(k_lo + k_per_split, K)
+    q_rows, x_rows, s_ptrs, rw, rkw, k_lo, k_hi = _tile_pointers(
+        x_ptr, q_ptr, s_ptr, M, N, K, k_per_split, sxm, sqn, ssn, pid_n, pid_m, pid_s,
+        BLK_N, BM, BN, KC // 2, KC, LW, LX, UNIFORM,
+    )  # fmt: skip
     acc = gl.zeros([BN, BM], gl.float32, layout=MMA)
     if PREFETCH:
         words, s = _load_codes(q_rows, s_ptrs, k_lo, K, ssk, rw, BLK_K, EVEN_K)
@@ -485,23 +489,14 @@ def linear(
         cnt = counters(x.device, grid[0] * grid[1])
     else:
         part = cnt = y
+    args = (xin, words, scale_inv, y, part, cnt, m, n, k, k_per_split,
+            xin.stride(0), words.stride(0), *scale_inv.stride(), y.stride(0))  # fmt: skip
+    shape = dict(BLK_N=blk_n, BLK_K=blk_k, BM=bm, BN=bn, KC=kc, SPLIT=split, W=warps, LW=word_layout(bn, kc, warps),
+                 UNIFORM=blk_n % bn == 0, EVEN_K=k % kc == 0, PREFETCH=prefetch, num_warps=warps)  # fmt: skip
     if wgmma:
-        _gemv_wg_kernel[grid](
-            xin, words, scale_inv, y, part, cnt, m, n, k, k_per_split,
-            xin.stride(0), words.stride(0), *scale_inv.stride(), y.stride(0),
-            BLK_N=blk_n, BLK_K=blk_k, BM=bm, BN=bn, KC=kc, SPLIT=split, W=warps,
-            LW=word_layout(bn, kc, warps), LX=act_gather_layout(bm, kc, warps),
-            UNIFORM=blk_n % bn == 0, EVEN_K=k % kc == 0, PREFETCH=prefetch, num_warps=warps,
-        )  # fmt: skip
-        return y.reshape(*x.shape[:-1], n)
-    _gemv_kernel[grid](
-        xin, words, scale_inv, y, part, cnt, m, n, k, k_per_split,
-        xin.stride(0), words.stride(0), *scale_inv.stride(), y.stride(0),
-        BLK_N=blk_n, BLK_K=blk_k, BM=bm, BN=bn, KC=kc, SPLIT=split, W=warps,
-        LW=word_layout(bn, kc, warps), LX=(act_word_layout if xw else act_layout)(bm, kc, warps),
-        UNIFORM=blk_n % bn == 0, EVEN_K=k % kc == 0, PREFETCH=prefetch, XW=xw,
-        num_warps=warps,
-    )  # fmt: skip
+        _gemv_wg_kernel[grid](*args, **shape, LX=act_gather_layout(bm, kc, warps))
+    else:
+        _gemv_kernel[grid](*args, **shape, LX=(act_word_layout if xw else act_layout)(bm, kc, warps), XW=xw)
     return y.reshape(*x.shape[:-1], n)
 
 
