@@ -42,7 +42,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-from skyq.quant.kernels._common import cdiv
+from skyq.quant.kernels._common import cdiv, gemv_outputs
 
 CHUNK = 64
 """K columns over which each thread's 16 contiguous codes are spread (four 16-column MMA steps)."""
@@ -482,13 +482,8 @@ def linear(
         raise ValueError(
             "gluon fp8 gemv: the warpgroup kernel takes bf16 x (even K), 4 warps, prefetch 0 or 1"
         )
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (cdiv(n, bn), cdiv(m, bm), split)
-    if split > 1:
-        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        cnt = counters(x.device, grid[0] * grid[1])
-    else:
-        part = cnt = y
+    y, part, cnt = gemv_outputs(x, m, n, grid, counters)
     args = (xin, words, scale_inv, y, part, cnt, m, n, k, k_per_split,
             xin.stride(0), words.stride(0), *scale_inv.stride(), y.stride(0))  # fmt: skip
     shape = dict(BLK_N=blk_n, BLK_K=blk_k, BM=bm, BN=bn, KC=kc, SPLIT=split, W=warps, LW=word_layout(bn, kc, warps),

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from skyq.quant.kernels._common import cdiv
+from skyq.quant.kernels._common import cdiv, gemv_outputs
 
 try:  # programmatic dependent launch (Hopper+): Triton >= 3.3
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -380,13 +380,8 @@ def linear(
         PDL and sub == 1 and gdc_wait is not None and x.device.type == "cuda"
         and _capability(x.device.index or 0) >= 9
     )  # fmt: skip
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (cdiv(n, bn), cdiv(m, bm), split)
-    if split > 1:
-        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        counters = _arrival_counters(x.device, grid[0] * grid[1])
-    else:
-        part = counters = y
+    y, part, counters = gemv_outputs(x, m, n, grid, _arrival_counters)
     args = (x2, q, scale_inv, y, part, counters, m, n, k, k_per_split,
             *x2.stride(), *q.stride(), *scale_inv.stride(), *y.stride())  # fmt: skip
     shape = dict(BLK_N=blk_n, BLK_K=blk_k, BM=bm, BN=bn, TK=tk, SPLIT=split, SUB=sub, UNIFORM=blk_n % bn == 0)
