@@ -294,26 +294,28 @@ def sweep(
     return best
 
 
-def gluon_configs(m: int, n: int, k: int) -> list[tuple[tuple[int, int, int, int, int], int, bool]]:
-    """((BM, BN, KC, split, warps), prefetch, warpgroup) variants of the Gluon kernels for one shape
-    and batch. mma.sync (at <= 32 batch rows): 32 rows on 2 warps, 64 on 4, 128 on 4 or 8;
-    128-column steps (and 64 at 32 rows); one step or two (ping-pong) loaded ahead. Warpgroup MMA
-    (at >= 16 rows): 64 or 128 rows on 4 warps, 64- or 128-column steps, none or one step ahead.
-    Split 1-16 (>= 2 steps each)."""
+def gluon_configs(m: int, n: int, k: int) -> list[tuple[tuple[int, int, int, int, int, int], int]]:
+    """((BM, BN, KC, split, warps, kwarps), prefetch) variants of the Gluon kernel for one shape and
+    batch: 16 weight rows a warp (16 on 1 warp, 32 on 2, 64 on 4, 128 on 8) or 32 (128 on 4);
+    1-16 K warp groups (at most 16 warps a program); split 1-16 (>= 2 steps a group, at most 4 splits
+    with K warps); 128-column steps (64 at >= 32 rows too); one step or two (ping-pong) ahead."""
     bm = min(64, max(8, 1 << (m - 1).bit_length()))
+    steps = -(-k // 128)
     out = []
-
-    def splits(kc):
-        return [sp for sp in (1, 2, 4, 8, 16) if -(-k // kc) >= 2 * sp]
-
-    if bm <= 32:
-        for bn, warps in ((64, 4), (128, 4), (128, 8), (32, 2)):
+    for bn, warps in ((16, 1), (32, 2), (64, 4), (128, 4), (128, 8)):
+        for kw in (1, 2, 4, 8, 16):
+            if warps * kw > 16:
+                continue
             for kc in (64, 128) if bm >= 32 else (128,):
-                out += [((bm, bn, kc, sp, warps), pf, False) for sp in splits(kc) for pf in (1, 2)]
-    if bm >= 16:
-        for bn in (64, 128):
-            for kc in (64, 128):
-                out += [((bm, bn, kc, sp, 4), pf, True) for sp in splits(kc) for pf in (0, 1)]
+                for sp in (1, 2, 4, 8, 16):
+                    if -(-k // kc) < 2 * sp * kw or (kw > 1 and sp > 4):
+                        continue
+                    ctas = -(-n // bn) * -(-m // bm) * sp
+                    if ctas * warps * kw < 2 * 132 or ctas < 100:  # under ~2 warps per SM or idle SMs
+                        continue
+                    out += [
+                        ((bm, bn, kc, sp, warps, kw), pf) for pf in (1, 2) if pf == 1 or steps >= 4 * sp * kw
+                    ]
     return out
 
 
@@ -321,12 +323,12 @@ def _compile_gluon_jobs(jobs: list) -> None:
     from skyq.quant.kernels import gluon_fp8_gemv as g
     from skyq.quant.kernels import triton_fp8_gemv as kern
 
-    for m, n, k, cfg, pf, wg in jobs:
+    for m, n, k, cfg, pf in jobs:
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         q = torch.zeros(n, k, device="cuda").to(torch.float8_e4m3fn)
         s = torch.ones(-(-n // 128), -(-k // 128), device="cuda")
         g.linear(x, q, s, block_size=(128, 128), sms=132, counters=kern._arrival_counters, config=cfg,
-                 prefetch=pf, wgmma=wg)  # fmt: skip
+                 prefetch=pf)  # fmt: skip
     torch.cuda.synchronize()
 
 
@@ -334,10 +336,14 @@ TRITON = "triton"
 """A sweep's best that is the Triton kernel (`triton_fp8_gemv._gemv_kernel`, its default tiling)."""
 
 
-def gluon_sweep(gen: torch.Generator, batches: list[int], shapes: dict, deadline: float) -> dict:
+def gluon_sweep(
+    gen: torch.Generator, batches: list[int], shapes: dict, deadline: float, log: str | None
+) -> dict:
     """Every `gluon_configs` variant per shape and batch, graphed over rotating weight copies; prints
-    bf16, the Triton kernel's default, the Gluon default and the best 4; returns {(N, K, M): (config,
-    prefetch, warpgroup)} of the best, or TRITON where the Triton kernel was faster."""
+    bf16, the Triton kernel's default, the Gluon default and the best 5; returns {(N, K, M): (config,
+    prefetch)} of the best, or TRITON where the Triton kernel was faster. `log`: every timing
+    appended there as JSON lines."""
+    import json
     import multiprocessing as mp
     import os
 
@@ -347,17 +353,17 @@ def gluon_sweep(gen: torch.Generator, batches: list[int], shapes: dict, deadline
     cells = [(label, n, k, m) for label, (n, k) in shapes.items() for m in batches]
     seen, jobs = set(), []
     for _, n, k, m in cells:
-        for cfg, pf, wg in gluon_configs(m, n, k):
-            key = (cfg, pf, wg, k % cfg[2] == 0)
+        for cfg, pf in gluon_configs(m, n, k):
+            key = (cfg, pf, k % cfg[2] == 0)
             if key not in seen:
                 seen.add(key)
-                jobs.append((m, n, k, cfg, pf, wg))
+                jobs.append((m, n, k, cfg, pf))
     procs = max(1, min(14, (os.cpu_count() or 2) - 2))
     t0 = time.time()
     with mp.get_context("spawn").Pool(procs) as pool:
         pool.map(_compile_gluon_jobs, [jobs[i::procs] for i in range(procs)])
     print(f"\ngluon sweep: {len(jobs)} variants compiled in {time.time() - t0:.0f} s by {procs} processes")
-    print("gluon sweep: us per call; cfg = BN/KC/split/warps/prefetch, w = warpgroup MMA")
+    print("gluon sweep: us per call; cfg = BN/KC/split/warps/kwarps/prefetch")
     sms = kern.sm_count(torch.device("cuda"))
     best = {}
     for label, n, k in dict.fromkeys((lab, n, k) for lab, n, k, _ in cells):
@@ -373,21 +379,29 @@ def gluon_sweep(gen: torch.Generator, batches: list[int], shapes: dict, deadline
                 [lambda q=q, s=s, x=x: kern.linear(x, q, s, block_size=(128, 128)) for q, s in qs]
             )
             kern.GLUON = True
-            res = [(tt, TRITON, 0, False)]
-            for cfg, pf, wg in gluon_configs(m, n, k):
-                fns = [lambda q=q, s=s, x=x, c=cfg, pf=pf, wg=wg: g.linear(
+            default = g.tiling(m, n, k, 128, sms)
+            td = time_per_call([lambda q=q, s=s, x=x: g.linear(
+                x, q, s, block_size=(128, 128), sms=sms, counters=kern._arrival_counters) for q, s in qs])  # fmt: skip
+            res = [(tt, TRITON, 0)]
+            for cfg, pf in gluon_configs(m, n, k):
+                fns = [lambda q=q, s=s, x=x, c=cfg, pf=pf: g.linear(
                            x, q, s, block_size=(128, 128), sms=sms, counters=kern._arrival_counters, config=c,
-                           prefetch=pf, wgmma=wg) for q, s in qs]  # fmt: skip
-                res.append((time_per_call(fns), cfg, pf, wg))
+                           prefetch=pf) for q, s in qs]  # fmt: skip
+                res.append((time_per_call(fns), cfg, pf))
+            if log:
+                with open(log, "a") as f:
+                    for t, c, pf in res:
+                        f.write(
+                            json.dumps(dict(shape=label, m=m, cfg=c, pf=pf, us=t * 1e6, bf16=tb * 1e6)) + "\n"
+                        )
             res.sort(key=lambda r: r[0])
             best[(n, k, m)] = TRITON if res[0][1] == TRITON else res[0][1:]
             top = ", ".join(
-                "triton"
-                if c == TRITON
-                else f"{c[1]}/{c[2]}/{c[3]}/{c[4]}/{pf}{'w' if wg else ''} {t * 1e6:.1f}"
-                for t, c, pf, wg in res[:5]
+                "triton" if c == TRITON else f"{c[1]}/{c[2]}/{c[3]}/{c[4]}/{c[5]}/{pf} {t * 1e6:.1f}"
+                for t, c, pf in res[:5]
             )
-            print(f"{label} M={m}: bf16 {tb * 1e6:.1f}, triton {tt * 1e6:.1f}, best {top}", flush=True)
+            print(f"{label} M={m}: bf16 {tb * 1e6:.1f}, triton {tt * 1e6:.1f}, default {default[1:]} {td * 1e6:.1f}, best {top}",
+                  flush=True)  # fmt: skip
         del ws, qs
     return best
 
@@ -397,7 +411,7 @@ def tuned_gluon(plain, best: dict):
     TRITON cell runs the Triton kernel instead."""
     from skyq.quant.kernels import triton_fp8_gemv as kern
 
-    def linear(x, q, s, *, block_size, sms, counters, config=None, prefetch=1, wgmma=False):
+    def linear(x, q, s, *, block_size, sms, counters, config=None, prefetch=1):
         hit = best.get((q.shape[0], q.shape[1], x.numel() // x.shape[-1]))
         if hit == TRITON and config is None:
             kern.GLUON = False
@@ -406,17 +420,9 @@ def tuned_gluon(plain, best: dict):
             finally:
                 kern.GLUON = True
         if hit and config is None and tuple(block_size) == (128, 128):
-            config, prefetch, wgmma = hit
+            config, prefetch = hit
         return plain(
-            x,
-            q,
-            s,
-            block_size=block_size,
-            sms=sms,
-            counters=counters,
-            config=config,
-            prefetch=prefetch,
-            wgmma=wgmma,
+            x, q, s, block_size=block_size, sms=sms, counters=counters, config=config, prefetch=prefetch
         )
 
     return linear
@@ -547,7 +553,7 @@ def main() -> None:
         if args.no_sweep:
             return
         shapes = FUSED_SWEEP_SHAPES if args.fused else SWEEP_SHAPES
-        best = gluon_sweep(gen, args.batches, shapes, deadline)
+        best = gluon_sweep(gen, args.batches, shapes, deadline, args.sweep_log)
         from skyq.quant.kernels import gluon_fp8_gemv as g
 
         g.linear, plain, max_m = tuned_gluon(g.linear, best), g.linear, kern.GLUON_MAX_M

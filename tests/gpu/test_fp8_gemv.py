@@ -220,12 +220,16 @@ GLUON_SHAPES = [
 @pytest.mark.parametrize(
     ("m", "config"),
     [
-        (1, (8, 64, 128, 1, 4)),
-        (3, (8, 64, 128, 4, 4)),
-        (16, (16, 128, 128, 2, 8)),
-        (17, (32, 64, 128, 8, 4)),
-        (64, (64, 64, 64, 1, 4)),
-        (64, (64, 128, 64, 2, 4)),
+        (1, (8, 64, 128, 1, 4, 1)),
+        (3, (8, 64, 128, 4, 4, 1)),
+        (16, (16, 128, 128, 2, 8, 1)),
+        (17, (32, 64, 128, 8, 4, 1)),
+        (64, (64, 64, 64, 1, 4, 1)),
+        (64, (64, 128, 64, 2, 4, 1)),
+        (1, (8, 16, 128, 1, 1, 8)),
+        (5, (8, 32, 128, 1, 2, 4)),
+        (12, (16, 64, 128, 2, 4, 2)),
+        (33, (64, 32, 64, 1, 2, 4)),
     ],
 )
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
@@ -233,19 +237,20 @@ GLUON_SHAPES = [
 def test_the_gluon_kernel_is_the_bf16_weight_product(gen, n, k, block, m, config, prefetch, dtype):
     """The Gluon kernel (codes read as int32 words into the MMA operand registers, K permuted in
     64-column chunks on both operands) at explicit tilings: K and N tails, rows past the batch,
-    per-row scales (96-row blocks), 64-column scale blocks, split-K, no prefetch, one step or two
-    (ping-pong, zero-scale steps past a split's end) loaded ahead, fp32 (and bf16 as int32 pairs)
+    per-row scales (96-row blocks), 64-column scale blocks, split-K, K warps (groups of warps on
+    parts of a split's K range, summed in the program; groups past K), no prefetch, one step or two
+    (ping-pong, zero-scale steps past a group's end) loaded ahead, fp32 (and bf16 as int32 pairs)
     activations: within the MMA kernel's bound, every element written."""
     from skyq.quant.kernels import gluon_fp8_gemv as g
     from skyq.quant.kernels import triton_fp8_gemv as kern
 
-    bm, bn, kc, split, warps = config
+    bm, bn, kc, split, warps, kwarps = config
     if block[1] % kc:
         kc = block[1]
     q, s, x = _weight_and_input(gen, n, k, block, m)
     got = g.linear(
         x.to(dtype), q, s, block_size=block, sms=kern.sm_count(x.device), counters=kern._arrival_counters,
-        config=(bm, bn, kc, split, warps), prefetch=prefetch, wgmma=False,
+        config=(bm, bn, kc, split, warps, kwarps), prefetch=prefetch,
     )  # fmt: skip
     torch.cuda.synchronize()
     assert got.shape == (m, n) and got.dtype == dtype
@@ -269,35 +274,3 @@ def test_decode_dispatches_to_the_gluon_kernel_where_it_applies(gen):
         kern.GLUON = True
     for got in (a, b):
         assert _bounded(got, x, q, s, (128, 128))[0]
-
-
-@pytest.mark.parametrize(("n", "k", "block"), GLUON_SHAPES)
-@pytest.mark.parametrize(
-    ("m", "config"),
-    [
-        (3, (16, 64, 128, 2, 4)),
-        (17, (32, 64, 128, 8, 4)),
-        (64, (64, 64, 64, 1, 4)),
-        (50, (64, 128, 64, 2, 4)),
-    ],
-)
-@pytest.mark.parametrize("prefetch", [0, 1])
-def test_the_warpgroup_kernel_is_the_bf16_weight_product(gen, n, k, block, m, config, prefetch):
-    """The warpgroup-MMA kernel (codes from registers, activations gathered in MMA column order into
-    shared memory): the same bound, every element written, at K and N tails, per-row scales,
-    64-column scale blocks, split-K, with and without the prefetch."""
-    from skyq.quant.kernels import gluon_fp8_gemv as g
-    from skyq.quant.kernels import triton_fp8_gemv as kern
-
-    bm, bn, kc, split, warps = config
-    if block[1] % kc:
-        kc = block[1]
-    q, s, x = _weight_and_input(gen, n, k, block, m)
-    got = g.linear(
-        x, q, s, block_size=block, sms=kern.sm_count(x.device), counters=kern._arrival_counters,
-        config=(bm, bn, kc, split, warps), prefetch=prefetch, wgmma=True,
-    )  # fmt: skip
-    torch.cuda.synchronize()
-    assert got.shape == (m, n) and got.dtype == torch.bfloat16
-    ok, worst = _bounded(got, x, q, s, block)
-    assert ok, f"error reaches {worst:.3g} of the bound"

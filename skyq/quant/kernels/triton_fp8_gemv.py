@@ -58,10 +58,10 @@ under the interpreter, or with an explicit `config`, `_gemv_kernel`. False: `_ge
 (the A/B in benchmarks/decode.py)."""
 
 GLUON_MAX_M = 16
-"""Batches of more rows go to `_gemv_kernel`: the Gluon kernel gives every warp the whole activation
-tile (registers and L1 traffic grow with the rows), and on the H200 (benchmarks/decode.py --gluon,
-session 8) its best variant lost to `_gemv_kernel` at 32 and 64 rows in every fused shape (e.g. the
-fused q/k/v at 64 rows 18.3 vs 13.9 us) while winning at 1-16 (6.8 vs 8.4 us at one row)."""
+"""Batches of more rows go to `_gemv_kernel`: the Gluon kernel holds each warp's activation tile in
+registers (they grow with the rows), and on the H200 (benchmarks/decode.py --gluon, session 8) its
+best variant lost to `_gemv_kernel` at 32 and 64 rows in every fused shape (e.g. the fused q/k/v at
+64 rows 18.3 vs 13.9 us) while winning at 1-16 (5.9 vs 8.4 us at one row, session 9)."""
 
 PDL = False
 """Opt-in programmatic dependent launch (CUDA devices of compute capability >= 9, Triton >= 3.3):
