@@ -296,26 +296,27 @@ def sweep(
 
 def gluon_configs(m: int, n: int, k: int) -> list[tuple[tuple[int, int, int, int, int, int], int]]:
     """((BM, BN, KC, split, warps, kwarps), prefetch) variants of the Gluon kernel for one shape and
-    batch: 16 weight rows a warp (16 on 1 warp, 32 on 2, 64 on 4, 128 on 8) or 32 (128 on 4);
-    1-16 K warp groups (at most 16 warps a program); split 1-16 (>= 2 steps a group, at most 4 splits
-    with K warps); 128-column steps (64 at >= 32 rows too); one step or two (ping-pong) ahead."""
+    batch: 16 or 32 weight rows a warp (16 on 1 warp, 32 on 1 or 2, 64 on 4); 1-16 K warp groups (at
+    most 16 warps a program); split 1-4 (at most 2 with K warps), >= 2 steps a group; 128-column
+    steps (and 64 at >= 16 rows); prefetch 1 (one step) or 3 (one step of codes, activations at
+    their step), and 2 (ping-pong) at <= 8 rows. Only variants with >= 100 programs and 2-16 warps
+    per SM."""
     bm = min(64, max(8, 1 << (m - 1).bit_length()))
-    steps = -(-k // 128)
     out = []
-    for bn, warps in ((16, 1), (32, 2), (64, 4), (128, 4), (128, 8)):
+    for bn, warps in ((16, 1), (32, 1), (32, 2), (64, 4)):
         for kw in (1, 2, 4, 8, 16):
-            if warps * kw > 16:
-                continue
-            for kc in (64, 128) if bm >= 32 else (128,):
-                for sp in (1, 2, 4, 8, 16):
-                    if -(-k // kc) < 2 * sp * kw or (kw > 1 and sp > 4):
-                        continue
+            for kc in (64, 128) if bm >= 16 else (128,):
+                for sp in (1, 2, 4):
                     ctas = -(-n // bn) * -(-m // bm) * sp
-                    if ctas * warps * kw < 2 * 132 or ctas < 100:  # under ~2 warps per SM or idle SMs
+                    if (
+                        warps * kw > 16
+                        or -(-k // kc) < 2 * sp * kw
+                        or (kw > 1 and sp > 2)
+                        or ctas < 100
+                        or not 2 * 132 <= ctas * warps * kw <= 16 * 132
+                    ):
                         continue
-                    out += [
-                        ((bm, bn, kc, sp, warps, kw), pf) for pf in (1, 2) if pf == 1 or steps >= 4 * sp * kw
-                    ]
+                    out += [((bm, bn, kc, sp, warps, kw), pf) for pf in ((1, 2, 3) if bm <= 8 else (1, 3))]
     return out
 
 

@@ -232,7 +232,7 @@ GLUON_SHAPES = [
         (33, (64, 32, 64, 1, 2, 4)),
     ],
 )
-@pytest.mark.parametrize("prefetch", [0, 1, 2])
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_gluon_kernel_is_the_bf16_weight_product(gen, n, k, block, m, config, prefetch, dtype):
     """The Gluon kernel (codes read as int32 words into the MMA operand registers, K permuted in

@@ -155,17 +155,21 @@ def _load_codes(q_rows, s_ptrs, s_cols, k0, K, ssk, rw, kcw, BLK_K: gl.constexpr
 
 
 @gluon.jit
+def _load_x(x_rows, k0, K, rkx, kcx, EVEN_K: gl.constexpr, XW: gl.constexpr):
+    """The activations [KW, BM, KC] (with XW, bf16 pairs as int32 words) of each group's KC columns
+    from k0; rows past M clamped, columns past K masked to zero."""
+    XPW: gl.constexpr = 2 if XW else 1  # activation columns per loaded element
+    if EVEN_K:
+        return gl.load(x_rows + (k0 // XPW + rkx))
+    return gl.load(x_rows + (k0 // XPW + rkx), mask=(kcx + k0) < K, other=0)
+
+
+@gluon.jit
 def _load_step(q_rows, x_rows, s_ptrs, s_cols, k0, K, ssk, rw, kcw, rkx, kcx,
                BLK_K: gl.constexpr, EVEN_K: gl.constexpr, XW: gl.constexpr):  # fmt: skip
-    """`_load_codes` and the activations [KW, BM, KC] (with XW, bf16 pairs as int32 words) of each
-    group's KC columns from k0; rows past M clamped, columns past K masked to zero."""
-    XPW: gl.constexpr = 2 if XW else 1  # activation columns per loaded element
+    """`_load_codes` and `_load_x` of the step at k0."""
     words, s = _load_codes(q_rows, s_ptrs, s_cols, k0, K, ssk, rw, kcw, BLK_K, EVEN_K)
-    if EVEN_K:
-        xt = gl.load(x_rows + (k0 // XPW + rkx))
-    else:
-        xt = gl.load(x_rows + (k0 // XPW + rkx), mask=(kcx + k0) < K, other=0)
-    return words, xt, s
+    return words, _load_x(x_rows, k0, K, rkx, kcx, EVEN_K, XW), s
 
 
 @gluon.jit
@@ -301,7 +305,9 @@ def _gemv_kernel(
     K. W warps take the tile's rows, KW warps (KW groups of W) the split's K range: group g the
     k_per_group columns from (split * KW + g) * k_per_group; the groups' sums are added through
     shared memory at the end. PREFETCH: how many steps' codes, activations and scales are loaded
-    before a step's are converted and multiplied (0, 1, or 2 in ping-pong buffers)."""
+    before a step's are converted and multiplied (0, 1, or 2 in ping-pong buffers; 3: one step's
+    codes and scales, the activations loaded at their own step, which holds fewer registers at many
+    batch rows)."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[KW, W, 1], instr_shape=[1, 16, 8]
     )
@@ -375,6 +381,16 @@ def _gemv_kernel(
             xt = nxt_xt
             s = nxt_s
         acc = _mma_step(words, xt, s, acc, DA, DB, KW, BN, BM, KC, UNIFORM, XW)
+    elif PREFETCH == 3:  # the next step's codes and scales ahead, the activations at their step
+        words, s = _load_codes(q_rows, s_ptrs, s_cols, 0, K, ssk, rw, kcw, BLK_K, EVEN_K)
+        for k0 in range(KC, k_per_group, KC):
+            nxt_words, nxt_s = _load_codes(q_rows, s_ptrs, s_cols, k0, K, ssk, rw, kcw, BLK_K, EVEN_K)
+            xt = _load_x(x_rows, k0 - KC, K, rkx, kcx, EVEN_K, XW)
+            acc = _mma_step(words, xt, s, acc, DA, DB, KW, BN, BM, KC, UNIFORM, XW)
+            words = nxt_words
+            s = nxt_s
+        xt = _load_x(x_rows, k_per_group - KC, K, rkx, kcx, EVEN_K, XW)
+        acc = _mma_step(words, xt, s, acc, DA, DB, KW, BN, BM, KC, UNIFORM, XW)
     else:  # latency hidden by the other warps on the SM only
         for k0 in range(0, k_per_group, KC):
             words, xt, s = _load_step(
@@ -442,7 +458,7 @@ def linear(
     range, summed in the program. `prefetch`: steps loaded ahead of the math: 0, 1 (the next,
     values moved along; the default: fastest or within 5% in most cells of the H200 sweep), 2 (two,
     ping-pong buffers: no moves, more registers; it spills at 32+ batch rows of 128-column
-    steps)."""
+    steps), 3 (the next step's codes and scales; the activations at their own step)."""
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
