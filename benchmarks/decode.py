@@ -299,7 +299,7 @@ def gluon_configs(m: int, n: int, k: int) -> list[tuple[tuple[int, int, int, int
     batch: 16 or 32 weight rows a warp (16 on 1 warp, 32 on 1 or 2, 64 on 4); 1-16 K warp groups (at
     most 16 warps a program); split 1-4 (at most 2 with K warps), >= 2 steps a group; 128-column
     steps (and 64 at >= 16 rows); prefetch 1 (one step) or 3 (one step of codes, activations at
-    their step), and 2 (ping-pong) at <= 8 rows. Only variants with >= 100 programs and 2-16 warps
+    their step), and 2 (ping-pong) at <= 8 rows. Only variants with >= 100 programs and 2-24 warps
     per SM."""
     bm = min(64, max(8, 1 << (m - 1).bit_length()))
     out = []
@@ -313,7 +313,7 @@ def gluon_configs(m: int, n: int, k: int) -> list[tuple[tuple[int, int, int, int
                         or -(-k // kc) < 2 * sp * kw
                         or (kw > 1 and sp > 2)
                         or ctas < 100
-                        or not 2 * 132 <= ctas * warps * kw <= 16 * 132
+                        or not 2 * 132 <= ctas * warps * kw <= 24 * 132
                     ):
                         continue
                     out += [((bm, bn, kc, sp, warps, kw), pf) for pf in ((1, 2, 3) if bm <= 8 else (1, 3))]
