@@ -296,27 +296,31 @@ def sweep(
 
 def gluon_configs(m: int, n: int, k: int) -> list[tuple[tuple[int, int, int, int, int, int], int]]:
     """((BM, BN, KC, split, warps, kwarps), prefetch) variants of the Gluon kernel for one shape and
-    batch: 16 or 32 weight rows a warp (16 on 1 warp, 32 on 1 or 2, 64 on 4); 1-16 K warp groups (at
-    most 16 warps a program); split 1-4 (at most 2 with K warps), >= 2 steps a group; 128-column
-    steps (and 64 at >= 16 rows); prefetch 1 (one step) or 3 (one step of codes, activations at
-    their step), and 2 (ping-pong) at <= 8 rows. Only variants with >= 100 programs and 2-24 warps
-    per SM."""
-    bm = min(64, max(8, 1 << (m - 1).bit_length()))
+    batch: the batch in one tile of BM rows or (above 8 rows) in 2 or 4 tiles, i.e. programs that
+    re-read their weights from L2 in exchange for fewer activation registers (then 16 or 32 weight
+    rows on one warp, no split); 16 or 32 weight rows a warp (16 on 1 warp, 32 on 1 or 2, 64 on 4);
+    1-16 K warp groups (at most 16 warps a program); split 1-4 (at most 2 with K warps), >= 2 steps
+    a group; 128-column steps (and 64 at >= 16 rows);
+    prefetch 1 (one step) or 3 (one step of codes, activations at their step), and 2 (ping-pong)
+    at <= 16 rows. Only variants with >= 100 programs and 2-24 warps per SM."""
+    top = min(64, max(8, 1 << (m - 1).bit_length()))
     out = []
-    for bn, warps in ((16, 1), (32, 1), (32, 2), (64, 4)):
-        for kw in (1, 2, 4, 8, 16):
-            for kc in (64, 128) if bm >= 16 else (128,):
-                for sp in (1, 2, 4):
-                    ctas = -(-n // bn) * -(-m // bm) * sp
-                    if (
-                        warps * kw > 16
-                        or -(-k // kc) < 2 * sp * kw
-                        or (kw > 1 and sp > 2)
-                        or ctas < 100
-                        or not 2 * 132 <= ctas * warps * kw <= 24 * 132
-                    ):
-                        continue
-                    out += [((bm, bn, kc, sp, warps, kw), pf) for pf in ((1, 2, 3) if bm <= 8 else (1, 3))]
+    for bm in sorted({top, max(8, top // 2), max(8, top // 4)}, reverse=True):
+        for bn, warps in ((16, 1), (32, 1)) if bm < top else ((16, 1), (32, 1), (32, 2), (64, 4)):
+            for kw in (1, 2, 4, 8, 16):
+                for kc in (64, 128) if bm >= 32 or (bm == 16 and bm == top) else (128,):
+                    for sp in (1, 2, 4) if bm == top else (1,):
+                        ctas = -(-n // bn) * -(-m // bm) * sp
+                        if (
+                            warps * kw > 16
+                            or -(-k // kc) < 2 * sp * kw
+                            or (kw > 1 and sp > 2)
+                            or ctas < 100
+                            or not 2 * 132 <= ctas * warps * kw <= 24 * 132
+                        ):
+                            continue
+                        pfs = (1, 2, 3) if bm <= 16 else (1, 3)
+                        out += [((bm, bn, kc, sp, warps, kw), pf) for pf in pfs]
     return out
 
 

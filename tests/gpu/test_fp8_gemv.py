@@ -230,17 +230,20 @@ GLUON_SHAPES = [
         (5, (8, 32, 128, 1, 2, 4)),
         (12, (16, 64, 128, 2, 4, 2)),
         (33, (64, 32, 64, 1, 2, 4)),
+        (16, (8, 16, 128, 1, 1, 8)),
+        (13, (8, 16, 128, 2, 1, 2)),
     ],
 )
 @pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_gluon_kernel_is_the_bf16_weight_product(gen, n, k, block, m, config, prefetch, dtype):
     """The Gluon kernel (codes read as int32 words into the MMA operand registers, K permuted in
-    64-column chunks on both operands) at explicit tilings: K and N tails, rows past the batch,
-    per-row scales (96-row blocks), 64-column scale blocks, split-K, K warps (groups of warps on
-    parts of a split's K range, summed in the program; groups past K), no prefetch, one step or two
-    (ping-pong, zero-scale steps past a group's end) loaded ahead, fp32 (and bf16 as int32 pairs)
-    activations: within the MMA kernel's bound, every element written."""
+    64-column chunks on both operands) at explicit tilings: K and N tails, rows past the batch, the
+    batch in several row tiles, per-row scales (96-row blocks), 64-column scale blocks, split-K, K
+    warps (groups of warps on parts of a split's K range, summed in the program; groups past K), no
+    prefetch, one step or two (ping-pong, zero-scale steps past a group's end) loaded ahead, or one
+    step of codes only; fp32 (and bf16 as int32 pairs) activations: within the MMA kernel's bound,
+    every element written."""
     from skyq.quant.kernels import gluon_fp8_gemv as g
     from skyq.quant.kernels import triton_fp8_gemv as kern
 

@@ -409,20 +409,26 @@ def supports(block_size: tuple[int, int]) -> bool:
 
 def tiling(m: int, n: int, k: int, block_k: int, sms: int) -> tuple[int, int, int, int, int, int]:
     """(BM, BN, KC, split, warps, kwarps): the batch padded to the MMA's 8 columns (at most 64 per
-    tile), 16 weight rows a program on one warp, 128-column steps (<= the scale block), and the
-    K range on kwarps warps (powers of two up to 16, >= 2 steps each) until there are ~7.5 warps
-    per SM; the K range is split across programs (a fix-up through memory) only where fewer than
-    half the SMs would have a program. From the H200 sweep of the fused model's shapes
+    tile; 9-16 rows as two 8-row tiles where 16-row tiles would give fewer than ~1.5 programs per
+    SM: each program re-reads its weights from L2, with half the activation registers), 16 weight
+    rows a program on one warp, 128-column steps (<= the scale block), and the K range on kwarps
+    warps (powers of two up to 16, >= 2 steps each) until the weight tiles have ~7.5 warps per SM;
+    the K range is split across programs (a fix-up through memory) only where fewer than half the
+    SMs would have a program. From the H200 sweeps of the fused model's shapes
     (benchmarks/decode.py --gluon; docs/benchmarks.md, M4, session 9): at one row q/k/v 5120 x 2048
     6.8 -> 5.9 us (4 K warps), o 2048 x 4096 6.5 -> 5.8 (8), gate/up 12288 x 2048 10.5 -> 10.1 (2),
     against session 8's 64-row tiles on 4 warps split 4-16 ways, whose split fix-up (an atomic
-    and a reload of the partials by the last program) cost ~1.7 us a call."""
+    and a reload of the partials by the last program) cost ~1.7 us a call; at 16 rows o 7.5 -> 7.0
+    and down 6144 x 2048 9.3 -> 8.8 with two 8-row tiles."""
     bm = min(64, max(8, triton.next_power_of_2(m)))
+    weight_tiles = cdiv(n, 16)
+    if bm == 16 and weight_tiles < 1.5 * sms:
+        bm = 8
     kc = min(128, block_k)
-    tiles = cdiv(n, 16) * cdiv(m, bm)
+    tiles = weight_tiles * cdiv(m, bm)
     steps = cdiv(k, kc)
     kwarps = 1
-    while kwarps < 16 and tiles * kwarps < 7.5 * sms and steps >= 4 * kwarps:
+    while kwarps < 16 and weight_tiles * kwarps < 7.5 * sms and steps >= 4 * kwarps:
         kwarps *= 2
     split = 1
     while split < 16 and tiles * split < 0.5 * sms and steps >= 4 * kwarps * split:
