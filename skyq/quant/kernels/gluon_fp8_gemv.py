@@ -165,21 +165,18 @@ def _load_x(x_rows, k0, K, rkx, kcx, EVEN_K: gl.constexpr, XW: gl.constexpr):
 
 
 @gluon.jit
-def _load_step(q_rows, x_rows, s_ptrs, s_cols, k0, K, ssk, rw, kcw, rkx, kcx,
-               BLK_K: gl.constexpr, EVEN_K: gl.constexpr, XW: gl.constexpr):  # fmt: skip
-    """`_load_codes` and `_load_x` of the step at k0."""
+def _load_step(ptrs, k0, K, ssk, BLK_K: gl.constexpr, EVEN_K: gl.constexpr, XW: gl.constexpr):
+    """`_load_codes` and `_load_x` of the step at k0; `ptrs` as `_tile_pointers` returns them."""
+    q_rows, x_rows, s_ptrs, s_cols, rw, kcw, rkx, kcx = ptrs
     words, s = _load_codes(q_rows, s_ptrs, s_cols, k0, K, ssk, rw, kcw, BLK_K, EVEN_K)
     return words, _load_x(x_rows, k0, K, rkx, kcx, EVEN_K, XW), s
 
 
 @gluon.jit
-def _load_step_or_zero(q_rows, x_rows, s_ptrs, s_cols, k0, k_end, K, ssk, rw, kcw, rkx, kcx,
-                       BLK_K: gl.constexpr, EVEN_K: gl.constexpr, XW: gl.constexpr):  # fmt: skip
+def _load_step_or_zero(ptrs, k0, k_end, K, ssk, BLK_K: gl.constexpr, EVEN_K: gl.constexpr, XW: gl.constexpr):
     """`_load_step` at k0 if k0 < k_end (the groups' length), else step 0 with a zero scale."""
     valid = k0 < k_end
-    words, xt, s = _load_step(
-        q_rows, x_rows, s_ptrs, s_cols, gl.where(valid, k0, 0), K, ssk, rw, kcw, rkx, kcx, BLK_K, EVEN_K, XW
-    )
+    words, xt, s = _load_step(ptrs, gl.where(valid, k0, 0), K, ssk, BLK_K, EVEN_K, XW)
     return words, xt, gl.where(valid, s, 0.0)
 
 
@@ -316,66 +313,27 @@ def _gemv_kernel(
     pid_n = gl.program_id(0)
     pid_m = gl.program_id(1)
     pid_s = gl.program_id(2)
-    q_rows, x_rows, s_ptrs, s_cols, rw, kcw, rkx, kcx = _tile_pointers(
+    ptrs = _tile_pointers(
         x_ptr, q_ptr, s_ptr, M, N, k_per_group, sxm, sqn, ssn, pid_n, pid_m, pid_s,
         BLK_N, BM, BN, KC // 2 if XW else KC, KC, KW, LW, LX, UNIFORM,
     )  # fmt: skip
+    q_rows, x_rows, s_ptrs, s_cols, rw, kcw, rkx, kcx = ptrs
     acc = gl.zeros([KW, BN, BM], gl.float32, layout=MMA)
     if PREFETCH == 2:
         # Two steps in flight, ping-pong: each buffer is reloaded right after its MMA consumed it, so
         # no register moves. A step past the groups' end loads step 0 again (in bounds) with scale 0:
         # it adds exact zeros (finite x).
-        a_w, a_x, a_s = _load_step(
-            q_rows, x_rows, s_ptrs, s_cols, 0, K, ssk, rw, kcw, rkx, kcx, BLK_K, EVEN_K, XW
-        )
-        b_w, b_x, b_s = _load_step_or_zero(
-            q_rows, x_rows, s_ptrs, s_cols, KC, k_per_group, K, ssk, rw, kcw, rkx, kcx, BLK_K, EVEN_K, XW
-        )
+        a_w, a_x, a_s = _load_step(ptrs, 0, K, ssk, BLK_K, EVEN_K, XW)
+        b_w, b_x, b_s = _load_step_or_zero(ptrs, KC, k_per_group, K, ssk, BLK_K, EVEN_K, XW)
         for k0 in range(0, k_per_group, 2 * KC):
             acc = _mma_step(a_w, a_x, a_s, acc, DA, DB, KW, BN, BM, KC, UNIFORM, XW)
-            a_w, a_x, a_s = _load_step_or_zero(
-                q_rows,
-                x_rows,
-                s_ptrs,
-                s_cols,
-                k0 + 2 * KC,
-                k_per_group,
-                K,
-                ssk,
-                rw,
-                kcw,
-                rkx,
-                kcx,
-                BLK_K,
-                EVEN_K,
-                XW,
-            )
+            a_w, a_x, a_s = _load_step_or_zero(ptrs, k0 + 2 * KC, k_per_group, K, ssk, BLK_K, EVEN_K, XW)
             acc = _mma_step(b_w, b_x, b_s, acc, DA, DB, KW, BN, BM, KC, UNIFORM, XW)
-            b_w, b_x, b_s = _load_step_or_zero(
-                q_rows,
-                x_rows,
-                s_ptrs,
-                s_cols,
-                k0 + 3 * KC,
-                k_per_group,
-                K,
-                ssk,
-                rw,
-                kcw,
-                rkx,
-                kcx,
-                BLK_K,
-                EVEN_K,
-                XW,
-            )
+            b_w, b_x, b_s = _load_step_or_zero(ptrs, k0 + 3 * KC, k_per_group, K, ssk, BLK_K, EVEN_K, XW)
     elif PREFETCH == 1:  # the next step's loads issued before this step's math (values moved along)
-        words, xt, s = _load_step(
-            q_rows, x_rows, s_ptrs, s_cols, 0, K, ssk, rw, kcw, rkx, kcx, BLK_K, EVEN_K, XW
-        )
+        words, xt, s = _load_step(ptrs, 0, K, ssk, BLK_K, EVEN_K, XW)
         for k0 in range(KC, k_per_group, KC):
-            nxt_words, nxt_xt, nxt_s = _load_step(
-                q_rows, x_rows, s_ptrs, s_cols, k0, K, ssk, rw, kcw, rkx, kcx, BLK_K, EVEN_K, XW
-            )
+            nxt_words, nxt_xt, nxt_s = _load_step(ptrs, k0, K, ssk, BLK_K, EVEN_K, XW)
             acc = _mma_step(words, xt, s, acc, DA, DB, KW, BN, BM, KC, UNIFORM, XW)
             words = nxt_words
             xt = nxt_xt
@@ -393,9 +351,7 @@ def _gemv_kernel(
         acc = _mma_step(words, xt, s, acc, DA, DB, KW, BN, BM, KC, UNIFORM, XW)
     else:  # latency hidden by the other warps on the SM only
         for k0 in range(0, k_per_group, KC):
-            words, xt, s = _load_step(
-                q_rows, x_rows, s_ptrs, s_cols, k0, K, ssk, rw, kcw, rkx, kcx, BLK_K, EVEN_K, XW
-            )
+            words, xt, s = _load_step(ptrs, k0, K, ssk, BLK_K, EVEN_K, XW)
             acc = _mma_step(words, xt, s, acc, DA, DB, KW, BN, BM, KC, UNIFORM, XW)
     _store_out(acc, MMA, y_ptr, p_ptr, cnt_ptr, M, N, sym, pid_n, pid_m, pid_s, BN, BM, SPLIT)
 
