@@ -18,6 +18,8 @@ import subprocess
 import tempfile
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 pytest.importorskip("triton.experimental.gluon")
 
@@ -164,3 +166,23 @@ def test_supports_and_applies():
     assert not g.supports((128, 32)) and not g.supports((128, 96)) and not g.supports((0, 128))
     q = torch.zeros(256, 256, dtype=torch.float8_e4m3fn)
     assert not triton_fp8_gemv._gluon_applies(torch.zeros(1, 256), q, (128, 128))  # not a GPU tensor
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    k=st.integers(1, 20000).map(lambda v: 4 * v),
+    kc=st.sampled_from([64, 128]),
+    split=st.sampled_from([1, 2, 4, 8, 16]),
+    kwarps=st.sampled_from([1, 2, 4, 8, 16]),
+)
+def test_the_k_groups_cover_every_column_once(k, kc, split, kwarps):
+    """Group g of split s takes columns [(s * kwarps + g) * k_per_group, + k_per_group): disjoint,
+    in whole KC steps, together covering [0, K); no launched split lies wholly past K (groups of the
+    last one may, masked); `even` (no column masks in the kernel) holds exactly when no group
+    reaches past K."""
+    k_per_group, launched, even = g.launch_shape(k, kc, split, kwarps)
+    assert k_per_group % kc == 0 and 1 <= launched <= split
+    groups = launched * kwarps
+    assert (launched - 1) * kwarps * k_per_group < k  # the last split holds a column
+    assert groups * k_per_group >= k  # every column has a group (groups past K are masked)
+    assert even == (groups * k_per_group == k)
