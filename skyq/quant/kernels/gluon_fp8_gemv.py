@@ -1,4 +1,4 @@
-"""Weight-only FP8 decode linear in Gluon (Triton's explicit-layout dialect): no shared memory.
+"""Weight-only FP8 decode linear in Gluon (Triton's explicit-layout dialect): no shared memory in the K loop.
 
 `triton_fp8_gemv._gemv_kernel` lets Triton lay the weight tile out: the codes go through shared
 memory (cp.async in, then one 2-byte `ld.shared` per two codes into the MMA operand layout), and
@@ -18,8 +18,8 @@ tile puts (i, h, j) = the low four bits of k in registers, t in lane bits 0-1, g
 row+8 in a register bit and 16-row groups in warps; `reshape`/`permute` rename memory column
 16t+4j+2h+i to MMA column 16j+8h+2t+i, and the result *is* the A operand layout
 (`convert_layout(..., assert_trivial=True)`: the compiler proves no data moves). The activations
-get the same permutation as the B operand (n8 per MMA; every warp reads the whole x tile, which
-stays in L1).
+get the same permutation as the B operand (n8 per MMA; every warp reads its K group's whole x
+tile, which stays in L1).
 
 The K range is spread over warps of one program rather than over programs: the MMA layout is
 3-D ([K groups, rows, batch], the batch dimension of a batched mma.sync on the high warp bits), each
