@@ -163,6 +163,19 @@ FUSED_SWEEP_SHAPES = {"qkv 5120x2048": (5120, 2048), "o 2048x4096": (2048, 4096)
                       "gate_up 12288x2048": (12288, 2048), "down 2048x6144": (2048, 6144)}  # fmt: skip
 
 
+def compile_in_parallel(label: str, jobs: list, compile_jobs, *extra) -> None:
+    """Warm Triton's cache for a sweep: `compile_jobs(chunk, *extra)` over interleaved chunks of
+    `jobs` in spawned processes (one per CPU but two, at most 14)."""
+    import multiprocessing as mp
+    import os
+
+    procs = max(1, min(14, (os.cpu_count() or 2) - 2))
+    t0 = time.time()
+    with mp.get_context("spawn").Pool(procs) as pool:
+        pool.starmap(compile_jobs, [(jobs[i::procs], *extra) for i in range(procs)])
+    print(f"\n{label}: {len(jobs)} variants compiled in {time.time() - t0:.0f} s by {procs} processes")
+
+
 def sweep_configs(m: int, n: int, k: int) -> list[tuple[tuple[int, int, int, int], int, int]]:
     """((BM, BN, TK, split), num_warps, num_stages) variants of one shape and batch: BN 64 (4 warps,
     3 or 4 stages), 128 (8 warps, 4 stages) or, at >= 32 batch rows, 256 (8 warps, 3 stages); split
@@ -244,18 +257,12 @@ def sweep(
         return [c for c in sweep_configs(m, n, k) if not cc_only or c[0][0] < 16]
 
     import json
-    import multiprocessing as mp
-    import os
 
     from skyq.quant.kernels import triton_fp8_gemv as kern
 
     cells = [(label, n, k, m) for label, (n, k) in shapes.items() for m in batches]
     jobs = [(m, n, k, *c) for _, n, k, m in cells for c in configs(m, n, k)]
-    procs = max(1, min(14, (os.cpu_count() or 2) - 2))
-    t0 = time.time()
-    with mp.get_context("spawn").Pool(procs) as pool:
-        pool.starmap(_compile_jobs, [(jobs[i::procs], kern.PDL) for i in range(procs)])
-    print(f"\nsweep: {len(jobs)} variants compiled in {time.time() - t0:.0f} s by {procs} processes")
+    compile_in_parallel("sweep", jobs, _compile_jobs, kern.PDL)
     print("sweep: us per call (weight-read TB/s); cfg = BN/TK/split/warps/stages")
     out = open(log, "a") if log else None
     best = {}
@@ -349,8 +356,6 @@ def gluon_sweep(
     prefetch)} of the best, or TRITON where the Triton kernel was faster. `log`: every timing
     appended there as JSON lines."""
     import json
-    import multiprocessing as mp
-    import os
 
     from skyq.quant.kernels import gluon_fp8_gemv as g
     from skyq.quant.kernels import triton_fp8_gemv as kern
@@ -363,11 +368,7 @@ def gluon_sweep(
             if key not in seen:
                 seen.add(key)
                 jobs.append((m, n, k, cfg, pf))
-    procs = max(1, min(14, (os.cpu_count() or 2) - 2))
-    t0 = time.time()
-    with mp.get_context("spawn").Pool(procs) as pool:
-        pool.map(_compile_gluon_jobs, [jobs[i::procs] for i in range(procs)])
-    print(f"\ngluon sweep: {len(jobs)} variants compiled in {time.time() - t0:.0f} s by {procs} processes")
+    compile_in_parallel("gluon sweep", jobs, _compile_gluon_jobs)
     print("gluon sweep: us per call; cfg = BN/KC/split/warps/kwarps/prefetch")
     sms = kern.sm_count(torch.device("cuda"))
     best = {}
