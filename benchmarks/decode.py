@@ -457,10 +457,6 @@ def main() -> None:
         action="store_true",
         help="model with the Triton kernel beside (same run), Gluon sweep, model with the sweep's best",
     )
-    ap.add_argument(
-        "--gluon-pdl", type=int, nargs="*", default=[],
-        help="with --gluon: the model also with the Gluon kernel's PDL in these modes (gluon_fp8_gemv.PDL)",
-    )  # fmt: skip
     ap.add_argument("--cc-only", action="store_true", help="sweep only the CUDA-core kernel (batches <= 4)")
     ap.add_argument("--only", choices=["model", "per-shape", "sweep"], default=None)
     ap.add_argument("--fused", action="store_true", help="q/k/v and gate/up as one weight each, both sides")
@@ -503,13 +499,10 @@ def main() -> None:
         q, s = by_id[id(w)]
         return dispatch.fp8_weight_only_linear(x, q, s)
 
-    def run_model(label: str, triton_beside: bool = False, pdl_modes: tuple[int, ...] = ()) -> list[tuple]:
+    def run_model(label: str, triton_beside: bool = False) -> list[tuple]:
         """bf16 vs fp8 per batch; `triton_beside`: also the fp8 model on the Triton kernel
-        (`triton_fp8_gemv.GLUON = False` while its graph is captured), `pdl_modes`: and with the Gluon
-        kernel's programmatic dependent launch in each mode (`gluon_fp8_gemv.PDL`), all interleaved."""
-        from skyq.quant.kernels import gluon_fp8_gemv as gk
-
-        rows, beside, pdl_rows = [], [], []
+        (`triton_fp8_gemv.GLUON = False` while its graph is captured), interleaved with both."""
+        rows, beside = [], []
         for m in args.batches:
             x = torch.randn(m, HIDDEN, generator=gen).to(torch.bfloat16).cuda()
             y_b, y_f = step(x, layers, bf16_linear), step(x, layers, fp8_linear)
@@ -521,30 +514,17 @@ def main() -> None:
                 kern.GLUON = False
                 gt = graphed(lambda t: step(t, layers, fp8_linear), x)
                 kern.GLUON = True
-            gp, y_ref = {}, None
-            for mode in pdl_modes:
-                gk.PDL, off = mode, gk.PDL
-                y_out = step(x, layers, fp8_linear)
-                gp[mode] = (graphed(lambda t: step(t, layers, fp8_linear), x), [])
-                gk.PDL = off
-                y_ref = step(x, layers, fp8_linear) if y_ref is None else y_ref
-                if not torch.equal(y_out, y_ref):
-                    print(f"PDL mode {mode}: output differs from the launch without PDL at batch {m}")
             tb, tf, tt = [], [], []
             for _ in range(args.repeats):  # interleaved so drift hits all sides alike
                 tb += time_graph(gb, args.replays, 1)
                 tf += time_graph(gf, args.replays, 1)
                 if gt is not None:
                     tt += time_graph(gt, args.replays, 1)
-                for g_mode, times in gp.values():
-                    times += time_graph(g_mode, args.replays, 1)
             mb, mf = statistics.median(tb), statistics.median(tf)
-            for mode, (_, times) in gp.items():
-                pdl_rows.append((m, mode, mb, mf, statistics.median(times), min(times), max(times)))
             rows.append((m, m / mb, m / mf, mb, mf, min(tb), max(tb), min(tf), max(tf), rel))
             if gt is not None:
                 beside.append((m, mb, statistics.median(tt), mf))
-            del gb, gf, gt, gp
+            del gb, gf, gt
         print(
             f"\n{label}\nbatch  bf16 step us [min-max]     fp8 step us [min-max]   fp8 weight GB/s  rel.diff vs bf16"
         )
@@ -559,14 +539,6 @@ def main() -> None:
                 print(
                     f"{m:>5}  {mb * 1e6:7.1f}  {mt * 1e6:9.1f}  {mf * 1e6:8.1f}  {mb / mt:11.2f}  {mb / mf:10.2f}"
                 )
-        if pdl_rows:
-            print("\nsame run: the Gluon kernel with programmatic dependent launch (gluon_fp8_gemv.PDL)")
-            print(
-                "batch  mode  bf16 us  fp8 us  fp8+PDL us [min-max]  fp8/bf16  fp8+PDL/bf16 (tokens/s ratios)"
-            )
-            for m, mode, mb, mf, mp, p0, p1 in pdl_rows:
-                print(f"{m:>5}  {mode:>4}  {mb * 1e6:7.1f}  {mf * 1e6:6.1f}  {mp * 1e6:8.1f} [{p0 * 1e6:.1f}-{p1 * 1e6:.1f}]"
-                      f"  {mb / mf:8.2f}  {mb / mp:12.2f}")  # fmt: skip
         table(rows, device)  # printed before the diagnostics too, in case a time limit cuts them
         return rows
 
@@ -583,10 +555,7 @@ def main() -> None:
             print(f"\nfp8 run with programmatic dependent launch failed: {type(e).__name__}: {e}")
         kern.PDL = pdl
     if args.gluon:
-        rows = run_model(
-            "fp8: the default (the Gluon kernel, gluon_fp8_gemv.tiling)", triton_beside=True,
-            pdl_modes=tuple(args.gluon_pdl),
-        )  # fmt: skip
+        rows = run_model("fp8: the default (the Gluon kernel, gluon_fp8_gemv.tiling)", triton_beside=True)
         if args.no_sweep:
             return
         shapes = FUSED_SWEEP_SHAPES if args.fused else SWEEP_SHAPES

@@ -167,48 +167,6 @@ def test_fp8_gemv_chain_replayed_from_a_cuda_graph_matches_eager_launches_withou
         assert torch.equal(chain(x_i), y_i)
 
 
-@pytest.mark.parametrize("mode", [1, 2, 3])
-@pytest.mark.parametrize("m", [1, 16])
-def test_gluon_pdl_chain_replayed_from_a_cuda_graph_matches_launches_without_pdl(gen, m, mode, monkeypatch):
-    """The Gluon kernel launched as a programmatic dependent launch (`gluon_fp8_gemv.PDL`: it may
-    start before the previous kernel ends, prefetch or load its weights, then wait): a chain where
-    each launch reads the previous one's output, eager and replayed from a CUDA graph after its input
-    changed in place, gives the bits of the chain launched without PDL."""
-    from skyq.quant.kernels import gluon_fp8_gemv as gk
-
-    dims = [2048, 4096, 2048, 512, 2048, 6144, 2048, 2048]
-    weights = [
-        fp8_blockwise.quantize((torch.randn(n, k, generator=gen) * k**-0.5).cuda())
-        for k, n in zip(dims, dims[1:], strict=False)
-    ]
-
-    def chain(x):
-        for q, s in weights:
-            x = dispatch.fp8_weight_only_linear(x, q, s)
-        return x
-
-    monkeypatch.setattr(gk, "PDL", mode)
-    x = torch.randn(m, dims[0], generator=gen).to(torch.bfloat16).cuda()
-    eager = chain(x)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain(x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = chain(x)
-    outs = [(x.clone(), eager)]
-    for _ in range(3):
-        x.copy_(torch.randn(m, dims[0], generator=gen).to(torch.bfloat16).cuda())
-        graph.replay()
-        outs.append((x.clone(), y.clone()))
-    torch.cuda.synchronize()
-    monkeypatch.setattr(gk, "PDL", 0)
-    for x_i, y_i in outs:
-        assert torch.equal(chain(x_i), y_i)
-
-
 def test_deferred_checks_name_the_bad_tensor_with_one_sync(gen):
     good = torch.randn(256, 256, generator=gen).cuda()
     bad = good.clone()

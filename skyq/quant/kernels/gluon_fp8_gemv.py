@@ -21,6 +21,14 @@ row+8 in a register bit and 16-row groups in warps; `reshape`/`permute` rename m
 get the same permutation as the B operand (n8 per MMA; every warp reads its K group's whole x
 tile, which stays in L1).
 
+The codes are loaded with the L1 and L2 evict-first policy: each is read once, and without the
+hint the weight stream pushed out the activation tile that every program on the SM re-reads (at
+batch 16 an activation step is twice a warp's code bytes). On the H200 that alone took the decode
+model from 1.41 / 1.36 / 1.25x bf16 tokens/s at batch 1 / 8 / 16 to 1.49 / 1.44 / 1.32x; an L1
+bypass (`.cg`) instead, an evict-last hint on the activations, or a programmatic dependent launch
+(waiting for the previous kernel after loading or L2-prefetching the first codes) did not help
+(docs/benchmarks.md, M4, session 10).
+
 The K range is spread over warps of one program rather than over programs: the MMA layout is
 3-D ([K groups, rows, batch], the batch dimension of a batched mma.sync on the high warp bits), each
 group of warps sums its own part of K, and the groups' sums are added in the program through shared
@@ -41,7 +49,6 @@ sm_90 PTX and check its instructions; tests/gpu check its numbers on the H200.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -103,50 +110,8 @@ def act_word_layout(bm: int, kc: int, warps: int, kw: int = 1) -> gl.Distributed
     return _tile_layout(bm, kc, warps, 2, weights=False, kw=kw)
 
 
-PDL = 0
-"""Programmatic dependent launch of the decode kernel (sm_90+): 0 off; 1 launched early, waiting
-(`griddepcontrol.wait`) before any load; 2 also prefetching the program's code and scale lines into
-L2 before waiting; 3 loading the first step's codes and scales into registers before waiting
-(prefetch 1 and 3; elsewhere as 1). Nothing is written before the wait, and only weights are read:
-modes 2-3 need that the kernel launched just before does not write the weights. See `linear`."""
-
-
-_CODES_CM = gl.constexpr(os.environ.get("SKYQ_GEMV_CODES_CM", ""))
-_CODES_EP = gl.constexpr(os.environ.get("SKYQ_GEMV_CODES_EP", ""))
-_X_EP = gl.constexpr(os.environ.get("SKYQ_GEMV_X_EP", ""))
-
 _SPLIT2 = gl.constexpr("mov.b32 {$0, $1}, $2;")
 """One int32 word -> its two bf16 halves (low half first): no arithmetic, only register naming."""
-
-
-@gluon.jit
-def _gdc_wait():
-    """Wait until the kernel launched before this one is complete and its writes are visible (a
-    no-op without programmatic dependent launch)."""
-    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _prefetch_l2(ptrs):
-    gl.inline_asm_elementwise(
-        "prefetch.global.L2 [$1]; // $0", "=r,l", [ptrs], dtype=gl.int32, is_pure=False, pack=1
-    )
-
-
-@gluon.jit
-def _prefetch_weights(q_ptr, s_ptrs, s_cols, N, K, k_per_group, sqn, ssk, pid_n, pid_s,
-                      BN: gl.constexpr, KW: gl.constexpr, BLK_K: gl.constexpr, NUM_WARPS: gl.constexpr):  # fmt: skip
-    """L2 prefetches (hints: nothing is read into registers) of every 128-byte line of this
-    program's codes (BN rows, each K group's k_per_group columns) and of each group's first scale."""
-    LP: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-    lines = gl.cdiv(k_per_group, 128)
-    for i0 in range(0, BN * KW * lines, 32 * NUM_WARPS):
-        i = i0 + gl.arange(0, 32 * NUM_WARPS, layout=LP)
-        row = gl.minimum(pid_n * BN + i % BN, N - 1)
-        rest = gl.minimum(i // BN, KW * lines - 1)
-        col = gl.minimum((pid_s * KW + rest // lines) * k_per_group + (rest % lines) * 128, K - 1)
-        _prefetch_l2(q_ptr + row.to(gl.int64) * sqn + col // 4)
-    _prefetch_l2(s_ptrs + (gl.minimum(s_cols, K - 1) // BLK_K) * ssk)
 
 
 @gluon.jit
@@ -186,15 +151,13 @@ nearest), two `cvt.rn.bf16x2.f32` (round to nearest even): `fp8_blockwise.dequan
 @gluon.jit
 def _load_codes(q_rows, s_ptrs, s_cols, k0, K, ssk, rw, kcw, BLK_K: gl.constexpr, EVEN_K: gl.constexpr):
     """The code words [KW, BN, KC // 4] of each K group's KC columns from its base + k0 (q_rows and
-    s_cols hold the groups' bases) and their scales; columns past K are masked to zero (rows past
-    N were clamped to the last row: read, never stored)."""
+    s_cols hold the groups' bases), evict-first (read once), and their scales; columns past K are
+    masked to zero (rows past N were clamped to the last row: read, never stored)."""
     if EVEN_K:
-        words = gl.load(q_rows + (k0 // 4 + rw), cache_modifier=_CODES_CM, eviction_policy=_CODES_EP)
+        words = gl.load(q_rows + (k0 // 4 + rw), eviction_policy="evict_first")
         s = gl.load(s_ptrs + ((s_cols + k0) // BLK_K) * ssk)
     else:
-        words = gl.load(
-            q_rows + (k0 // 4 + rw), mask=(kcw + k0) < K, other=0, cache_modifier=_CODES_CM, eviction_policy=_CODES_EP
-        )
+        words = gl.load(q_rows + (k0 // 4 + rw), mask=(kcw + k0) < K, other=0, eviction_policy="evict_first")
         s = gl.load(s_ptrs + ((s_cols + k0) // BLK_K) * ssk, mask=(s_cols + k0) < K, other=0.0)
     return words, s
 
@@ -205,8 +168,8 @@ def _load_x(x_rows, k0, K, rkx, kcx, EVEN_K: gl.constexpr, XW: gl.constexpr):
     from k0; rows past M clamped, columns past K masked to zero."""
     XPW: gl.constexpr = 2 if XW else 1  # activation columns per loaded element
     if EVEN_K:
-        return gl.load(x_rows + (k0 // XPW + rkx), eviction_policy=_X_EP)
-    return gl.load(x_rows + (k0 // XPW + rkx), mask=(kcx + k0) < K, other=0, eviction_policy=_X_EP)
+        return gl.load(x_rows + (k0 // XPW + rkx))
+    return gl.load(x_rows + (k0 // XPW + rkx), mask=(kcx + k0) < K, other=0)
 
 
 @gluon.jit
@@ -340,7 +303,7 @@ def _gemv_kernel(
     BLK_N: gl.constexpr, BLK_K: gl.constexpr,
     BM: gl.constexpr, BN: gl.constexpr, KC: gl.constexpr, SPLIT: gl.constexpr, W: gl.constexpr, KW: gl.constexpr,
     LW: gl.constexpr, LX: gl.constexpr, UNIFORM: gl.constexpr, EVEN_K: gl.constexpr, PREFETCH: gl.constexpr,
-    XW: gl.constexpr, PDL: gl.constexpr,
+    XW: gl.constexpr,
 ):  # fmt: skip
     """y[m, n] (or split partials) = sum over this split's K range of bf16(q * s)[n, k] * x[m, k]
     with mma.sync; q (int32 words of four codes) and x (int32 pairs with XW) have unit stride along
@@ -349,7 +312,7 @@ def _gemv_kernel(
     shared memory at the end. PREFETCH: how many steps' codes, activations and scales are loaded
     before a step's are converted and multiplied (0, 1, or 2 in ping-pong buffers; 3: one step's
     codes and scales, the activations loaded at their own step, which holds fewer registers at many
-    batch rows). PDL: see the module's `PDL`."""
+    batch rows)."""
     MMA: gl.constexpr = gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[KW, W, 1], instr_shape=[1, 16, 8]
     )
@@ -364,12 +327,6 @@ def _gemv_kernel(
     )  # fmt: skip
     q_rows, x_rows, s_ptrs, s_cols, rw, kcw, rkx, kcx = ptrs
     acc = gl.zeros([KW, BN, BM], gl.float32, layout=MMA)
-    if PDL == 2:
-        _prefetch_weights(
-            q_ptr, s_ptrs, s_cols, N, K, k_per_group, sqn, ssk, pid_n, pid_s, BN, KW, BLK_K, W * KW
-        )
-    if PDL == 1 or PDL == 2 or (PDL == 3 and PREFETCH != 1 and PREFETCH != 3):
-        _gdc_wait()
     if PREFETCH == 2:
         # Two steps in flight, ping-pong: each buffer is reloaded right after its MMA consumed it, so
         # no register moves. A step past the groups' end loads step 0 again (in bounds) with scale 0:
@@ -382,10 +339,7 @@ def _gemv_kernel(
             acc = _mma_step(b_w, b_x, b_s, acc, DA, DB, KW, BN, BM, KC, UNIFORM, XW)
             b_w, b_x, b_s = _load_step_or_zero(ptrs, k0 + 3 * KC, k_per_group, K, ssk, BLK_K, EVEN_K, XW)
     elif PREFETCH == 1:  # the next step's loads issued before this step's math (values moved along)
-        words, s = _load_codes(q_rows, s_ptrs, s_cols, 0, K, ssk, rw, kcw, BLK_K, EVEN_K)
-        if PDL == 3:
-            _gdc_wait()
-        xt = _load_x(x_rows, 0, K, rkx, kcx, EVEN_K, XW)
+        words, xt, s = _load_step(ptrs, 0, K, ssk, BLK_K, EVEN_K, XW)
         for k0 in range(KC, k_per_group, KC):
             nxt_words, nxt_xt, nxt_s = _load_step(ptrs, k0, K, ssk, BLK_K, EVEN_K, XW)
             acc = _mma_step(words, xt, s, acc, DA, DB, KW, BN, BM, KC, UNIFORM, XW)
@@ -395,8 +349,6 @@ def _gemv_kernel(
         acc = _mma_step(words, xt, s, acc, DA, DB, KW, BN, BM, KC, UNIFORM, XW)
     elif PREFETCH == 3:  # the next step's codes and scales ahead, the activations at their step
         words, s = _load_codes(q_rows, s_ptrs, s_cols, 0, K, ssk, rw, kcw, BLK_K, EVEN_K)
-        if PDL == 3:
-            _gdc_wait()
         for k0 in range(KC, k_per_group, KC):
             nxt_words, nxt_s = _load_codes(q_rows, s_ptrs, s_cols, k0, K, ssk, rw, kcw, BLK_K, EVEN_K)
             xt = _load_x(x_rows, k0 - KC, K, rkx, kcx, EVEN_K, XW)
@@ -467,7 +419,6 @@ def linear(
     counters,
     config: tuple[int, int, int, int, int, int] | None = None,
     prefetch: int = 1,
-    pdl: int | None = None,
 ) -> Tensor:
     """y [..., N] in x's dtype for x [..., K] (bf16 or fp32 values), q e4m3 [N, K] with unit
     stride along K, scale_inv fp32 [ceil(N/bn), ceil(K/bk)]; `supports(block_size)` holds. No host
@@ -494,9 +445,6 @@ def linear(
     # bf16 activations as int32 pairs: carried across the prefetch as whole registers
     xw = x2.dtype == torch.bfloat16 and k % 2 == 0 and x2.stride(0) % 2 == 0 and x2.storage_offset() % 2 == 0
     xin = x2.view(torch.int32) if xw else x2
-    pdl = PDL if pdl is None else pdl
-    if pdl and torch.cuda.get_device_capability(x.device)[0] < 9:
-        pdl = 0
     grid = (cdiv(n, bn), cdiv(m, bm), split)
     y, part, cnt = gemv_outputs(x, m, n, grid, counters)
     _gemv_kernel[grid](
@@ -504,8 +452,7 @@ def linear(
         xin.stride(0), words.stride(0), *scale_inv.stride(), y.stride(0),
         BLK_N=blk_n, BLK_K=blk_k, BM=bm, BN=bn, KC=kc, SPLIT=split, W=warps, KW=kwarps,
         LW=word_layout(bn, kc, warps, kwarps), LX=(act_word_layout if xw else act_layout)(bm, kc, warps, kwarps),
-        UNIFORM=blk_n % bn == 0, EVEN_K=even, PREFETCH=prefetch, XW=xw, PDL=pdl, num_warps=warps * kwarps,
-        launch_pdl=pdl > 0,
+        UNIFORM=blk_n % bn == 0, EVEN_K=even, PREFETCH=prefetch, XW=xw, num_warps=warps * kwarps,
     )  # fmt: skip
     return y.reshape(*x.shape[:-1], n)
 
@@ -518,7 +465,6 @@ def compile_offline(
     even_k: bool = True,
     prefetch: int = 2,
     capability: int = 90,
-    pdl: int = 0,
 ):
     """Compile `_gemv_kernel` for a CUDA target without a GPU (Triton's compiler and its bundled
     ptxas): the CompiledKernel, whose `asm` holds "ptx" and "cubin". What the tests read the
@@ -533,7 +479,7 @@ def compile_offline(
     consts = dict(
         BLK_N=block_size[0], BLK_K=block_size[1], BM=bm, BN=bn, KC=kc, SPLIT=split, W=warps, KW=kwarps,
         LW=word_layout(bn, kc, warps, kwarps), LX=(act_word_layout if xw else act_layout)(bm, kc, warps, kwarps),
-        UNIFORM=block_size[0] % bn == 0, EVEN_K=even_k, PREFETCH=prefetch, XW=xw, PDL=pdl,
+        UNIFORM=block_size[0] % bn == 0, EVEN_K=even_k, PREFETCH=prefetch, XW=xw,
     )  # fmt: skip
     signature = dict(zip(names, types, strict=True)) | {c: "constexpr" for c in consts}
     # what a launch specializes on: 16-byte aligned pointers, K and the row strides multiples of 16
@@ -541,7 +487,5 @@ def compile_offline(
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = GluonASTSource(_gemv_kernel, signature, consts, attrs=attrs)
     return triton.compile(
-        src,
-        target=GPUTarget("cuda", capability, 32),
-        options=dict(num_warps=warps * kwarps, launch_pdl=pdl > 0),
+        src, target=GPUTarget("cuda", capability, 32), options=dict(num_warps=warps * kwarps)
     )
