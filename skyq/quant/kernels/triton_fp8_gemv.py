@@ -61,7 +61,10 @@ GLUON_MAX_M = 16
 """Batches of more rows go to `_gemv_kernel`: the Gluon kernel holds each warp's activation tile in
 registers (they grow with the rows), and on the H200 (benchmarks/decode.py --gluon, session 8) its
 best variant lost to `_gemv_kernel` at 32 and 64 rows in every fused shape (e.g. the fused q/k/v at
-64 rows 18.3 vs 13.9 us) while winning at 1-16 (5.9 vs 8.4 us at one row, session 9)."""
+64 rows 18.3 vs 13.9 us) while winning at 1-16 (5.9 vs 8.4 us at one row, session 9). Rechecked with
+its codes loaded evict-first (session 10): at 64 rows no Gluon variant beat it (q/k/v 13.8 us both), at 32
+rows the best won q/k/v and o by <= 0.5 us and lost down (the model with each cell's best: 1.05 vs 1.03x
+bf16 at 32 rows, 0.88 at 64)."""
 
 PDL = False
 """Opt-in programmatic dependent launch (CUDA devices of compute capability >= 9, Triton >= 3.3):
