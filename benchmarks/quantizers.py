@@ -33,7 +33,9 @@ ROWS_COLS_SWEEP = [
     (8, 16),
     (8, 32),
     (16, 32),
+    (4, 128),
     (8, 128),
+    (16, 128),
 ]  # (num_warps, slice width; 128 = whole tile)
 BARS = {"fp8_blockwise": 0.85, "fp8_blockwise_ue8m0": 0.85, "mxfp8": 0.85, "int4_pack_g128": 0.70}
 

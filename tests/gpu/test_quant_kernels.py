@@ -169,7 +169,7 @@ def test_nan_codes_and_nan_scale_bytes_are_refused():
 
 @pytest.mark.parametrize("m,k", [(1, 128), (77, 768), (128, 2048), (1000, 1536), (4096, 4096), (300, 576)])
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])
-@pytest.mark.parametrize("variant", [(4, 16), (8, 16), (8, 32), (16, 32), (8, 128)])
+@pytest.mark.parametrize("variant", [(4, 16), (8, 16), (8, 32), (16, 32), (4, 128), (8, 128), (16, 128)])
 def test_activation_operands_match_reference(make_weight, m, k, layout, variant):
     from skyq.quant.kernels import triton_fp8_act
 

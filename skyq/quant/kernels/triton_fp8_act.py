@@ -39,15 +39,11 @@ ROW_BAND = 64  # rows per program in the rows-only kernel: 64 x 128 bf16 = 16 KB
 # Rows per slice and warps of the two-orientation kernel, tuned on the H200 (the benchmarks sweep them).
 # H200 sweep (benchmarks/quantizers.py, 2026-11-29): the whole 128 x 128 tile per load (SUB = 128) at
 # 8 warps 0.56 of copy (4 warps 0.65); sliced sweeps 4 warps x 16 rows 0.47, 8 x 16 0.30, 8 x 32 0.37.
-# The whole tile gave wrong row codes for a 1 x 128 input at 4 and at 16 warps on the H200 (Triton 3.6;
-# every trial at that shape, none at other shapes); 8 warps matched the reference in the GPU tests and in
-# 60 random trials (M 1..1000, K 128..2048), so the whole tile runs at 8 warps only.
 ROWS_COLS_SUB = 128
 ROWS_COLS_NUM_WARPS = 8
-WHOLE_TILE_WARPS = 8
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "n_tiles_k"])
 def _rows_cols_kernel(
     x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr,
     M, K, MP, n_tiles_k,
@@ -60,7 +56,11 @@ def _rows_cols_kernel(
     L2) as [T, SUB] column slices, which hold whole columns, so each slice has its own column amax
     and its transposed codes go out as full T-byte rows of qt. SUB == T loads the whole tile once
     and derives both orientations from those registers. (Accumulating the column amax in
-    the rows sweep and writing SUB-byte pieces of qt rows measured 0.29 of copy against 0.47.)"""
+    the rows sweep and writing SUB-byte pieces of qt rows measured 0.29 of copy against 0.47.)
+    M and n_tiles_k are never specialized: with Triton 3.6 a launch where both are 1 (one 1 x 128
+    input), specialized as constants, wrote wrong row codes on the H200 at 4 and 16 warps (and an
+    explicit-layout Gluon version of this kernel at 8 and 16); as runtime values every warp count
+    matched the reference (docs/benchmarks.md, M3, session 10)."""
     pid = tl.program_id(0)
     pid_m = pid // n_tiles_k
     pid_k = pid % n_tiles_k
@@ -142,12 +142,6 @@ def quantize_rows_cols(
     """x [M, K] (any strides) -> (q [Mp, K], scale [Mp, ceil(K/128)] strides (1, Mp),
     qt [K, Mp], scale_t [K, Mp/128] strides (1, K)) in one pass."""
     sub, num_warps = sub or ROWS_COLS_SUB, num_warps or ROWS_COLS_NUM_WARPS
-    if sub == TILE and num_warps != WHOLE_TILE_WARPS:
-        raise ValueError(
-            f"quantize_rows_cols: the whole-tile kernel (sub={TILE}) runs at num_warps={WHOLE_TILE_WARPS} only "
-            f"(num_warps={num_warps}: 4 and 16 gave wrong codes for a 1 x 128 input on the H200); "
-            f"pass num_warps={WHOLE_TILE_WARPS} or a sliced sub (16, 32)"
-        )
     m, k = x.shape
     mp = round_up(m, TILE)
     q = torch.empty((mp, k), dtype=torch.float8_e4m3fn, device=x.device)
