@@ -37,10 +37,11 @@ from skyq.quant.kernels.triton_fp8_blockwise import (
 TILE = 128
 ROW_BAND = 64  # rows per program in the rows-only kernel: 64 x 128 bf16 = 16 KB in flight
 # Rows per slice and warps of the two-orientation kernel, tuned on the H200 (the benchmarks sweep them).
-# H200 sweep (benchmarks/quantizers.py, 2026-11-29): the whole 128 x 128 tile per load (SUB = 128) at
-# 8 warps 0.56 of copy (4 warps 0.65); sliced sweeps 4 warps x 16 rows 0.47, 8 x 16 0.30, 8 x 32 0.37.
+# H200 sweep (benchmarks/quantizers.py --no-compile --rounds 2, 2026-11-30): the whole 128 x 128 tile per
+# load (SUB = 128) at 4 warps 0.649 of copy, 8 warps 0.560, 16 warps 0.308; sliced sweeps 4 warps x 16 rows
+# 0.47, 8 x 16 0.30, 8 x 32 0.37. (Until the kernel stopped specializing M, 4 warps was wrong for M = 1.)
 ROWS_COLS_SUB = 128
-ROWS_COLS_NUM_WARPS = 8
+ROWS_COLS_NUM_WARPS = 4
 
 
 @triton.jit(do_not_specialize=["M", "n_tiles_k"])
