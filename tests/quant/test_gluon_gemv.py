@@ -113,7 +113,7 @@ def test_the_k_loop_loads_16_byte_vectors_into_the_mma_registers_without_shared_
 @pytest.mark.parametrize("config", CONFIGS)
 def test_the_codes_are_loaded_evict_first_and_the_activations_without_a_hint(config):
     """Each code is read once: its 16-byte loads carry the L1 and L2 evict-first policy, so the
-    streamed weights do not push out the activation tile every program on the SM re-reads (on the
+    streamed weights do not push the re-read activations out of L2 (on the
     H200 the model's decode step went 1.41 / 1.36 / 1.25 -> 1.49 / 1.44 / 1.32x bf16 at batch
     1 / 8 / 16, docs/benchmarks.md M4 session 10); the activation and scale loads carry none."""
     bm, bn, kc, _split, warps, _kwarps = config

@@ -22,10 +22,11 @@ get the same permutation as the B operand (n8 per MMA; every warp reads its K gr
 tile, which stays in L1).
 
 The codes are loaded with the L1 and L2 evict-first policy: each is read once, and without the
-hint the weight stream pushed out the activation tile that every program on the SM re-reads (at
-batch 16 an activation step is twice a warp's code bytes). On the H200 that alone took the decode
-model from 1.41 / 1.36 / 1.25x bf16 tokens/s at batch 1 / 8 / 16 to 1.49 / 1.44 / 1.32x; an L1
-bypass (`.cg`) instead, an evict-last hint on the activations, or a programmatic dependent launch
+hint the weight stream pushed the small tensors everything else re-reads out of L2 (the activation
+tiles of every program, and the inputs of the norm and add kernels between the GEMVs). On the H200
+that alone took the decode model from 1.41 / 1.36 / 1.25x bf16 tokens/s at batch 1 / 8 / 16 to
+1.49 / 1.44 / 1.32x, about half of it in the GEMVs; an L1-only bypass (`.cg`, no L2 policy)
+instead, an evict-last hint on the activations, or a programmatic dependent launch
 (waiting for the previous kernel after loading or L2-prefetching the first codes) did not help
 (docs/benchmarks.md, M4, session 10).
 
