@@ -86,6 +86,9 @@ class EmbeddedEngine:
         self.layout = get_layout(model_cfg.family)
         self.expected: dict[str, WireSpec] = {w.name: w for p in self.plan for w in p.wire}
         self.model = self._build_model().to(self.device).eval()
+        for module in self.model.modules():  # FP8 experts as one tensor a projection (grouped decode)
+            if isinstance(module, WireExperts):
+                module.stack()
         self._version = NO_WEIGHTS
         self._held = self.model.state_dict()  # the live tensors load_weights copies into
         self._copier = WireCopier(self._held)

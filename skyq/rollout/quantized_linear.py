@@ -96,15 +96,102 @@ class ExpertMLP(nn.Module):
 
 class WireExperts(nn.ModuleList):
     """Routed experts as a list of `ExpertMLP` (names `<layer>.mlp.experts.{e}.<proj>`), called like
-    transformers' fused experts module: (hidden [T, H], top_k_index [T, k], top_k_weights [T, k])."""
+    transformers' fused experts module: (hidden [T, H], top_k_index [T, k], top_k_weights [T, k]).
+
+    After `stack()` (FP8 blockwise experts), each projection's codes and scales of all experts are
+    one [E, ...] tensor whose slices ARE the experts' buffers, and a decode-sized call on CUDA runs
+    three grouped launches (`dispatch.fp8_grouped_weight_only_linear`: no host sync, an expert
+    without tokens reads nothing) instead of a Python loop over the routed experts with a host sync."""
+
+    PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+    def __init__(self, modules=None) -> None:
+        super().__init__(modules)
+        self.stacked: dict[str, tuple[Tensor, Tensor]] = {}
+
+    def stack(self) -> bool:
+        """Put each projection's `weight` / `weight_scale_inv` of all experts into one tensor and make
+        the experts' buffers views of it (values kept; in-place weight loads land in the stack).
+        Only for FP8 blockwise `WireLinear` experts of equal shapes; returns whether it stacked.
+        Call it after the module is on its device (`.to()` would replace the views)."""
+        projs = [[getattr(expert, p) for expert in self] for p in self.PROJECTIONS]
+        if not self or not all(
+            isinstance(lin, WireLinear) and lin.strategy.precision is Precision.fp8_blockwise
+            for ps in projs
+            for lin in ps
+        ):
+            return False
+        stacked: dict[str, tuple[Tensor, Tensor]] = {}
+        for name, linears in zip(self.PROJECTIONS, projs, strict=True):
+            parts = []
+            for leaf in ("weight", "weight_scale_inv"):
+                buffers = [lin._buffers[leaf] for lin in linears]
+                if len({(tuple(b.shape), b.dtype, b.device) for b in buffers}) != 1:
+                    return False
+                stack = torch.stack(buffers)
+                for lin, view in zip(linears, stack.unbind(0), strict=True):
+                    lin._buffers[leaf] = view
+                parts.append(stack)
+            stacked[name] = (parts[0], parts[1])
+        self.stacked = stacked
+        return True
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        if self._grouped_applies(hidden_states):
+            return self._grouped_forward(hidden_states, top_k_index, top_k_weights)
         out = torch.zeros_like(hidden_states)
         for expert in torch.unique(top_k_index).tolist():
             token_idx, k_pos = torch.where(top_k_index == expert)
             expert_out = self[expert](hidden_states[token_idx]) * top_k_weights[token_idx, k_pos, None]
             out.index_add_(0, token_idx, expert_out.to(out.dtype))
         return out
+
+    def _grouped_applies(self, x: Tensor) -> bool:
+        return (
+            bool(self.stacked)
+            and x.is_cuda
+            and x.dtype == torch.bfloat16
+            and 0 < x.shape[0] <= DECODE_MAX_ROWS
+            and all(self._stack_is_live(p) for p in self.PROJECTIONS)
+        )
+
+    def _stack_is_live(self, proj: str) -> bool:
+        """The experts' buffers are still views of the stack (nothing replaced them since `stack`)."""
+        q, s = self.stacked[proj]
+        first = getattr(self[0], proj)._buffers
+        return (
+            first["weight"].data_ptr() == q.data_ptr()
+            and first["weight_scale_inv"].data_ptr() == s.data_ptr()
+        )
+
+    def _grouped_forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        """The loop's result from rows sorted by expert: each projection one grouped launch, then each
+        token's expert outputs added in ascending expert order in the output dtype, as the loop's
+        `index_add_` calls do."""
+        n_experts, (t, k) = len(self), top_k_index.shape
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # by expert, then token (the loop's row order)
+        bounds = torch.arange(n_experts + 1, device=flat.device, dtype=flat.dtype)
+        offsets = torch.searchsorted(flat[order], bounds).to(torch.int32)  # expert e's rows: no host sync
+        first = self[0]
+        xs = hidden_states[order // k]
+        gate = self._grouped(first.gate_proj, "gate_proj", xs, offsets)
+        up = self._grouped(first.up_proj, "up_proj", xs, offsets)
+        down = self._grouped(first.down_proj, "down_proj", first.act_fn(gate) * up, offsets)
+        routed = torch.empty_like(down)
+        routed[order] = down * top_k_weights.reshape(-1)[order, None]
+        routed = routed.to(hidden_states.dtype).view(t, k, -1)
+        rank = torch.argsort(top_k_index, dim=1)  # each token's experts in ascending order
+        out = torch.zeros_like(hidden_states)
+        for j in range(k):
+            out = out + torch.take_along_dim(routed, rank[:, j, None, None], dim=1).squeeze(1)
+        return out
+
+    def _grouped(self, linear: WireLinear, proj: str, x: Tensor, offsets: Tensor) -> Tensor:
+        if linear.activation is not None:
+            x = linear.activation(x)
+        q, s = self.stacked[proj]
+        return dispatch.fp8_grouped_weight_only_linear(x, q, s, offsets, linear.strategy.block())
 
 
 def plain_linear(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Linear:

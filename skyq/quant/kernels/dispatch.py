@@ -414,3 +414,49 @@ def fp8_weight_only_linear(
         if kernels.supports(tuple(block_size)) and x.numel():
             return kernels.linear(x, q, scale_inv, block_size=tuple(block_size))
     return fp8_weight_only_linear_reference(x, q, scale_inv, block_size=tuple(block_size))
+
+
+def fp8_grouped_weight_only_linear(
+    x: Tensor, q: Tensor, scale_inv: Tensor, offsets: Tensor, block_size: tuple[int, int] = (128, 128)
+) -> Tensor:
+    """MoE experts' decode linears in one call: x [T, K] with its rows sorted by expert (expert e's
+    rows offsets[e]:offsets[e + 1], offsets int32 [E + 1], offsets[E] == T), q e4m3 [E, N, K],
+    weight_scale_inv fp32 [E, ceil(N/bn), ceil(K/bk)] -> [T, N] in x's dtype. On CUDA one launch of
+    the grouped Gluon kernel (no host sync; an expert without rows reads nothing); elsewhere
+    `fp8_weight_only_linear` on each expert's rows."""
+    if not (isinstance(q, Tensor) and q.ndim == 3):
+        raise QuantizationError(
+            f"fp8 grouped linear: weight must be [E, N, K], got {getattr(q, 'shape', q)!r}"
+        )
+    n_experts = q.shape[0]
+    if not (
+        isinstance(offsets, Tensor)
+        and offsets.dtype == torch.int32
+        and tuple(offsets.shape) == (n_experts + 1,)
+    ):
+        raise QuantizationError(
+            f"fp8 grouped linear: offsets must be int32 [{n_experts + 1}] (expert e's rows offsets[e]:offsets[e + 1]), "
+            f"got {getattr(offsets, 'dtype', None)} {tuple(getattr(offsets, 'shape', ()))}"
+        )
+    errors.check_shape(
+        scale_inv, (n_experts, -(-q.shape[1] // block_size[0]), -(-q.shape[2] // block_size[1])),
+        "fp8 grouped linear weight_scale_inv", "E, ceil(N/bn), ceil(K/bk)",
+    )  # fmt: skip
+    _check_linear_args(x, q[0], scale_inv[0], block_size)
+    if x.ndim != 2:
+        raise QuantizationError(f"fp8 grouped linear: x must be [T, K], got {tuple(x.shape)}")
+    if uses_kernel(x) and q.is_cuda and scale_inv.is_cuda and offsets.is_cuda and x.dtype == torch.bfloat16:
+        from skyq.quant.kernels import triton_fp8_gemv as kernels
+
+        if kernels.grouped_applies(x, q, tuple(block_size)):
+            return kernels.linear_grouped(x, q, scale_inv, offsets, block_size=tuple(block_size))
+    bounds = offsets.tolist()
+    if bounds[0] != 0 or bounds[-1] != x.shape[0] or any(b > a for a, b in zip(bounds[1:], bounds)):
+        raise QuantizationError(
+            f"fp8 grouped linear: offsets {bounds} must rise from 0 to the {x.shape[0]} rows of x"
+        )
+    out = x.new_empty((x.shape[0], q.shape[1]))
+    for e, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        if b > a:
+            out[a:b] = fp8_weight_only_linear(x[a:b], q[e], scale_inv[e], block_size)
+    return out

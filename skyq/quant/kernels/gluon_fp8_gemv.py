@@ -339,15 +339,10 @@ def _gemv_kernel(
             a_w, a_x, a_s = _load_step_or_zero(ptrs, k0 + 2 * KC, k_per_group, K, ssk, BLK_K, EVEN_K, XW)
             acc = _mma_step(b_w, b_x, b_s, acc, DA, DB, KW, BN, BM, KC, UNIFORM, XW)
             b_w, b_x, b_s = _load_step_or_zero(ptrs, k0 + 3 * KC, k_per_group, K, ssk, BLK_K, EVEN_K, XW)
-    elif PREFETCH == 1:  # the next step's loads issued before this step's math (values moved along)
-        words, xt, s = _load_step(ptrs, 0, K, ssk, BLK_K, EVEN_K, XW)
-        for k0 in range(KC, k_per_group, KC):
-            nxt_words, nxt_xt, nxt_s = _load_step(ptrs, k0, K, ssk, BLK_K, EVEN_K, XW)
-            acc = _mma_step(words, xt, s, acc, DA, DB, KW, BN, BM, KC, UNIFORM, XW)
-            words = nxt_words
-            xt = nxt_xt
-            s = nxt_s
-        acc = _mma_step(words, xt, s, acc, DA, DB, KW, BN, BM, KC, UNIFORM, XW)
+    elif PREFETCH == 1:
+        acc = _k_loop_next_ahead(
+            ptrs, acc, K, ssk, k_per_group, BLK_K, EVEN_K, XW, DA, DB, KW, BN, BM, KC, UNIFORM
+        )
     elif PREFETCH == 3:  # the next step's codes and scales ahead, the activations at their step
         words, s = _load_codes(q_rows, s_ptrs, s_cols, 0, K, ssk, rw, kcw, BLK_K, EVEN_K)
         for k0 in range(KC, k_per_group, KC):
@@ -363,6 +358,60 @@ def _gemv_kernel(
             words, xt, s = _load_step(ptrs, k0, K, ssk, BLK_K, EVEN_K, XW)
             acc = _mma_step(words, xt, s, acc, DA, DB, KW, BN, BM, KC, UNIFORM, XW)
     _store_out(acc, MMA, y_ptr, p_ptr, cnt_ptr, M, N, sym, pid_n, pid_m, pid_s, BN, BM, SPLIT)
+
+
+@gluon.jit
+def _k_loop_next_ahead(ptrs, acc, K, ssk, k_per_group, BLK_K: gl.constexpr, EVEN_K: gl.constexpr,
+                       XW: gl.constexpr, DA: gl.constexpr, DB: gl.constexpr, KW: gl.constexpr, BN: gl.constexpr,
+                       BM: gl.constexpr, KC: gl.constexpr, UNIFORM: gl.constexpr):  # fmt: skip
+    """The K loop of PREFETCH 1: the next step's loads issued before this step's math (values moved
+    along)."""
+    words, xt, s = _load_step(ptrs, 0, K, ssk, BLK_K, EVEN_K, XW)
+    for k0 in range(KC, k_per_group, KC):
+        nxt_words, nxt_xt, nxt_s = _load_step(ptrs, k0, K, ssk, BLK_K, EVEN_K, XW)
+        acc = _mma_step(words, xt, s, acc, DA, DB, KW, BN, BM, KC, UNIFORM, XW)
+        words = nxt_words
+        xt = nxt_xt
+        s = nxt_s
+    return _mma_step(words, xt, s, acc, DA, DB, KW, BN, BM, KC, UNIFORM, XW)
+
+
+@gluon.jit
+def _gemv_grouped_kernel(
+    x_ptr, q_ptr, s_ptr, y_ptr, off_ptr,
+    N, K, k_per_group,
+    sxm, sqe, sqn, sse, ssn, ssk, sym,
+    BLK_N: gl.constexpr, BLK_K: gl.constexpr,
+    BM: gl.constexpr, BN: gl.constexpr, KC: gl.constexpr, W: gl.constexpr, KW: gl.constexpr,
+    LW: gl.constexpr, LX: gl.constexpr, UNIFORM: gl.constexpr, EVEN_K: gl.constexpr, XW: gl.constexpr,
+):  # fmt: skip
+    """Grouped (MoE experts) form of `_gemv_kernel`: x's rows are sorted by expert, expert e's rows
+    being off[e]:off[e + 1]; program (n, e) multiplies them by N tile n of expert e's weight (q[e],
+    its scales s[e]), BM rows at a time (the weight tile re-read from L2 past the first), the K
+    loop of PREFETCH 1, no split. An expert without rows reads nothing."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[2, 0], warps_per_cta=[KW, W, 1], instr_shape=[1, 16, 8]
+    )
+    DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    pid_n = gl.program_id(0)
+    e = gl.program_id(1)
+    start = gl.load(off_ptr + e)
+    rows = gl.load(off_ptr + e + 1) - start
+    x_e = x_ptr + start.to(gl.int64) * sxm
+    y_e = y_ptr + start.to(gl.int64) * sym
+    q_e = q_ptr + e.to(gl.int64) * sqe
+    s_e = s_ptr + e.to(gl.int64) * sse
+    for mt in range(0, gl.cdiv(rows, BM)):
+        ptrs = _tile_pointers(
+            x_e, q_e, s_e, rows, N, k_per_group, sxm, sqn, ssn, pid_n, mt, 0,
+            BLK_N, BM, BN, KC // 2 if XW else KC, KC, KW, LW, LX, UNIFORM,
+        )  # fmt: skip
+        acc = gl.zeros([KW, BN, BM], gl.float32, layout=MMA)
+        acc = _k_loop_next_ahead(
+            ptrs, acc, K, ssk, k_per_group, BLK_K, EVEN_K, XW, DA, DB, KW, BN, BM, KC, UNIFORM
+        )
+        _store_out(acc, MMA, y_e, y_e, off_ptr, rows, N, sym, pid_n, mt, 0, BN, BM, 1)
 
 
 def supports(block_size: tuple[int, int]) -> bool:
@@ -456,6 +505,58 @@ def linear(
         UNIFORM=blk_n % bn == 0, EVEN_K=even, PREFETCH=prefetch, XW=xw, num_warps=warps * kwarps,
     )  # fmt: skip
     return y.reshape(*x.shape[:-1], n)
+
+
+def grouped_tiling(
+    rows: int, experts: int, n: int, k: int, block_k: int, sms: int
+) -> tuple[int, int, int, int, int, int]:
+    """(BM, BN, KC, split, warps, kwarps) of `linear_grouped` for `rows` routed rows over `experts`:
+    BM 8 or 16 by the mean rows an expert (a tile loops past it), 16 weight rows a warp, 128-column
+    steps, the K range on up to 4 warps while the active experts' tiles give fewer than ~7.5
+    warps an SM (the experts with rows are taken to be min(experts, rows))."""
+    bm = 8 if rows <= 8 * experts else 16
+    kc = min(128, block_k)
+    tiles = cdiv(n, 16) * max(1, min(experts, rows))
+    steps = cdiv(k, kc)
+    kwarps = 1
+    while kwarps < 4 and tiles * kwarps < 7.5 * sms and steps >= 4 * kwarps:
+        kwarps *= 2
+    return bm, 16, kc, 1, 1, kwarps
+
+
+def linear_grouped(
+    x: Tensor,
+    q: Tensor,
+    scale_inv: Tensor,
+    offsets: Tensor,
+    *,
+    block_size: tuple[int, int],
+    sms: int,
+    config: tuple[int, int, int, int, int, int] | None = None,
+) -> Tensor:
+    """y [T, N] for x [T, K] (bf16 or fp32, rows sorted by expert), q e4m3 [E, N, K] (each expert's
+    [N, K] with unit stride along K), scale_inv fp32 [E, ceil(N/bn), ceil(K/bk)] and offsets int32 [E +
+    1] on the device (expert e's rows off[e]:off[e + 1], off[E] == T). No host sync."""
+    x2 = x if x.stride(-1) == 1 else x.contiguous()
+    t, k = x2.shape
+    e, n, _ = q.shape
+    blk_n, blk_k = block_size
+    bm, bn, kc, _split, warps, kwarps = config or grouped_tiling(t, e, n, k, blk_k, sms)
+    k_per_group, _, even = launch_shape(k, kc, 1, kwarps)
+    words = q.view(torch.int32)  # [E, N, K / 4]
+    xw = x2.dtype == torch.bfloat16 and k % 2 == 0 and x2.stride(0) % 2 == 0 and x2.storage_offset() % 2 == 0
+    xin = x2.view(torch.int32) if xw else x2
+    y = torch.empty((t, n), dtype=x.dtype, device=x.device)
+    if t == 0:
+        return y
+    _gemv_grouped_kernel[(cdiv(n, bn), e)](
+        xin, words, scale_inv, y, offsets, n, k, k_per_group,
+        xin.stride(0), words.stride(0), words.stride(1), *scale_inv.stride(), y.stride(0),
+        BLK_N=blk_n, BLK_K=blk_k, BM=bm, BN=bn, KC=kc, W=warps, KW=kwarps,
+        LW=word_layout(bn, kc, warps, kwarps), LX=(act_word_layout if xw else act_layout)(bm, kc, warps, kwarps),
+        UNIFORM=blk_n % bn == 0, EVEN_K=even, XW=xw, num_warps=warps * kwarps,
+    )  # fmt: skip
+    return y
 
 
 def compile_offline(

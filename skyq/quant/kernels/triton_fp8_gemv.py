@@ -347,6 +347,24 @@ def _gluon_applies(x: Tensor, q: Tensor, block_size: tuple[int, int]) -> bool:
     )  # fmt: skip
 
 
+def grouped_applies(x: Tensor, q: Tensor, block_size: tuple[int, int]) -> bool:
+    """The grouped Gluon kernel takes this launch: x on a CUDA device with the e4m3 conversion
+    (compute capability >= 8.9), q [E, N, K] read as int32 words (unit stride along K, rows and
+    experts 4-byte aligned)."""
+    return (
+        _gluon is not None and x.device.type == "cuda" and _has_e4m3_cvt(x.device.index or 0)
+        and _gluon.supports(block_size) and q.stride(2) == 1 and q.shape[2] % 4 == 0
+        and q.stride(1) % 4 == 0 and q.stride(0) % 4 == 0 and q.storage_offset() % 4 == 0
+    )  # fmt: skip
+
+
+def linear_grouped(
+    x: Tensor, q: Tensor, scale_inv: Tensor, offsets: Tensor, *, block_size: tuple[int, int]
+) -> Tensor:
+    """`gluon_fp8_gemv.linear_grouped` on x's device (see `grouped_applies`)."""
+    return _gluon.linear_grouped(x, q, scale_inv, offsets, block_size=block_size, sms=sm_count(x.device))
+
+
 def linear(
     x: Tensor,
     q: Tensor,

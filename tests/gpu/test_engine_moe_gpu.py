@@ -1,0 +1,52 @@
+"""The embedded engine on the GPU with a routed-experts model: its FP8 experts stacked, decode-sized
+forwards through grouped launches (needs the config stack, hydra, for the run config)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("hydra")
+
+from native_fixtures import _one_thread, make_trainer, run_cfg, tiny_checkpoint  # noqa: E402, F401
+
+from skyq.rollout import quantized_linear  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def test_engine_scores_moe_decode_rows_through_grouped_launches(make_trainer, run_cfg, monkeypatch):  # noqa: F811
+    """The engine on the GPU stacks its FP8 experts; a forward of <= DECODE_MAX_ROWS rows runs each
+    projection of the experts as one grouped launch and scores as the per-expert loop does (the
+    loop with the stacks dropped), within the kernels' rounding; repeated calls give the same bits."""
+    from skyq.rollout.embedded import EmbeddedEngine
+    from skyq.rollout.quantized_linear import WireExperts
+
+    trainer = make_trainer()
+    cfg = run_cfg()
+    engine = EmbeddedEngine(model_cfg=cfg.model, precision_cfg=cfg.precision, seed=0, device="cuda")
+    wire = {}
+    for name, tensor in trainer.hf_weights():
+        wire.update(
+            trainer.strategy.serialize(name, tensor, role=trainer.layout.role(name, trainer.model_cfg))
+        )
+    engine.load_weights(wire, version=0)
+    experts = [m for m in engine.model.modules() if isinstance(m, WireExperts)]
+    assert experts and all(m.stacked for m in experts)
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    calls = []
+    grouped_fn = quantized_linear.dispatch.fp8_grouped_weight_only_linear
+    monkeypatch.setattr(quantized_linear.dispatch, "fp8_grouped_weight_only_linear",
+                        lambda *a, **k: calls.append(1) or grouped_fn(*a, **k))  # fmt: skip
+    grouped = engine.score(ids, mask)
+    assert len(calls) == 3 * len(experts)
+    assert torch.equal(engine.score(ids, mask), grouped)
+    for m in experts:
+        m.stacked = {}
+    loop = engine.score(ids, mask)
+    assert len(calls) == 6 * len(experts)  # the loop made no grouped call
+    assert float((grouped - loop).abs().max()) < 5e-2

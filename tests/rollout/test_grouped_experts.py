@@ -1,0 +1,139 @@
+"""MoE experts as one tensor a projection (`WireExperts.stack`) and the grouped decode path: the
+routing, the sorted rows and the recombination reproduce the per-expert loop bit for bit, and the
+experts' buffers stay views of the stack through in-place weight loads. The grouped kernel itself
+needs a GPU (tests/gpu/test_fp8_gemv.py); here its CPU form (each expert's rows through
+`fp8_weight_only_linear`) and, for bit equality with the loop, the experts' own CPU math."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from skyq.config.enums import Precision
+from skyq.config.schema import PrecisionConfig
+from skyq.quant.errors import QuantizationError
+from skyq.quant.kernels import dispatch
+from skyq.quant.layouts import Role
+from skyq.quant.strategies import get_strategy
+from skyq.rollout import quantized_linear
+from skyq.rollout.quantized_linear import ExpertMLP, WireExperts, WireLinear
+
+H, INTER, E = 256, 128, 6
+
+
+def _linear(strategy, name: str, shape: tuple[int, int], gen: torch.Generator) -> WireLinear:
+    layer = WireLinear(name, Role.routed_expert, strategy.wire_specs(name, shape, Role.routed_expert), strategy,
+                       activation=None)  # fmt: skip
+    w = torch.randn(shape, generator=gen) * 0.05
+    for wire_name, t in strategy.serialize(name, w, role=Role.routed_expert).items():
+        layer.get_buffer(wire_name.removeprefix(layer.stem)).copy_(t)
+    return layer
+
+
+def _experts(gen: torch.Generator, precision: Precision = Precision.fp8_blockwise) -> WireExperts:
+    strategy = get_strategy(PrecisionConfig(name=precision))
+    stem = "model.layers.0.mlp.experts"
+    return WireExperts([
+        ExpertMLP(*(_linear(strategy, f"{stem}.{e}.{p}.weight", shape, gen)
+                    for p, shape in (("gate_proj", (INTER, H)), ("up_proj", (INTER, H)), ("down_proj", (H, INTER)))),
+                  act_fn=F.silu)
+        for e in range(E)
+    ])  # fmt: skip
+
+
+def _routing(
+    gen: torch.Generator, tokens: int, k: int = 3
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    hidden = torch.randn(tokens, H, generator=gen).to(torch.bfloat16)
+    # experts 0..E-2 only (the last gets no token), k distinct a token
+    index = torch.stack([torch.randperm(E - 1, generator=gen)[:k] for _ in range(tokens)])
+    weights = torch.softmax(torch.randn(tokens, k, generator=gen), -1).to(torch.bfloat16)
+    return hidden, index, weights
+
+
+def _experts_own_math(experts: WireExperts):
+    """A stand-in for the grouped kernel with each expert's own CPU math on its rows (dequantize +
+    F.linear, what the loop runs), so that the loop and the grouped path can be compared bit for bit."""
+
+    def grouped(x, q, s, offsets, block_size):
+        proj = next(p for p in WireExperts.PROJECTIONS if experts.stacked[p][0] is q)
+        bounds = offsets.tolist()
+        out = x.new_empty((x.shape[0], q.shape[1]))
+        for e, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            if b > a:
+                out[a:b] = getattr(experts[e], proj)(x[a:b])
+        return out
+
+    return grouped
+
+
+def test_stack_makes_the_experts_buffers_views_of_one_tensor_a_projection():
+    gen = torch.Generator().manual_seed(0)
+    experts = _experts(gen)
+    before = {n: t.clone() for n, t in experts.state_dict().items()}
+    assert experts.stack()
+    after = experts.state_dict()
+    assert all(torch.equal(before[n], after[n]) for n in before)  # values kept
+    q, s = experts.stacked["down_proj"]
+    assert q.shape == (E, H, INTER) and q.dtype == torch.float8_e4m3fn and s.shape[0] == E
+    for e in range(E):
+        assert experts[e].down_proj.get_buffer("weight").data_ptr() == q[e].data_ptr()
+    # an in-place load into an expert's buffer (as the engine's weight loads do) lands in the stack
+    experts[2].up_proj.get_buffer("weight_scale_inv").fill_(0.5)
+    assert bool((experts.stacked["up_proj"][1][2] == 0.5).all())
+    assert all(experts._stack_is_live(p) for p in WireExperts.PROJECTIONS)
+    experts[0].gate_proj._buffers["weight"] = experts[0].gate_proj._buffers["weight"].clone()
+    assert not experts._stack_is_live("gate_proj")  # a replaced buffer: the grouped path is not taken
+
+
+def test_stack_refuses_experts_it_cannot_group():
+    gen = torch.Generator().manual_seed(1)
+    assert not _experts(gen, Precision.mxfp8).stack()
+    assert not WireExperts([]).stack()
+    experts = _experts(gen)
+    experts[1].down_proj._buffers["weight"] = torch.zeros(H, INTER + 128, dtype=torch.float8_e4m3fn)
+    assert not experts.stack() and experts.stacked == {}
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+def test_grouped_forward_is_the_loop_bit_for_bit(tokens, monkeypatch):
+    gen = torch.Generator().manual_seed(tokens)
+    experts = _experts(gen)
+    assert experts.stack()
+    hidden, index, weights = _routing(gen, tokens)
+    loop = experts(hidden, index, weights)  # on CPU the grouped path does not apply
+    monkeypatch.setattr(
+        quantized_linear.dispatch, "fp8_grouped_weight_only_linear", _experts_own_math(experts)
+    )
+    grouped = experts._grouped_forward(hidden, index, weights)
+    assert grouped.dtype == loop.dtype and torch.equal(grouped, loop)
+
+
+def test_grouped_forward_with_the_cpu_grouped_linear_matches_the_loop():
+    """The real CPU form of the grouped linear (fp32 products of the same bf16 weight) against the
+    loop's bf16 F.linear: equal up to the last bits of bf16."""
+    gen = torch.Generator().manual_seed(7)
+    experts = _experts(gen)
+    assert experts.stack()
+    hidden, index, weights = _routing(gen, 9)
+    loop = experts(hidden, index, weights).float()
+    grouped = experts._grouped_forward(hidden, index, weights).float()
+    assert float((grouped - loop).norm() / loop.norm()) < 1e-2
+
+
+def test_grouped_linear_cpu_form_and_its_errors():
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(3, 256, 384, generator=gen)
+    q, s = dispatch.quantize_fp8_blockwise(w)
+    x = torch.randn(7, 384, generator=gen).to(torch.bfloat16)
+    offsets = torch.tensor([0, 2, 2, 7], dtype=torch.int32)
+    y = dispatch.fp8_grouped_weight_only_linear(x, q, s, offsets)
+    assert torch.equal(y[0:2], dispatch.fp8_weight_only_linear(x[0:2], q[0], s[0]))
+    assert torch.equal(y[2:7], dispatch.fp8_weight_only_linear(x[2:7], q[2], s[2]))
+    with pytest.raises(QuantizationError, match="offsets must be int32"):
+        dispatch.fp8_grouped_weight_only_linear(x, q, s, offsets.long())
+    with pytest.raises(QuantizationError, match="must rise from 0 to the 7 rows"):
+        dispatch.fp8_grouped_weight_only_linear(x, q, s, torch.tensor([0, 3, 2, 7], dtype=torch.int32))
+    with pytest.raises(QuantizationError, match="weight must be"):
+        dispatch.fp8_grouped_weight_only_linear(x, q[0], s[0], offsets)
