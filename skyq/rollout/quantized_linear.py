@@ -136,6 +136,15 @@ class WireExperts(nn.ModuleList):
         self.stacked = stacked
         return True
 
+    def _apply(self, fn, recurse=True):
+        """`.to()` / `.cuda()` / ... give every buffer a new tensor: stack them again (the old stack
+        would hold stale values)."""
+        out = super()._apply(fn, recurse)
+        if self.stacked:
+            self.stacked = {}
+            self.stack()
+        return out
+
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         if self._grouped_applies(hidden_states):
             return self._grouped_forward(hidden_states, top_k_index, top_k_weights)
@@ -156,12 +165,13 @@ class WireExperts(nn.ModuleList):
         )
 
     def _stack_is_live(self, proj: str) -> bool:
-        """The experts' buffers are still views of the stack (nothing replaced them since `stack`)."""
+        """The first and last experts' buffers are still views of the stack (a move restacks, see
+        `_apply`; anything else that replaced buffers since `stack` turns the grouped path off)."""
         q, s = self.stacked[proj]
-        first = getattr(self[0], proj)._buffers
-        return (
-            first["weight"].data_ptr() == q.data_ptr()
-            and first["weight_scale_inv"].data_ptr() == s.data_ptr()
+        return all(
+            getattr(self[e], proj)._buffers["weight"].data_ptr() == q[e].data_ptr()
+            and getattr(self[e], proj)._buffers["weight_scale_inv"].data_ptr() == s[e].data_ptr()
+            for e in (0, len(self) - 1)
         )
 
     def _grouped_forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:

@@ -83,8 +83,20 @@ def test_stack_makes_the_experts_buffers_views_of_one_tensor_a_projection():
     experts[2].up_proj.get_buffer("weight_scale_inv").fill_(0.5)
     assert bool((experts.stacked["up_proj"][1][2] == 0.5).all())
     assert all(experts._stack_is_live(p) for p in WireExperts.PROJECTIONS)
-    experts[0].gate_proj._buffers["weight"] = experts[0].gate_proj._buffers["weight"].clone()
+    experts[E - 1].gate_proj._buffers["weight"] = experts[E - 1].gate_proj._buffers["weight"].clone()
     assert not experts._stack_is_live("gate_proj")  # a replaced buffer: the grouped path is not taken
+
+
+def test_a_move_stacks_the_experts_again():
+    """`.to()` and friends give every buffer a new tensor; the stacks are rebuilt from them."""
+    gen = torch.Generator().manual_seed(2)
+    experts = _experts(gen)
+    assert experts.stack()
+    old = experts.stacked["down_proj"][0]
+    experts._apply(lambda t: t.clone())  # what a device move does to each buffer
+    q = experts.stacked["down_proj"][0]
+    assert q.data_ptr() != old.data_ptr() and torch.equal(q.float(), old.float())
+    assert all(experts._stack_is_live(p) for p in WireExperts.PROJECTIONS)
 
 
 def test_stack_refuses_experts_it_cannot_group():
