@@ -422,8 +422,10 @@ def fp8_grouped_weight_only_linear(
     """MoE experts' decode linears in one call: x [T, K] with its rows sorted by expert (expert e's
     rows offsets[e]:offsets[e + 1], offsets int32 [E + 1], offsets[E] == T), q e4m3 [E, N, K],
     weight_scale_inv fp32 [E, ceil(N/bn), ceil(K/bk)] -> [T, N] in x's dtype. On CUDA one launch of
-    the grouped Gluon kernel (no host sync; an expert without rows reads nothing); elsewhere
-    `fp8_weight_only_linear` on each expert's rows."""
+    the grouped Gluon kernel (no host sync; an expert without rows reads nothing), which therefore
+    trusts the offsets' values (shapes and dtypes are checked): build them on the device from the
+    sorted routing, as `WireExperts` does. Elsewhere (and on GPUs the kernel does not take)
+    `fp8_weight_only_linear` on each expert's rows, after checking that the offsets rise from 0 to T."""
     if not (isinstance(q, Tensor) and q.ndim == 3):
         raise QuantizationError(
             f"fp8 grouped linear: weight must be [E, N, K], got {getattr(q, 'shape', q)!r}"
