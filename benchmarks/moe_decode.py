@@ -1,6 +1,7 @@
-"""The engine's routed-experts block at decode sizes on a GPU: bf16 experts (the per-expert loop,
-cuBLAS), FP8 experts in the same loop (one weight-only kernel a routed expert and projection) and
-FP8 experts stacked (`WireExperts.stack`: three grouped launches, no host sync), same run.
+"""The engine's routed-experts block at decode sizes on a GPU, same run: bf16 and FP8 experts in the
+per-expert loop (cuBLAS; one weight-only kernel a routed expert and projection), and both stacked
+(`WireExperts.stack`: three grouped launches, no host sync; bf16 through `torch._grouped_mm`, FP8
+through the grouped Gluon kernel).
 
 Shapes: one Qwen3-30B-A3B MoE layer (hidden 2048, 128 experts of intermediate 768, top-8): 604M
 expert parameters (1.2 GB bf16, 0.6 GB fp8), far beyond the 50 MB L2. Tokens are routed uniformly
@@ -90,11 +91,11 @@ def main() -> None:
     device = torch.cuda.get_device_name()
     print(f"device {device}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
     bf16, fp8 = build(gen)
-    stacked = WireExperts(list(fp8))
-    assert stacked.stack(), "fp8 experts did not stack"
+    stacked, bf16_stacked = WireExperts(list(fp8)), WireExperts(list(bf16))
+    assert stacked.stack() and bf16_stacked.stack(), "the experts did not stack"
     print(f"{EXPERTS} experts x (gate, up {INTER}x{HIDDEN}, down {HIDDEN}x{INTER}), top-{TOP_K}")
-    print(f"{'tokens':>6} {'bf16 loop us':>13} {'fp8 loop us':>12} {'fp8 grouped us':>15} {'grouped, graph us':>18}"
-          f" {'rel.diff grouped vs loop':>25}")  # fmt: skip
+    print(f"{'tokens':>6} {'bf16 loop':>10} {'fp8 loop':>10} {'bf16 grouped':>13} {'fp8 grouped':>12}"
+          f" {'bf16 grp graph':>15} {'fp8 grp graph':>14} {'fp8 grp vs loop':>16}  (us a call)")  # fmt: skip
     rows = []
     for t in args.tokens:
         x = torch.randn(t, HIDDEN, generator=gen).to(torch.bfloat16).cuda()

@@ -13,6 +13,7 @@ HF tensor (`experts.{e}.{gate,up,down}_proj`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -98,41 +99,50 @@ class WireExperts(nn.ModuleList):
     """Routed experts as a list of `ExpertMLP` (names `<layer>.mlp.experts.{e}.<proj>`), called like
     transformers' fused experts module: (hidden [T, H], top_k_index [T, k], top_k_weights [T, k]).
 
-    After `stack()` (FP8 blockwise experts), each projection's codes and scales of all experts are
-    one [E, ...] tensor whose slices ARE the experts' buffers, and a decode-sized call on CUDA runs
-    three grouped launches (`dispatch.fp8_grouped_weight_only_linear`: no host sync, an expert
-    without tokens reads nothing) instead of a Python loop over the routed experts with a host sync."""
+    After `stack()`, each projection's weights of all experts are one [E, ...] tensor whose slices
+    ARE the experts' tensors, and a decode-sized call on CUDA runs three grouped launches (no host
+    sync, an expert without tokens reads nothing) instead of a Python loop over the routed experts
+    with a host sync: FP8 blockwise experts through `dispatch.fp8_grouped_weight_only_linear`
+    (codes and scales stacked), bf16 experts through `torch._grouped_mm` (compute capability >= 9)."""
 
     PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
     def __init__(self, modules=None) -> None:
         super().__init__(modules)
-        self.stacked: dict[str, tuple[Tensor, Tensor]] = {}
+        self.stacked: dict[str, tuple[Tensor, Tensor | None]] = {}
 
     def stack(self) -> bool:
-        """Put each projection's `weight` / `weight_scale_inv` of all experts into one tensor and make
-        the experts' buffers views of it (values kept; in-place weight loads land in the stack).
-        Only for FP8 blockwise `WireLinear` experts of equal shapes; returns whether it stacked.
-        Call it after the module is on its device (`.to()` would replace the views)."""
+        """Put each projection's weight of all experts into one tensor (FP8: `weight` and
+        `weight_scale_inv`) and make the experts' tensors views of it (values kept; in-place weight
+        loads land in the stack). For FP8 blockwise `WireLinear` experts or bias-free bf16
+        `nn.Linear` ones, of equal shapes; returns whether it stacked. Call it once the module is
+        on its device (a later move stacks again, see `_apply`)."""
         projs = [[getattr(expert, p) for expert in self] for p in self.PROJECTIONS]
-        if not self or not all(
-            isinstance(lin, WireLinear) and lin.strategy.precision is Precision.fp8_blockwise
-            for ps in projs
-            for lin in ps
-        ):
+        linears = [lin for ps in projs for lin in ps]
+        fp8 = bool(self) and all(
+            isinstance(lin, WireLinear) and lin.strategy.precision is Precision.fp8_blockwise for lin in linears
+        )
+        bf16 = bool(self) and all(
+            type(lin) is nn.Linear and lin.bias is None and lin.weight.dtype == torch.bfloat16 for lin in linears
+        )
+        if not (fp8 or bf16):
             return False
-        stacked: dict[str, tuple[Tensor, Tensor]] = {}
-        for name, linears in zip(self.PROJECTIONS, projs, strict=True):
-            parts = []
-            for leaf in ("weight", "weight_scale_inv"):
-                buffers = [lin._buffers[leaf] for lin in linears]
-                if len({(tuple(b.shape), b.dtype, b.device) for b in buffers}) != 1:
+        stacked: dict[str, tuple[Tensor, Tensor | None]] = {}
+        for name, group in zip(self.PROJECTIONS, projs, strict=True):
+            parts: list[Tensor | None] = []
+            for leaf in ("weight", "weight_scale_inv") if fp8 else ("weight",):
+                held = group[0]._buffers if fp8 else group[0]._parameters
+                tensors = [(lin._buffers if fp8 else lin._parameters)[leaf] for lin in group]
+                if len({(tuple(t.shape), t.dtype, t.device) for t in tensors}) != 1:
                     return False
-                stack = torch.stack(buffers)
-                for lin, view in zip(linears, stack.unbind(0), strict=True):
-                    lin._buffers[leaf] = view
+                stack = torch.stack([t.detach() for t in tensors])
+                for lin, view in zip(group, stack.unbind(0), strict=True):
+                    if fp8:
+                        lin._buffers[leaf] = view
+                    else:
+                        lin._parameters[leaf] = nn.Parameter(view, requires_grad=held[leaf].requires_grad)
                 parts.append(stack)
-            stacked[name] = (parts[0], parts[1])
+            stacked[name] = (parts[0], parts[1] if fp8 else None)
         self.stacked = stacked
         return True
 
@@ -156,23 +166,27 @@ class WireExperts(nn.ModuleList):
         return out
 
     def _grouped_applies(self, x: Tensor) -> bool:
-        return (
-            bool(self.stacked)
-            and x.is_cuda
-            and x.dtype == torch.bfloat16
-            and 0 < x.shape[0] <= DECODE_MAX_ROWS
-            and all(self._stack_is_live(p) for p in self.PROJECTIONS)
-        )
+        if not (self.stacked and x.is_cuda and x.dtype == torch.bfloat16 and 0 < x.shape[0] <= DECODE_MAX_ROWS):
+            return False
+        if self.stacked["gate_proj"][1] is None and not _bf16_grouped_mm_on(x.device):
+            return False
+        return all(self._stack_is_live(p) for p in self.PROJECTIONS)
 
     def _stack_is_live(self, proj: str) -> bool:
-        """The first and last experts' buffers are still views of the stack (a move restacks, see
-        `_apply`; anything else that replaced buffers since `stack` turns the grouped path off)."""
+        """The first and last experts' tensors are still views of the stack (a move restacks, see
+        `_apply`; anything else that replaced them since `stack` turns the grouped path off)."""
         q, s = self.stacked[proj]
-        return all(
-            getattr(self[e], proj)._buffers["weight"].data_ptr() == q[e].data_ptr()
-            and getattr(self[e], proj)._buffers["weight_scale_inv"].data_ptr() == s[e].data_ptr()
-            for e in (0, len(self) - 1)
-        )
+        for e in (0, len(self) - 1):
+            lin = getattr(self[e], proj)
+            if s is None:
+                if lin.weight.data_ptr() != q[e].data_ptr():
+                    return False
+            elif (
+                lin._buffers["weight"].data_ptr() != q[e].data_ptr()
+                or lin._buffers["weight_scale_inv"].data_ptr() != s[e].data_ptr()
+            ):
+                return False
+        return True
 
     def _grouped_forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         """The loop's result from rows sorted by expert: each projection one grouped launch, then each
@@ -197,11 +211,25 @@ class WireExperts(nn.ModuleList):
             out = out + torch.take_along_dim(routed, rank[:, j, None, None], dim=1).squeeze(1)
         return out
 
-    def _grouped(self, linear: WireLinear, proj: str, x: Tensor, offsets: Tensor) -> Tensor:
+    def _grouped(self, linear: nn.Module, proj: str, x: Tensor, offsets: Tensor) -> Tensor:
+        q, s = self.stacked[proj]
+        if s is None:
+            return bf16_grouped_linear(x, q, offsets)
         if linear.activation is not None:
             x = linear.activation(x)
-        q, s = self.stacked[proj]
         return dispatch.fp8_grouped_weight_only_linear(x, q, s, offsets, linear.strategy.block())
+
+
+def bf16_grouped_linear(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
+    """x [T, K] (rows sorted by expert, expert e's rows offsets[e]:offsets[e + 1]) @ w[e]^T for
+    w [E, N, K]: `torch._grouped_mm` (one launch, no host sync)."""
+    return torch._grouped_mm(x.contiguous(), w.transpose(-2, -1), offs=offsets[1:])
+
+
+@functools.cache
+def _bf16_grouped_mm_on(device: torch.device) -> bool:
+    """torch._grouped_mm's bf16 CUDA kernel needs compute capability >= 9.0."""
+    return hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 def plain_linear(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Linear:

@@ -42,10 +42,12 @@ def test_fp8_wire_linear_decodes_from_e4m3(make_weight, gen, rows, monkeypatch):
     assert float((y.float() - ref).norm() / ref.norm()) < 1e-2
 
 
-def test_grouped_experts_need_no_host_sync_and_replay_from_a_cuda_graph(gen):
-    """The stacked experts' decode forward captures into a CUDA graph (no host sync: routing sorted
-    and offset on the device) and its replay gives the eager call's bits; the eager call agrees
-    with the per-expert loop within the kernels' rounding."""
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+def test_grouped_experts_need_no_host_sync_and_replay_from_a_cuda_graph(gen, kind):
+    """The stacked experts' decode forward (FP8: the grouped Gluon kernel; bf16: torch._grouped_mm)
+    captures into a CUDA graph (no host sync: routing sorted and offset on the device) and its
+    replay gives the eager call's bits; the eager call agrees with the per-expert loop within the
+    kernels' rounding."""
     import torch.nn.functional as F
 
     from skyq.rollout.quantized_linear import ExpertMLP, WireExperts
@@ -57,10 +59,15 @@ def test_grouped_experts_need_no_host_sync_and_replay_from_a_cuda_graph(gen):
         linears = []
         for proj, shape in shapes.items():
             name = f"model.layers.0.mlp.experts.{e}.{proj}.weight"
+            w = torch.randn(shape, generator=gen) * 0.05
+            if kind == "bf16":
+                lin = torch.nn.Linear(shape[1], shape[0], bias=False, dtype=torch.bfloat16, device="cuda")
+                lin.requires_grad_(False).weight.copy_(w)
+                linears.append(lin)
+                continue
             lin = WireLinear(name, Role.routed_expert, strategy.wire_specs(name, shape, Role.routed_expert), strategy,
                              activation=None).cuda()  # fmt: skip
-            for wire_name, t in strategy.serialize(name, torch.randn(shape, generator=gen) * 0.05,
-                                                   role=Role.routed_expert).items():  # fmt: skip
+            for wire_name, t in strategy.serialize(name, w, role=Role.routed_expert).items():
                 lin.get_buffer(wire_name.removeprefix(lin.stem)).copy_(t)
             linears.append(lin)
         experts.append(ExpertMLP(*linears, act_fn=F.silu))
@@ -69,7 +76,7 @@ def test_grouped_experts_need_no_host_sync_and_replay_from_a_cuda_graph(gen):
     idx = torch.stack([torch.randperm(15, generator=gen)[:4] for _ in range(12)]).cuda()
     wts = torch.softmax(torch.randn(12, 4, generator=gen), -1).to(torch.bfloat16).cuda()
     loop = block(x, idx, wts)
-    assert block.stack()
+    assert block.stack() and block._grouped_applies(x)
     eager = block(x, idx, wts)
     assert float((eager.float() - loop.float()).norm() / loop.float().norm()) < 1e-2
     s = torch.cuda.Stream()

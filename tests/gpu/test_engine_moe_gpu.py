@@ -18,15 +18,16 @@ pytestmark = [
 ]
 
 
-def test_engine_scores_moe_decode_rows_through_grouped_launches(make_trainer, run_cfg, monkeypatch):  # noqa: F811
-    """The engine on the GPU stacks its FP8 experts; a forward of <= DECODE_MAX_ROWS rows runs each
+@pytest.mark.parametrize("precision", ["fp8_blockwise", "bf16"])
+def test_engine_scores_moe_decode_rows_through_grouped_launches(request, monkeypatch, precision):
+    """The engine on the GPU stacks its FP8 (or bf16) experts; a forward of <= DECODE_MAX_ROWS rows runs each
     projection of the experts as one grouped launch and scores as the per-expert loop does (the
     loop with the stacks dropped), within the kernels' rounding; repeated calls give the same bits."""
     from skyq.rollout.embedded import EmbeddedEngine
     from skyq.rollout.quantized_linear import WireExperts
 
-    trainer = make_trainer()
-    cfg = run_cfg()
+    trainer = request.getfixturevalue("make_trainer")(precision)
+    cfg = request.getfixturevalue("run_cfg")(precision)
     engine = EmbeddedEngine(model_cfg=cfg.model, precision_cfg=cfg.precision, seed=0, device="cuda")
     wire = {}
     for name, tensor in trainer.hf_weights():
@@ -39,9 +40,11 @@ def test_engine_scores_moe_decode_rows_through_grouped_launches(make_trainer, ru
     ids = torch.randint(0, cfg.model.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     calls = []
-    grouped_fn = quantized_linear.dispatch.fp8_grouped_weight_only_linear
-    monkeypatch.setattr(quantized_linear.dispatch, "fp8_grouped_weight_only_linear",
-                        lambda *a, **k: calls.append(1) or grouped_fn(*a, **k))  # fmt: skip
+    owner, name = (quantized_linear, "bf16_grouped_linear")
+    if precision == "fp8_blockwise":
+        owner, name = quantized_linear.dispatch, "fp8_grouped_weight_only_linear"
+    grouped_fn = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *a, **k: calls.append(1) or grouped_fn(*a, **k))
     grouped = engine.score(ids, mask)
     assert len(calls) == 3 * len(experts)
     assert torch.equal(engine.score(ids, mask), grouped)

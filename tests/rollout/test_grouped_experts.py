@@ -149,3 +149,48 @@ def test_grouped_linear_cpu_form_and_its_errors():
         dispatch.fp8_grouped_weight_only_linear(x, q, s, torch.tensor([0, 3, 2, 7], dtype=torch.int32))
     with pytest.raises(QuantizationError, match="weight must be"):
         dispatch.fp8_grouped_weight_only_linear(x, q[0], s[0], offsets)
+
+
+def _bf16_experts(gen: torch.Generator) -> WireExperts:
+    def linear(shape):
+        lin = torch.nn.Linear(shape[1], shape[0], bias=False, dtype=torch.bfloat16).requires_grad_(False)
+        lin.weight.copy_(torch.randn(shape, generator=gen) * 0.05)
+        return lin
+
+    return WireExperts([
+        ExpertMLP(linear((INTER, H)), linear((INTER, H)), linear((H, INTER)), act_fn=F.silu) for _ in range(E)
+    ])  # fmt: skip
+
+
+def test_bf16_experts_stack_their_weights_and_the_grouped_forward_is_the_loop(monkeypatch):
+    """bf16 experts (the engine's bf16 precision) stack their weight parameters; with each expert's
+    own math standing in for torch._grouped_mm the grouped forward equals the loop bit for bit,
+    and with torch._grouped_mm itself (CPU here) within bf16 rounding."""
+    gen = torch.Generator().manual_seed(11)
+    experts = _bf16_experts(gen)
+    before = {n: t.clone() for n, t in experts.state_dict().items()}
+    assert experts.stack()
+    w, scale = experts.stacked["up_proj"]
+    assert scale is None and w.shape == (E, INTER, H)
+    assert all(torch.equal(before[n], t) for n, t in experts.state_dict().items())
+    assert experts[3].up_proj.weight.data_ptr() == w[3].data_ptr()
+    assert not experts[3].up_proj.weight.requires_grad
+    experts.state_dict()["3.down_proj.weight"].fill_(0.25)  # an in-place load, as the engine's
+    assert bool((experts.stacked["down_proj"][0][3] == 0.25).all())
+    hidden, index, weights = _routing(gen, 7)
+    loop = experts(hidden, index, weights)
+
+    def own_math(x, stacked_w, offsets):
+        proj = next(p for p in WireExperts.PROJECTIONS if experts.stacked[p][0] is stacked_w)
+        bounds = offsets.tolist()
+        out = x.new_empty((x.shape[0], stacked_w.shape[1]))
+        for e, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            if b > a:
+                out[a:b] = getattr(experts[e], proj)(x[a:b])
+        return out
+
+    with monkeypatch.context() as m:
+        m.setattr(quantized_linear, "bf16_grouped_linear", own_math)
+        assert torch.equal(experts._grouped_forward(hidden, index, weights), loop)
+    grouped = experts._grouped_forward(hidden, index, weights).float()
+    assert float((grouped - loop.float()).norm() / loop.float().norm()) < 1e-2
