@@ -52,14 +52,16 @@ def _routing(
     return hidden, index, weights
 
 
-def _experts_own_math(experts: WireExperts):
-    """A stand-in for the grouped kernel with each expert's own CPU math on its rows (dequantize +
-    F.linear, what the loop runs), so that the loop and the grouped path can be compared bit for bit."""
+def _experts_own_math(experts: WireExperts, offsets_at: int):
+    """A stand-in for a grouped launch (its arguments: x, the stacked weight, ..., the offsets at
+    position `offsets_at`) with each expert's own CPU math on its rows (what the loop runs), so that
+    the loop and the grouped path can be compared bit for bit."""
 
-    def grouped(x, q, s, offsets, block_size):
-        proj = next(p for p in WireExperts.PROJECTIONS if experts.stacked[p][0] is q)
+    def grouped(*args):
+        x, w, offsets = args[0], args[1], args[offsets_at]
+        proj = next(p for p in WireExperts.PROJECTIONS if experts.stacked[p][0] is w)
         bounds = offsets.tolist()
-        out = x.new_empty((x.shape[0], q.shape[1]))
+        out = x.new_empty((x.shape[0], w.shape[1]))
         for e, (a, b) in enumerate(zip(bounds, bounds[1:])):
             if b > a:
                 out[a:b] = getattr(experts[e], proj)(x[a:b])
@@ -116,7 +118,7 @@ def test_grouped_forward_is_the_loop_bit_for_bit(tokens, monkeypatch):
     hidden, index, weights = _routing(gen, tokens)
     loop = experts(hidden, index, weights)  # on CPU the grouped path does not apply
     monkeypatch.setattr(
-        quantized_linear.dispatch, "fp8_grouped_weight_only_linear", _experts_own_math(experts)
+        quantized_linear.dispatch, "fp8_grouped_weight_only_linear", _experts_own_math(experts, 3)
     )
     grouped = experts._grouped_forward(hidden, index, weights)
     assert grouped.dtype == loop.dtype and torch.equal(grouped, loop)
@@ -180,17 +182,8 @@ def test_bf16_experts_stack_their_weights_and_the_grouped_forward_is_the_loop(mo
     hidden, index, weights = _routing(gen, 7)
     loop = experts(hidden, index, weights)
 
-    def own_math(x, stacked_w, offsets):
-        proj = next(p for p in WireExperts.PROJECTIONS if experts.stacked[p][0] is stacked_w)
-        bounds = offsets.tolist()
-        out = x.new_empty((x.shape[0], stacked_w.shape[1]))
-        for e, (a, b) in enumerate(zip(bounds, bounds[1:])):
-            if b > a:
-                out[a:b] = getattr(experts[e], proj)(x[a:b])
-        return out
-
     with monkeypatch.context() as m:
-        m.setattr(quantized_linear, "bf16_grouped_linear", own_math)
+        m.setattr(quantized_linear, "bf16_grouped_linear", _experts_own_math(experts, 2))
         assert torch.equal(experts._grouped_forward(hidden, index, weights), loop)
     grouped = experts._grouped_forward(hidden, index, weights).float()
     assert float((grouped - loop.float()).norm() / loop.float().norm()) < 1e-2
