@@ -120,10 +120,12 @@ class WireExperts(nn.ModuleList):
         projs = [[getattr(expert, p) for expert in self] for p in self.PROJECTIONS]
         linears = [lin for ps in projs for lin in ps]
         fp8 = bool(self) and all(
-            isinstance(lin, WireLinear) and lin.strategy.precision is Precision.fp8_blockwise for lin in linears
+            isinstance(lin, WireLinear) and lin.strategy.precision is Precision.fp8_blockwise
+            for lin in linears
         )
         bf16 = bool(self) and all(
-            type(lin) is nn.Linear and lin.bias is None and lin.weight.dtype == torch.bfloat16 for lin in linears
+            type(lin) is nn.Linear and lin.bias is None and lin.weight.dtype == torch.bfloat16
+            for lin in linears
         )
         if not (fp8 or bf16):
             return False
@@ -166,7 +168,9 @@ class WireExperts(nn.ModuleList):
         return out
 
     def _grouped_applies(self, x: Tensor) -> bool:
-        if not (self.stacked and x.is_cuda and x.dtype == torch.bfloat16 and 0 < x.shape[0] <= DECODE_MAX_ROWS):
+        if not (
+            self.stacked and x.is_cuda and x.dtype == torch.bfloat16 and 0 < x.shape[0] <= DECODE_MAX_ROWS
+        ):
             return False
         if self.stacked["gate_proj"][1] is None and not _bf16_grouped_mm_on(x.device):
             return False

@@ -203,3 +203,25 @@ def test_the_k_groups_cover_every_column_once(k, kc, split, kwarps):
     assert (launched - 1) * kwarps * k_per_group < k  # the last split holds a column
     assert groups * k_per_group >= k  # every column has a group (groups past K are masked)
     assert even == (groups * k_per_group == k)
+
+
+@pytest.mark.parametrize(
+    ("config", "x_dtype", "even_k"),
+    [
+        ((8, 16, 128, 1, 1, 1), "bf16", True),
+        ((16, 16, 128, 1, 1, 2), "bf16", False),
+        ((8, 16, 128, 1, 1, 4), "fp32", True),
+    ],
+)
+def test_the_grouped_kernel_is_the_decode_loop_per_expert_and_row_tile(config, x_dtype, even_k):
+    """`_gemv_grouped_kernel` (MoE experts in one launch) runs the decode kernel's K loop (16-byte
+    evict-first code loads into the MMA registers, the next step loaded ahead) inside a loop over
+    the expert's row tiles, with no local memory: the same instructions as `_gemv_kernel`'s
+    PREFETCH 1 per step."""
+    bm, bn, kc, _split, warps, kwarps = config
+    ptx = g.compile_grouped_offline(config, x_dtype=x_dtype, even_k=even_k).asm["ptx"]
+    single = _compiled(config, x_dtype=x_dtype, even_k=even_k, prefetch=1).asm["ptx"]
+    mma = "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"
+    assert ptx.count(mma) == single.count(mma) > 0
+    assert ptx.count("evict_first") == single.count("evict_first") > 0  # the code loads, masked or not
+    assert "ld.local" not in ptx and "st.local" not in ptx

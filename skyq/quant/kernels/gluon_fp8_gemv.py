@@ -591,3 +591,32 @@ def compile_offline(
     return triton.compile(
         src, target=GPUTarget("cuda", capability, 32), options=dict(num_warps=warps * kwarps)
     )
+
+
+def compile_grouped_offline(
+    config: tuple[int, int, int, int, int, int],
+    *,
+    x_dtype: str = "bf16",
+    even_k: bool = True,
+    capability: int = 90,
+):
+    """`compile_offline` for `_gemv_grouped_kernel` (128 x 128 weight blocks)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    bm, bn, kc, _split, warps, kwarps = config
+    names = "x_ptr q_ptr s_ptr y_ptr off_ptr N K k_per_group sxm sqe sqn sse ssn ssk sym".split()
+    xw = x_dtype == "bf16"
+    types = ["*i32" if xw else f"*{x_dtype}", "*i32", "*fp32", f"*{x_dtype}", "*i32"] + ["i32"] * 10
+    consts = dict(
+        BLK_N=128, BLK_K=128, BM=bm, BN=bn, KC=kc, W=warps, KW=kwarps, LW=word_layout(bn, kc, warps, kwarps),
+        LX=(act_word_layout if xw else act_layout)(bm, kc, warps, kwarps), UNIFORM=128 % bn == 0, EVEN_K=even_k,
+        XW=xw,
+    )  # fmt: skip
+    signature = dict(zip(names, types, strict=True)) | {c: "constexpr" for c in consts}
+    aligned = "x_ptr q_ptr s_ptr y_ptr off_ptr K k_per_group sxm sqe sqn sym".split()
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    src = GluonASTSource(_gemv_grouped_kernel, signature, consts, attrs=attrs)
+    return triton.compile(
+        src, target=GPUTarget("cuda", capability, 32), options=dict(num_warps=warps * kwarps)
+    )
