@@ -86,7 +86,7 @@ class EmbeddedEngine:
         self.layout = get_layout(model_cfg.family)
         self.expected: dict[str, WireSpec] = {w.name: w for p in self.plan for w in p.wire}
         self.model = self._build_model().to(self.device).eval()
-        for module in self.model.modules():  # FP8 experts as one tensor a projection (grouped decode)
+        for module in self.model.modules():  # experts as one tensor a projection (grouped decode)
             if isinstance(module, WireExperts):
                 module.stack()
         self._version = NO_WEIGHTS

@@ -130,19 +130,18 @@ class WireExperts(nn.ModuleList):
         if not (fp8 or bf16):
             return False
         stacked: dict[str, tuple[Tensor, Tensor | None]] = {}
+        leaves, store = _stacked_leaves(fp8)
         for name, group in zip(self.PROJECTIONS, projs, strict=True):
-            parts: list[Tensor | None] = []
-            for leaf in ("weight", "weight_scale_inv") if fp8 else ("weight",):
-                held = group[0]._buffers if fp8 else group[0]._parameters
-                tensors = [(lin._buffers if fp8 else lin._parameters)[leaf] for lin in group]
+            parts: list[Tensor] = []
+            for leaf in leaves:
+                tensors = [getattr(lin, store)[leaf] for lin in group]
                 if len({(tuple(t.shape), t.dtype, t.device) for t in tensors}) != 1:
                     return False
                 stack = torch.stack([t.detach() for t in tensors])
-                for lin, view in zip(group, stack.unbind(0), strict=True):
-                    if fp8:
-                        lin._buffers[leaf] = view
-                    else:
-                        lin._parameters[leaf] = nn.Parameter(view, requires_grad=held[leaf].requires_grad)
+                for lin, t, view in zip(group, tensors, stack.unbind(0), strict=True):
+                    getattr(lin, store)[leaf] = (
+                        view if fp8 else nn.Parameter(view, requires_grad=t.requires_grad)
+                    )
                 parts.append(stack)
             stacked[name] = (parts[0], parts[1] if fp8 else None)
         self.stacked = stacked
@@ -180,17 +179,12 @@ class WireExperts(nn.ModuleList):
         """The first and last experts' tensors are still views of the stack (a move restacks, see
         `_apply`; anything else that replaced them since `stack` turns the grouped path off)."""
         q, s = self.stacked[proj]
-        for e in (0, len(self) - 1):
-            lin = getattr(self[e], proj)
-            if s is None:
-                if lin.weight.data_ptr() != q[e].data_ptr():
-                    return False
-            elif (
-                lin._buffers["weight"].data_ptr() != q[e].data_ptr()
-                or lin._buffers["weight_scale_inv"].data_ptr() != s[e].data_ptr()
-            ):
-                return False
-        return True
+        leaves, store = _stacked_leaves(s is not None)
+        return all(
+            getattr(getattr(self[e], proj), store)[leaf].data_ptr() == stack[e].data_ptr()
+            for e in (0, len(self) - 1)
+            for leaf, stack in zip(leaves, (q, s), strict=False)
+        )
 
     def _grouped_forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         """The loop's result from rows sorted by expert: each projection one grouped launch, then each
@@ -222,6 +216,12 @@ class WireExperts(nn.ModuleList):
         if linear.activation is not None:
             x = linear.activation(x)
         return dispatch.fp8_grouped_weight_only_linear(x, q, s, offsets, linear.strategy.block())
+
+
+def _stacked_leaves(fp8: bool) -> tuple[tuple[str, ...], str]:
+    """What `WireExperts.stack` stacks of each expert linear, and where the module keeps it: FP8 wire
+    buffers (codes and scales), or a bf16 `nn.Linear`'s weight parameter."""
+    return (("weight", "weight_scale_inv"), "_buffers") if fp8 else (("weight",), "_parameters")
 
 
 def bf16_grouped_linear(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
