@@ -137,6 +137,39 @@ def time_per_call(fns: list, replays: int = 10) -> float:
     return statistics.median(time_graph(g, replays, 5)) / len(fns)
 
 
+def per_call_floor(gen: torch.Generator) -> None:
+    """The fixed cost of a decode call: graphed calls over rotating weights from a 16-row weight (32 KB
+    of codes) up, bf16 (cuBLAS) beside the Gluon kernel, and a trivial graphed kernel for the launch."""
+    from skyq.quant.kernels import gluon_fp8_gemv as g
+    from skyq.quant.kernels import triton_fp8_gemv as kern
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    t0 = torch.zeros(16, device="cuda")
+    print(
+        f"\na trivial elementwise kernel: {time_per_call([lambda: t0.add_(1.0) for _ in range(64)]) * 1e6:.2f} us a call"
+    )
+    print(f"{'N x K':>12} {'rows':>4} {'fp8 MB':>7} {'bf16 us':>8} {'gluon us':>9}")
+    for n, k in [
+        (16, 2048),
+        (128, 2048),
+        (512, 2048),
+        (2048, 2048),
+        (2048, 4096),
+        (5120, 2048),
+        (12288, 2048),
+    ]:
+        ws, qs = rotated(n, k, gen)
+        for m in (1, 16):
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+            tb = time_per_call([lambda w=w, x=x: torch.matmul(x, w.T) for w in ws])
+            tg = time_per_call([lambda q=q, s=s, x=x: g.linear(
+                x, q, s, block_size=(128, 128), sms=sms, counters=kern._arrival_counters) for q, s in qs])  # fmt: skip
+            print(
+                f"{f'{n} x {k}':>12} {m:>4} {n * k / 1e6:>7.2f} {tb * 1e6:>8.2f} {tg * 1e6:>9.2f}", flush=True
+            )
+        del ws, qs
+
+
 def per_shape(gen: torch.Generator, batches: list[int]) -> None:
     """Each projection alone: bf16 torch.matmul vs the FP8 kernel, achieved weight-read TB/s."""
     print("\nper projection, graphed over rotating weight copies (us per call; weight-read TB/s)")
@@ -458,7 +491,7 @@ def main() -> None:
         help="model with the Triton kernel beside (same run), Gluon sweep, model with the sweep's best",
     )
     ap.add_argument("--cc-only", action="store_true", help="sweep only the CUDA-core kernel (batches <= 4)")
-    ap.add_argument("--only", choices=["model", "per-shape", "sweep"], default=None)
+    ap.add_argument("--only", choices=["model", "per-shape", "sweep", "floor"], default=None)
     ap.add_argument("--fused", action="store_true", help="q/k/v and gate/up as one weight each, both sides")
     ap.add_argument(
         "--scales-in-loop-max-m", type=int, default=None,
@@ -479,6 +512,9 @@ def main() -> None:
     deadline = time.time() + args.sweep_seconds
     if args.only == "per-shape":
         per_shape(gen, args.batches)
+        return
+    if args.only == "floor":
+        per_call_floor(gen)
         return
     if args.only == "sweep":
         shapes = FUSED_SWEEP_SHAPES if args.fused else SWEEP_SHAPES
