@@ -261,10 +261,16 @@ class EngineWorker:
     """The embedded rollout engine plus the receiving end of the weight sync."""
 
     def __init__(
-        self, *, model_cfg: ModelConfig, precision_cfg: PrecisionConfig, device: str, seed: int
+        self,
+        *,
+        model_cfg: ModelConfig,
+        precision_cfg: PrecisionConfig,
+        device: str,
+        seed: int,
+        cuda_graphs: bool = True,
     ) -> None:
         self.engine = EmbeddedEngine(
-            model_cfg=model_cfg, precision_cfg=precision_cfg, device=device, seed=seed
+            model_cfg=model_cfg, precision_cfg=precision_cfg, device=device, seed=seed, cuda_graphs=cuda_graphs
         )
         self.expected = expected_units(build_plan(model_cfg, precision_cfg))
         self.resolution = resolve_on_device(precision_cfg, device)

@@ -72,6 +72,7 @@ class PairSpec:
             "precision_cfg": self.precision,
             "device": self.placement.device,
             "seed": self.seed,
+            "cuda_graphs": self.rollout.cuda_graphs,
         }
 
 

@@ -7,8 +7,10 @@ only through `load_weights`, which validates the complete set against the plan b
 anything and bumps the weight version only after it has copied everything in.
 
 The engine computes in bf16, like a serving engine; the trainer's fp32 compute on the same weights
-is what the mismatch metrics measure against. KV caches live inside one `generate` call only, so
-no cached state can survive a weight update.
+is what the mismatch metrics measure against. KV cache contents live inside one `generate` call
+only, so no cached state can survive a weight update. On a GPU the decode loop replays a CUDA graph
+of its one-token step over a fixed-capacity cache (`skyq.rollout.decoding`; `cuda_graphs=False`
+launches every step eagerly over transformers' growing cache, as on CPU).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+from collections import OrderedDict
 
 import torch
 from torch import Tensor, nn
@@ -30,11 +33,14 @@ from skyq.quant.plan import ParamPlan, build_plan
 from skyq.quant.strategies import WireSpec, get_strategy
 from skyq.rl.batch import FinishReason, Sample
 from skyq.rl.tokenizer import EOS_ID
+from skyq.rollout.decoding import DynamicDecoder, StaticDecoder, cache_capacity, padded_batch
 from skyq.rollout.quantized_linear import ExpertMLP, WireExperts, WireLinear, plain_linear
 from skyq.rollout.sampling import check_sampling_args, sample_tokens
 from skyq.sync.wire_state import WireCopier
 
 NO_WEIGHTS = -1
+DECODERS_KEPT = 4
+"""Fixed-capacity decoders (a KV cache, and on CUDA a captured step) the engine keeps, most recent first."""
 _SHARED_SUFFIXES = frozenset({"weight_shape"})
 """Wire tensors that describe a matrix rather than hold it (int4's [N, K]): one per stack, not stacked."""
 
@@ -72,6 +78,7 @@ class EmbeddedEngine:
         device: str = "cpu",
         seed: int,
         eos_token_id: int = EOS_ID,
+        cuda_graphs: bool = True,
     ) -> None:
         if model_cfg.text_prefix:
             raise ValueError(
@@ -95,6 +102,12 @@ class EmbeddedEngine:
         held = {name: (tuple(t.shape), t.dtype) for name, t in self._held.items()}
         assert held == {n: (w.shape, w.dtype) for n, w in self.expected.items()}, "engine model != plan"
         self._stack_groups = self._stack_groups_of_plan()
+        self.decode_mode = "graph" if cuda_graphs and self.device.type == "cuda" else "dynamic"
+        """How `generate` decodes: "graph" (CUDA: a fixed-capacity cache, the one-token step captured
+        once per batch and capacity and replayed), "static" (the same cache and rows, every step
+        eager: what a graph replays, for tests and debugging) or "dynamic" (transformers' growing
+        cache, eager: CPU, or `cuda_graphs=False`)."""
+        self._decoders: OrderedDict[tuple[int, int], StaticDecoder] = OrderedDict()
 
     # construction -------------------------------------------------------------------------------
 
@@ -327,6 +340,22 @@ class EmbeddedEngine:
         assert all(s is not None for s in results)
         return results  # type: ignore[return-value]
 
+    def _decoder(self, rows: int, positions: int) -> DynamicDecoder | StaticDecoder:
+        """The decoder for `rows` prompts of `positions` total tokens: a fresh growing cache, or a
+        kept fixed-capacity one (padded rows, rounded capacity; the least recently used dropped)."""
+        cache_kwarg = _cache_kwarg(type(self.model))
+        if self.decode_mode == "dynamic":
+            return DynamicDecoder(self.model, cache_kwarg, rows)
+        key = (padded_batch(rows), cache_capacity(positions))
+        decoder = self._decoders.pop(key, None)
+        if decoder is None:
+            decoder = StaticDecoder(self.model, cache_kwarg, *key, graph=self.decode_mode == "graph")
+            while len(self._decoders) >= DECODERS_KEPT:
+                self._decoders.popitem(last=False)
+        self._decoders[key] = decoder
+        decoder.begin()
+        return decoder
+
     def _sample_rows(
         self,
         rows: list[list[int]],
@@ -335,38 +364,33 @@ class EmbeddedEngine:
         top_p: float,
         generator: torch.Generator,
     ) -> list[Sample]:
-        """Decode equal-length prompts together with a KV cache; one Sample per row."""
-        from transformers import DynamicCache
-
+        """Decode equal-length prompts together with a KV cache; one Sample per row. Rows a
+        fixed-capacity decoder pads the batch with repeat the last row and are never sampled."""
         input_ids = torch.tensor(rows, dtype=torch.long, device=self.device)
-        cache = DynamicCache(config=self.model.config)
-        tokens_out = torch.zeros((len(rows), max_new_tokens), dtype=torch.long)
-        logprobs_out = torch.zeros((len(rows), max_new_tokens), dtype=torch.float32)
-        lengths = torch.full((len(rows),), max_new_tokens, dtype=torch.long)
-        finished = torch.zeros(len(rows), dtype=torch.bool)
-        step_input = input_ids
-        cache_kwarg = _cache_kwarg(type(self.model))
+        n_rows, prompt_len = input_ids.shape
+        decoder = self._decoder(n_rows, prompt_len + max_new_tokens)
+        tokens_out = torch.zeros((n_rows, max_new_tokens), dtype=torch.long)
+        logprobs_out = torch.zeros((n_rows, max_new_tokens), dtype=torch.float32)
+        lengths = torch.full((n_rows,), max_new_tokens, dtype=torch.long)
+        finished = torch.zeros(n_rows, dtype=torch.bool)
+        step_input = _pad_rows(input_ids, decoder.batch)
         for step in range(max_new_tokens):
-            logits = self.model(
-                input_ids=step_input, **{cache_kwarg: cache}, use_cache=True, logits_to_keep=1
-            ).logits[:, -1]
+            logits = decoder.forward(step_input)[:n_rows].cpu()
             # A model that silently ignored the cache would decode every later token without context.
-            if cache.get_seq_length() != input_ids.shape[1] + step:
+            if decoder.seq_length() != prompt_len + step:
                 raise RuntimeError(
-                    f"the KV cache holds {cache.get_seq_length()} positions after decode step {step}, expected "
-                    f"{input_ids.shape[1] + step}: this transformers version does not take the cache as "
-                    f"`{cache_kwarg}`; the engine would sample without context"
+                    f"the KV cache holds {decoder.seq_length()} positions after decode step {step}, expected "
+                    f"{prompt_len + step}: this transformers version does not take the cache as "
+                    f"`{decoder.cache_kwarg}`; the engine would sample without context"
                 )
-            tokens, logprobs = sample_tokens(
-                logits.cpu(), temperature=temperature, top_p=top_p, generator=generator
-            )
+            tokens, logprobs = sample_tokens(logits, temperature=temperature, top_p=top_p, generator=generator)
             tokens_out[:, step], logprobs_out[:, step] = tokens, logprobs
             stopped_now = ~finished & (tokens == self.eos_token_id)
             lengths[stopped_now] = step + 1
             finished |= stopped_now
             if bool(finished.all()):
                 break
-            step_input = tokens[:, None].to(self.device)
+            step_input = _pad_rows(tokens[:, None].to(self.device), decoder.batch)
         return [
             Sample(
                 prompt_ids=list(rows[r]),
@@ -376,3 +400,8 @@ class EmbeddedEngine:
             )
             for r in range(len(rows))
         ]
+
+
+def _pad_rows(ids: Tensor, batch: int) -> Tensor:
+    """`ids` [R, T] with its last row repeated to `batch` rows."""
+    return ids if ids.shape[0] == batch else torch.cat([ids, ids[-1:].expand(batch - ids.shape[0], -1)])

@@ -55,13 +55,17 @@ class DeferredChecks:
             by_device.setdefault(flag.device, []).append(flag)
         if not any(int(torch.cat(flags).sum().item()) for flags in by_device.values()):
             return
-        for flag, validate, strict in pending:
-            if int(flag.item()):
-                validate()
-                if strict:
-                    raise AssertionError(
-                        "a kernel flagged an invalid input that the reference validation accepted"
-                    )
+        validate_flagged(pending)
+
+
+def validate_flagged(pending: list[tuple[Tensor, Callable[[], None], bool]]) -> None:
+    """Run the validation of every set flag, in launch order (the first bad input raises its own
+    error); a strict flag whose validation passes is a kernel bug."""
+    for flag, validate, strict in pending:
+        if int(flag.item()):
+            validate()
+            if strict:
+                raise AssertionError("a kernel flagged an invalid input that the reference validation accepted")
 
 
 _deferred = threading.local()

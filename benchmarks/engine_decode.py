@@ -1,0 +1,125 @@
+"""Decode tokens/s of the embedded engine itself on a GPU, same run: bf16 and FP8 blockwise weights,
+each with every step launched eagerly (transformers' growing cache, `rollout.cuda_graphs=false`) and
+with the one-token step replayed from a CUDA graph (the default). Unlike benchmarks/decode.py (the
+linears of a dense stack, graphed), this is `EmbeddedEngine.generate` end to end: prefill,
+attention over the KV cache, routing, the grouped experts, the activation quantizers, sampling on
+the host and the per-step checks.
+
+Model: `small_moe`'s shape by default (the one-GPU run's model: Qwen3-MoE, 4 layers, hidden 1024,
+32 experts of width 768, top-4; 0.31B parameters), random weights (every prompt and response token
+random; eos never ends a row, so every row decodes `--new-tokens`). Tokens/s = rows x new tokens /
+the median wall time of a `generate` call (after one untimed call, which captures the graph).
+
+    python benchmarks/engine_decode.py [--batches 1 8 16 32 64] [--new-tokens 64] [--repeats 5]
+        [--layers 4 --hidden 1024 --experts 32 --top-k 4 --expert-width 768 --vocab 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from skyq.config.enums import Precision
+from skyq.config.schema import ModelConfig, PrecisionConfig
+from skyq.quant.plan import build_plan
+from skyq.quant.strategies import get_strategy
+from skyq.rollout.embedded import EmbeddedEngine
+
+PRECISIONS = ("bf16", "fp8_blockwise")
+MODES = ("eager", "graph")
+
+
+def model_config(args: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(
+        name="engine_decode", hidden_size=args.hidden, num_layers=args.layers, num_attention_heads=args.hidden // 64,
+        num_key_value_heads=4, head_dim=64, intermediate_size=3 * args.hidden, moe_intermediate_size=args.expert_width,
+        num_experts=args.experts, num_experts_per_tok=args.top_k, vocab_size=args.vocab,
+        max_position_embeddings=max(512, args.prompt_len + args.new_tokens),
+    )  # fmt: skip
+
+
+def random_wire(model_cfg: ModelConfig, precision_cfg: PrecisionConfig, gen: torch.Generator) -> dict:
+    """The wire tensors of random HF weights (matrices ~N(0, 0.02), norms 1) for this precision."""
+    strategy = get_strategy(precision_cfg)
+    wire = {}
+    for entry in build_plan(model_cfg, precision_cfg):
+        if len(entry.shape) == 1:
+            w = torch.ones(entry.shape)
+        else:
+            w = torch.randn(entry.shape, generator=gen) * 0.02
+        w = w.to(entry.dtype).cuda()
+        wire.update(strategy.serialize(entry.name, w, role=entry.role) if entry.quantized else {entry.name: w})
+    return wire
+
+
+def engine_for(model_cfg: ModelConfig, precision: str, graphs: bool, gen_seed: int) -> EmbeddedEngine:
+    precision_cfg = PrecisionConfig(name=Precision(precision))
+    engine = EmbeddedEngine(model_cfg=model_cfg, precision_cfg=precision_cfg, device="cuda", seed=0,
+                            eos_token_id=-1, cuda_graphs=graphs)  # fmt: skip
+    engine.load_weights(random_wire(model_cfg, precision_cfg, torch.Generator().manual_seed(gen_seed)), version=0)
+    return engine
+
+
+def tokens_per_s(engine: EmbeddedEngine, prompts: list[list[int]], new_tokens: int, repeats: int) -> float:
+    def call(seed: int) -> None:
+        engine.generate(prompts, n=1, max_new_tokens=new_tokens, temperature=1.0, top_p=1.0, seed=seed)
+
+    call(0)  # compiles the kernels; in graph mode also captures the step
+    times = []
+    for r in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        call(r + 1)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return len(prompts) * new_tokens / statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 32, 64])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--expert-width", type=int, default=768)
+    ap.add_argument("--vocab", type=int, default=32)
+    args = ap.parse_args()
+    device = torch.cuda.get_device_name()
+    model_cfg = model_config(args)
+    params = sum(p.bytes for p in build_plan(model_cfg, PrecisionConfig(name=Precision.bf16))) / 2
+    print(f"device {device}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}; model {params / 1e9:.2f}B "
+          f"parameters ({args.layers} layers, hidden {args.hidden}, {args.experts} experts x {args.expert_width}, "
+          f"top-{args.top_k}), prompts of {args.prompt_len} + {args.new_tokens} new tokens")  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    prompts = {b: torch.randint(0, args.vocab, (b, args.prompt_len), generator=gen).tolist() for b in args.batches}
+    results: dict[tuple[str, str, int], float] = {}
+    for precision in PRECISIONS:
+        for mode in MODES:
+            engine = engine_for(model_cfg, precision, mode == "graph", gen_seed=1)
+            for b in args.batches:
+                results[precision, mode, b] = tokens_per_s(engine, prompts[b], args.new_tokens, args.repeats)
+                print(f"{precision:>14} {mode:>6} batch {b:>4}: {results[precision, mode, b]:>10.0f} tokens/s",
+                      flush=True)  # fmt: skip
+            del engine
+            torch.cuda.empty_cache()
+    print(f"\n{'metric':<52} {'ours':>10} {'baseline':>10} {'ratio':>6}  device")
+    for b in args.batches:
+        for label, ours, base in (
+            (f"engine tok/s, batch {b}: fp8 graph / bf16 graph", ("fp8_blockwise", "graph"), ("bf16", "graph")),
+            (f"engine tok/s, batch {b}: fp8 eager / bf16 eager", ("fp8_blockwise", "eager"), ("bf16", "eager")),
+            (f"engine tok/s, batch {b}: fp8 graph / fp8 eager", ("fp8_blockwise", "graph"), ("fp8_blockwise", "eager")),
+            (f"engine tok/s, batch {b}: bf16 graph / bf16 eager", ("bf16", "graph"), ("bf16", "eager")),
+        ):
+            o, s = results[(*ours, b)], results[(*base, b)]
+            print(f"{label:<52} {o:>10.0f} {s:>10.0f} {o / s:>6.2f}  {device}")
+
+
+if __name__ == "__main__":
+    main()
