@@ -12,6 +12,7 @@ the median wall time of a `generate` call (after one untimed call, which capture
 
     python benchmarks/engine_decode.py [--batches 1 8 16 32 64] [--new-tokens 64] [--repeats 5]
         [--layers 4 --hidden 1024 --experts 32 --top-k 4 --expert-width 768 --vocab 32]
+    python benchmarks/engine_decode.py --profile [--batches 1 64]   # where a graphed step's time goes
 """
 
 from __future__ import annotations
@@ -78,6 +79,30 @@ def tokens_per_s(engine: EmbeddedEngine, prompts: list[list[int]], new_tokens: i
     return len(prompts) * new_tokens / statistics.median(times)
 
 
+def profile(engine: EmbeddedEngine, prompts: list[list[int]], new_tokens: int, label: str, top: int) -> None:
+    """Per kernel: device microseconds per decode step and launches per step of one `generate` call
+    (after an untimed one), and the device-busy share of its wall time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    def call(seed: int) -> None:
+        engine.generate(prompts, n=1, max_new_tokens=new_tokens, temperature=1.0, top_p=1.0, seed=seed)
+
+    call(0)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        call(1)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.device_time_total > 0]
+    busy = sum(e.device_time_total for e in kernels)
+    print(f"\n{label}: wall {wall * 1e6 / new_tokens:.0f} us a step, kernels busy {busy / new_tokens:.0f} us a step, "
+          f"{sum(e.count for e in kernels) / new_tokens:.0f} launches a step")  # fmt: skip
+    for e in sorted(kernels, key=lambda e: -e.device_time_total)[:top]:
+        print(f"  {e.device_time_total / new_tokens:>8.1f} us {e.count / new_tokens:>6.1f}x  {e.key[:90]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 32, 64])
@@ -90,6 +115,8 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--expert-width", type=int, default=768)
     ap.add_argument("--vocab", type=int, default=32)
+    ap.add_argument("--profile", action="store_true", help="per-kernel device time of the graph mode instead")
+    ap.add_argument("--top", type=int, default=15, help="kernels listed per profile")
     args = ap.parse_args()
     device = torch.cuda.get_device_name()
     model_cfg = model_config(args)
@@ -99,6 +126,12 @@ def main() -> None:
           f"top-{args.top_k}), prompts of {args.prompt_len} + {args.new_tokens} new tokens")  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     prompts = {b: torch.randint(0, args.vocab, (b, args.prompt_len), generator=gen).tolist() for b in args.batches}
+    if args.profile:
+        for precision in PRECISIONS:
+            engine = engine_for(model_cfg, precision, True, gen_seed=1)
+            for b in args.batches:
+                profile(engine, prompts[b], args.new_tokens, f"{precision} graph, batch {b}", args.top)
+        return
     results: dict[tuple[str, str, int], float] = {}
     for precision in PRECISIONS:
         for mode in MODES:

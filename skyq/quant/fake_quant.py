@@ -5,7 +5,8 @@ The forward reuses the exact quantize/dequantize arithmetic of `fp8_blockwise`, 
 `int4`, so what the trainer sees equals what the engine serves after a weight push. Input checks
 (finite, shapes) run in the forward; the dequantize-side checks are skipped because the codes and
 scales were just produced by the quantizer. On CUDA the FP8 and MXFP8 quantizations go through
-`dispatch` (the Triton kernels, bit-identical to the references): one launch, and a finite check
+`dispatch` (the Triton kernels, bit-identical to the references; FP8 quantizes and dequantizes in
+one pass): one launch, and a finite check
 that a `dispatch.deferred_finite_checks` scope defers instead of a host sync per call, which is
 what lets the engine capture its decode step in a CUDA graph.
 """
@@ -19,15 +20,14 @@ from torch import Tensor
 
 from skyq.config.enums import Int4Grid, Precision, ScaleFormat
 from skyq.config.schema import PrecisionConfig
-from skyq.quant import fp8_blockwise, int4, mxfp8
+from skyq.quant import int4, mxfp8
 from skyq.quant.kernels import dispatch
 
 
 class _FakeQuantFp8Blockwise(torch.autograd.Function):
     @staticmethod
     def forward(ctx, w: Tensor, block_size: tuple[int, int], pow2_scale: bool, name: str) -> Tensor:
-        q, scale_inv = dispatch.quantize_fp8_blockwise(w, block_size=block_size, pow2_scale=pow2_scale, name=name)
-        return fp8_blockwise._dequantize(q, scale_inv, *block_size, w.dtype)
+        return dispatch.fake_quant_fp8_blockwise(w, block_size=block_size, pow2_scale=pow2_scale, name=name)
 
     @staticmethod
     def backward(ctx, grad: Tensor):

@@ -100,10 +100,11 @@ class WireExperts(nn.ModuleList):
     transformers' fused experts module: (hidden [T, H], top_k_index [T, k], top_k_weights [T, k]).
 
     After `stack()`, each projection's weights of all experts are one [E, ...] tensor whose slices
-    ARE the experts' tensors, and a decode-sized call on CUDA runs three grouped launches (no host
-    sync, an expert without tokens reads nothing) instead of a Python loop over the routed experts
-    with a host sync: FP8 blockwise experts through `dispatch.fp8_grouped_weight_only_linear`
-    (codes and scales stacked), bf16 experts through `torch._grouped_mm` (compute capability >= 9)."""
+    ARE the experts' tensors, and a call on CUDA runs three grouped launches (no host sync, an
+    expert without tokens reads nothing) instead of a Python loop over the routed experts with a
+    host sync: FP8 blockwise experts at decode sizes through `dispatch.fp8_grouped_weight_only_linear`
+    (codes and scales stacked), bf16 experts and FP8 prefill (each stack dequantized in one launch)
+    through `torch._grouped_mm` (compute capability >= 9)."""
 
     PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -167,11 +168,12 @@ class WireExperts(nn.ModuleList):
         return out
 
     def _grouped_applies(self, x: Tensor) -> bool:
-        if not (
-            self.stacked and x.is_cuda and x.dtype == torch.bfloat16 and 0 < x.shape[0] <= DECODE_MAX_ROWS
-        ):
+        """Stacked experts on CUDA, bf16 tokens: FP8 decode sizes take the grouped weight-only
+        kernel; everything else (bf16 experts, FP8 prefill) `torch._grouped_mm`, which needs sm_90+."""
+        if not (self.stacked and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] > 0):
             return False
-        if self.stacked["gate_proj"][1] is None and not _bf16_grouped_mm_on(x.device):
+        fp8_decode = self.stacked["gate_proj"][1] is not None and x.shape[0] <= DECODE_MAX_ROWS
+        if not fp8_decode and not _bf16_grouped_mm_on(x.device):
             return False
         return all(self._stack_is_live(p) for p in self.PROJECTIONS)
 
@@ -197,9 +199,10 @@ class WireExperts(nn.ModuleList):
         offsets = torch.searchsorted(flat[order], bounds).to(torch.int32)  # expert e's rows: no host sync
         first = self[0]
         xs = hidden_states[order // k]
-        gate = self._grouped(first.gate_proj, "gate_proj", xs, offsets)
-        up = self._grouped(first.up_proj, "up_proj", xs, offsets)
-        down = self._grouped(first.down_proj, "down_proj", first.act_fn(gate) * up, offsets)
+        decode = t <= DECODE_MAX_ROWS
+        gate = self._grouped(first.gate_proj, "gate_proj", xs, offsets, decode)
+        up = self._grouped(first.up_proj, "up_proj", xs, offsets, decode)
+        down = self._grouped(first.down_proj, "down_proj", first.act_fn(gate) * up, offsets, decode)
         routed = torch.empty_like(down)
         routed[order] = down * top_k_weights.reshape(-1)[order, None]
         routed = routed.to(hidden_states.dtype).view(t, k, -1)
@@ -209,12 +212,16 @@ class WireExperts(nn.ModuleList):
             out = out + torch.take_along_dim(routed, rank[:, j, None, None], dim=1).squeeze(1)
         return out
 
-    def _grouped(self, linear: nn.Module, proj: str, x: Tensor, offsets: Tensor) -> Tensor:
+    def _grouped(self, linear: nn.Module, proj: str, x: Tensor, offsets: Tensor, decode: bool) -> Tensor:
         q, s = self.stacked[proj]
         if s is None:
             return bf16_grouped_linear(x, q, offsets)
         if linear.activation is not None:
             x = linear.activation(x)
+        if not decode:  # prefill: the whole stack dequantized once, one grouped GEMM
+            name = linear.hf_name.replace(".experts.0.", ".experts.*.")
+            w = dispatch.dequantize_fp8_blockwise(q, s, block_size=linear.strategy.block(), dtype=x.dtype, name=name)
+            return bf16_grouped_linear(x, w, offsets)
         return dispatch.fp8_grouped_weight_only_linear(x, q, s, offsets, linear.strategy.block())
 
 

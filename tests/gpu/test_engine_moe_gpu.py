@@ -53,3 +53,35 @@ def test_engine_scores_moe_decode_rows_through_grouped_launches(request, monkeyp
     loop = engine.score(ids, mask)
     assert len(calls) == 6 * len(experts)  # the loop made no grouped call
     assert float((grouped - loop).abs().max()) < 5e-2
+
+
+@pytest.mark.parametrize("precision", ["fp8_blockwise", "bf16"])
+def test_engine_prefill_runs_the_experts_as_grouped_gemms(request, monkeypatch, precision):
+    """A forward of more tokens than a decode (prefill, scoring) on the GPU also groups the experts:
+    bf16 stacks and FP8 stacks dequantized once go through torch._grouped_mm, no per-expert loop;
+    it scores as the loop does within bf16 rounding."""
+    from skyq.rollout.embedded import EmbeddedEngine
+    from skyq.rollout.quantized_linear import WireExperts
+
+    trainer = request.getfixturevalue("make_trainer")(precision)
+    cfg = request.getfixturevalue("run_cfg")(precision)
+    engine = EmbeddedEngine(model_cfg=cfg.model, precision_cfg=cfg.precision, seed=0, device="cuda")
+    wire = {}
+    for name, tensor in trainer.hf_weights():
+        wire.update(
+            trainer.strategy.serialize(name, tensor, role=trainer.layout.role(name, trainer.model_cfg))
+        )
+    engine.load_weights(wire, version=0)
+    experts = [m for m in engine.model.modules() if isinstance(m, WireExperts)]
+    ids = torch.randint(0, cfg.model.vocab_size, (4, 40), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    calls = []
+    real = quantized_linear.bf16_grouped_linear
+    monkeypatch.setattr(quantized_linear, "bf16_grouped_linear", lambda *a: calls.append(1) or real(*a))
+    grouped = engine.score(ids, mask)
+    assert len(calls) == 3 * len(experts)
+    for m in experts:
+        m.stacked = {}
+    loop = engine.score(ids, mask)
+    assert len(calls) == 3 * len(experts)
+    assert float((grouped - loop).abs().max()) < 5e-2

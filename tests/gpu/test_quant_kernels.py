@@ -74,6 +74,30 @@ def test_fp8_blockwise_extreme_magnitudes(gen, exponent):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [(128, 128), (1, 128), (1, 64), (64, 32)])
+def test_fp8_blockwise_fake_quant_in_one_pass_matches_reference(make_weight, shape, dtype, block_size):
+    """The one-pass fake quantization (trainer QAT weights, the activations of both sides) gives the
+    reference quantize-then-dequantize bits in the input's dtype, every layout, both scale formats."""
+    for layout in LAYOUTS:
+        w = make_weight(shape, dtype, layout)
+        for pow2 in (False, True):
+            y = dispatch.fake_quant_fp8_blockwise(w, block_size=block_size, pow2_scale=pow2)
+            q_ref, s_ref = fp8_blockwise.quantize(w, block_size=block_size, pow2_scale=pow2)
+            assert_same_bits(y, fp8_blockwise._dequantize(q_ref, s_ref, *block_size, dtype))
+
+
+@pytest.mark.parametrize("exponent", [-38, -30, -12, 0, 12, 30, 37])
+def test_fp8_blockwise_fake_quant_extreme_magnitudes(gen, exponent):
+    w = (torch.randn(256, 256, generator=gen) * 10.0**exponent).cuda()
+    w[:128, :128] = 0.0
+    for block_size in ((128, 128), (1, 128)):
+        q_ref, s_ref = fp8_blockwise.quantize(w, block_size=block_size)
+        y = dispatch.fake_quant_fp8_blockwise(w, block_size=block_size)
+        assert_same_bits(y, fp8_blockwise._dequantize(q_ref, s_ref, *block_size, w.dtype))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("block_size", [(128, 128), (1, 128), (96, 80)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fp8_blockwise_dequantize_matches_reference(make_weight, shape, block_size, dtype):
@@ -141,6 +165,7 @@ def test_int4_quantize_pack_and_dequantize_match_reference(make_weight, shape, g
     [
         lambda w: dispatch.quantize_fp8_blockwise(w, name="layer.w"),
         lambda w: dispatch.quantize_fp8_activation(w, name="layer.w"),
+        lambda w: dispatch.fake_quant_fp8_blockwise(w, block_size=(1, 128), name="layer.w"),
         lambda w: dispatch.quantize_mxfp8(w, name="layer.w"),
         lambda w: dispatch.quantize_int4_packed(w, group_size=32, name="layer.w"),
     ],

@@ -136,6 +136,33 @@ def test_grouped_forward_with_the_cpu_grouped_linear_matches_the_loop():
     assert float((grouped - loop).norm() / loop.norm()) < 1e-2
 
 
+def test_fp8_prefill_dequantizes_each_stack_once_into_one_grouped_gemm(monkeypatch):
+    """More tokens than a decode (prefill): each FP8 stack is dequantized in one call (the bf16 weight
+    the loop's experts use) and multiplied by `torch._grouped_mm` (CPU here), not by the weight-only
+    kernel; the result is the loop's within bf16 rounding."""
+    gen = torch.Generator().manual_seed(5)
+    experts = _experts(gen)
+    assert experts.stack()
+    hidden, index, weights = _routing(gen, quantized_linear.DECODE_MAX_ROWS + 6)
+    loop = experts(hidden, index, weights).float()
+    dequantized = []
+    real = dispatch.dequantize_fp8_blockwise
+    monkeypatch.setattr(quantized_linear.dispatch, "dequantize_fp8_blockwise",
+                        lambda q, *a, **k: dequantized.append((q, k["name"])) or real(q, *a, **k))  # fmt: skip
+
+    def no_decode_kernel(*args):
+        raise AssertionError("the weight-only decode kernel ran on a prefill")
+
+    monkeypatch.setattr(quantized_linear.dispatch, "fp8_grouped_weight_only_linear", no_decode_kernel)
+    grouped = experts._grouped_forward(hidden, index, weights).float()
+    assert len(dequantized) == 3
+    assert all(q is experts.stacked[p][0] for (q, _), p in zip(dequantized, WireExperts.PROJECTIONS, strict=True))
+    assert [name for _, name in dequantized] == [
+        f"model.layers.0.mlp.experts.*.{p}.weight" for p in WireExperts.PROJECTIONS
+    ]
+    assert float((grouped - loop).norm() / loop.norm()) < 1e-2
+
+
 def test_grouped_linear_cpu_form_and_its_errors():
     gen = torch.Generator().manual_seed(3)
     w = torch.randn(3, 256, 384, generator=gen)

@@ -57,6 +57,20 @@ def quantize_fp8_blockwise(
     return fp8_blockwise.quantize(w, block_size=block_size, pow2_scale=pow2_scale, name=name)
 
 
+def fake_quant_fp8_blockwise(
+    w: Tensor, *, block_size: tuple[int, int] = (128, 128), pow2_scale: bool = False, name: str = "tensor"
+) -> Tensor:
+    """`fp8_blockwise.quantize` then dequantize to w's dtype (what the trainer's fake quant and the
+    engine's W8A8 inputs compute): one kernel pass on CUDA, the reference elsewhere."""
+    if uses_kernel(w) and _float_input(w) and _int_pair(block_size):
+        from skyq.quant.kernels import triton_fp8_blockwise as kernels
+
+        if kernels.supports(tuple(block_size)):
+            return kernels.fake_quantize(w, block_size=tuple(block_size), pow2_scale=pow2_scale, name=name)
+    q, scale_inv = fp8_blockwise.quantize(w, block_size=block_size, pow2_scale=pow2_scale, name=name)
+    return fp8_blockwise._dequantize(q, scale_inv, *block_size, w.dtype)
+
+
 def quantize_fp8_blockwise_group(
     ws: Sequence[Tensor],
     names: Sequence[str],

@@ -66,12 +66,14 @@ def _quant_kernel(
     ssb, ssn, ssk,
     s2b, s2k, s2n,
     TN: tl.constexpr, TK: tl.constexpr, SUB: tl.constexpr, ROWWISE: tl.constexpr, POW2: tl.constexpr,
-    WRITE_S2: tl.constexpr, CHECK: tl.constexpr,
+    WRITE_S2: tl.constexpr, CHECK: tl.constexpr, FAKE: tl.constexpr = False,
 ):  # fmt: skip
     """x [B, N, K] (any strides) -> q [B, N, K] contiguous, scale_inv at `s_ptr` with strides
     (ssb, ssn, ssk) per (batch, block row, block col). ROWWISE: one scale per row of a TN x TK
     tile (1 x TK blocks); else one scale per TN x TK tile. WRITE_S2 writes a second copy of the scales with
     strides (s2b, s2k, s2n) per (batch, block col, block row) (the transposed GEMM scale layout).
+    FAKE: fake quantization: q_ptr (of x's dtype) gets fp32(code) * scale_inv in its dtype (the
+    dequantized value), no scales are written.
 
     A TN x TK block is held in registers whole when SUB == TN; with SUB < TN it is read in SUB-row
     slices twice (amax, then codes; the second read hits L2), which keeps registers low enough for
@@ -96,10 +98,14 @@ def _quant_kernel(
             amax = tl.max(amax, axis=0, keep_dims=True)
         scale = fp8_scale(amax, POW2)
         q = to_e4m3(x * scale)
-        tl.store(q_base + rn[:, None] * K, q, mask=mask)
-        if ROWWISE:
+        if FAKE:
             inv = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
-            tl.store(s_ptr + b * ssb + rn[:, None] * ssn + pid_k * ssk, inv, mask=rn[:, None] < N)
+            tl.store(q_base + rn[:, None] * K, (q.to(tl.float32) * inv).to(q_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(q_base + rn[:, None] * K, q, mask=mask)
+            if ROWWISE:
+                inv = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
+                tl.store(s_ptr + b * ssb + rn[:, None] * ssn + pid_k * ssk, inv, mask=rn[:, None] < N)
     else:
         amax = tl.zeros([1, 1], dtype=tl.float32)
         bad = tl.zeros([1, 1], dtype=tl.int32)
@@ -118,8 +124,11 @@ def _quant_kernel(
             mask = (rn[:, None] < N) & k_ok
             x = tl.load(x_base + rn[:, None] * sxn, mask=mask, other=0.0).to(tl.float32)
             q = to_e4m3(x * scale)
+            if FAKE:
+                inv = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
+                q = (q.to(tl.float32) * inv).to(q_ptr.dtype.element_ty)
             tl.store(q_base + rn[:, None] * K, q, mask=mask)
-    if not ROWWISE:
+    if not ROWWISE and not FAKE:
         inv = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
         zero = tl.zeros([1, 1], dtype=tl.int64)
         tl.store(s_ptr + b * ssb + pid_n * ssn + pid_k * ssk + zero, inv)
@@ -241,14 +250,17 @@ def launch_quantize(
     pow2_scale: bool,
     num_warps: int | None = None,
     sub: int | None = None,
+    fake: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One launch, no host sync: `(q [B, N, K], scale_inv [B, nN, nK], flag)`; flag > 0 means a
-    non-finite input (the outputs are then meaningless). `num_warps`, `sub`: benchmark sweeps."""
+    non-finite input (the outputs are then meaningless). `num_warps`, `sub`: benchmark sweeps.
+    `fake`: q is the dequantized value in w's dtype instead of the codes, and scale_inv is not
+    written (fake quantization in one pass)."""
     bn, bk = block_size
     x = as_3d(w)
     nb, n, k = x.shape
     tn, tk, rowwise = quant_tile(bn, bk)
-    q = torch.empty((nb, n, k), dtype=torch.float8_e4m3fn, device=w.device)
+    q = torch.empty((nb, n, k), dtype=w.dtype if fake else torch.float8_e4m3fn, device=w.device)
     s = torch.empty((nb, cdiv(n, bn), cdiv(k, bk)), dtype=torch.float32, device=w.device)
     flag = new_flag(w.device)
     n_tiles_k = cdiv(k, tk)
@@ -260,7 +272,7 @@ def launch_quantize(
         *s.stride(),
         0, 0, 0,
         TN=tn, TK=tk, SUB=sub_rows(tn, rowwise, sub), ROWWISE=rowwise, POW2=pow2_scale,
-        WRITE_S2=False, CHECK=True,
+        WRITE_S2=False, CHECK=True, FAKE=fake,
         num_warps=num_warps or (num_warps_for(tn * tk) if rowwise else BLOCK_NUM_WARPS),
     )  # fmt: skip
     return q, s, flag
@@ -275,6 +287,17 @@ def quantize(
     q, s, flag = launch_quantize(w, block_size=block_size, pow2_scale=pow2_scale)
     raise_if_flagged(flag, lambda: fp8_blockwise.quantize(w, block_size=block_size, name=name))
     return q.reshape(w.shape), s.reshape(*w.shape[:-2], *s.shape[-2:])
+
+
+def fake_quantize(
+    w: Tensor, *, block_size: tuple[int, int] = (128, 128), pow2_scale: bool = False, name: str = "tensor"
+) -> Tensor:
+    """`fp8_blockwise._dequantize(*fp8_blockwise.quantize(w, ...), w.dtype)`, the same bits, in one
+    pass (read w, write its fake-quantized values): one launch; the finite check is the
+    quantizer's (`raise_if_flagged`: deferred inside `dispatch.deferred_finite_checks`)."""
+    y, _, flag = launch_quantize(w, block_size=block_size, pow2_scale=pow2_scale, fake=True)
+    raise_if_flagged(flag, lambda: fp8_blockwise.quantize(w, block_size=block_size, name=name))
+    return y.reshape(w.shape)
 
 
 def group_supports(ws: list[Tensor], block_size: tuple[int, int]) -> bool:
