@@ -52,7 +52,9 @@ def random_wire(model_cfg: ModelConfig, precision_cfg: PrecisionConfig, gen: tor
         else:
             w = torch.randn(entry.shape, generator=gen) * 0.02
         w = w.to(entry.dtype).cuda()
-        wire.update(strategy.serialize(entry.name, w, role=entry.role) if entry.quantized else {entry.name: w})
+        wire.update(
+            strategy.serialize(entry.name, w, role=entry.role) if entry.quantized else {entry.name: w}
+        )
     return wire
 
 
@@ -60,7 +62,9 @@ def engine_for(model_cfg: ModelConfig, precision: str, graphs: bool, gen_seed: i
     precision_cfg = PrecisionConfig(name=Precision(precision))
     engine = EmbeddedEngine(model_cfg=model_cfg, precision_cfg=precision_cfg, device="cuda", seed=0,
                             eos_token_id=-1, cuda_graphs=graphs)  # fmt: skip
-    engine.load_weights(random_wire(model_cfg, precision_cfg, torch.Generator().manual_seed(gen_seed)), version=0)
+    engine.load_weights(
+        random_wire(model_cfg, precision_cfg, torch.Generator().manual_seed(gen_seed)), version=0
+    )
     return engine
 
 
@@ -125,7 +129,9 @@ def main() -> None:
           f"parameters ({args.layers} layers, hidden {args.hidden}, {args.experts} experts x {args.expert_width}, "
           f"top-{args.top_k}), prompts of {args.prompt_len} + {args.new_tokens} new tokens")  # fmt: skip
     gen = torch.Generator().manual_seed(0)
-    prompts = {b: torch.randint(0, args.vocab, (b, args.prompt_len), generator=gen).tolist() for b in args.batches}
+    prompts = {
+        b: torch.randint(0, args.vocab, (b, args.prompt_len), generator=gen).tolist() for b in args.batches
+    }
     if args.profile:
         for precision in PRECISIONS:
             engine = engine_for(model_cfg, precision, True, gen_seed=1)
@@ -145,9 +151,21 @@ def main() -> None:
     print(f"\n{'metric':<52} {'ours':>10} {'baseline':>10} {'ratio':>6}  device")
     for b in args.batches:
         for label, ours, base in (
-            (f"engine tok/s, batch {b}: fp8 graph / bf16 graph", ("fp8_blockwise", "graph"), ("bf16", "graph")),
-            (f"engine tok/s, batch {b}: fp8 eager / bf16 eager", ("fp8_blockwise", "eager"), ("bf16", "eager")),
-            (f"engine tok/s, batch {b}: fp8 graph / fp8 eager", ("fp8_blockwise", "graph"), ("fp8_blockwise", "eager")),
+            (
+                f"engine tok/s, batch {b}: fp8 graph / bf16 graph",
+                ("fp8_blockwise", "graph"),
+                ("bf16", "graph"),
+            ),
+            (
+                f"engine tok/s, batch {b}: fp8 eager / bf16 eager",
+                ("fp8_blockwise", "eager"),
+                ("bf16", "eager"),
+            ),
+            (
+                f"engine tok/s, batch {b}: fp8 graph / fp8 eager",
+                ("fp8_blockwise", "graph"),
+                ("fp8_blockwise", "eager"),
+            ),
             (f"engine tok/s, batch {b}: bf16 graph / bf16 eager", ("bf16", "graph"), ("bf16", "eager")),
         ):
             o, s = results[(*ours, b)], results[(*base, b)]

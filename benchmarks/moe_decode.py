@@ -123,5 +123,6 @@ def main() -> None:
         ):
             print(f"{label:<58} {ours * 1e6:>9.1f} {base * 1e6:>9.1f} {base / ours:>6.2f}  {device}")
 
+
 if __name__ == "__main__":
     main()

@@ -270,7 +270,11 @@ class EngineWorker:
         cuda_graphs: bool = True,
     ) -> None:
         self.engine = EmbeddedEngine(
-            model_cfg=model_cfg, precision_cfg=precision_cfg, device=device, seed=seed, cuda_graphs=cuda_graphs
+            model_cfg=model_cfg,
+            precision_cfg=precision_cfg,
+            device=device,
+            seed=seed,
+            cuda_graphs=cuda_graphs,
         )
         self.expected = expected_units(build_plan(model_cfg, precision_cfg))
         self.resolution = resolve_on_device(precision_cfg, device)

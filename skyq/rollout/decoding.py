@@ -166,4 +166,3 @@ class StaticDecoder:
             _common.pop_deferred()
         self._graph, self._ids, self._logits, self._checks = graph, static_ids, out, checks
         return logits
-

@@ -383,7 +383,9 @@ class EmbeddedEngine:
                     f"{prompt_len + step}: this transformers version does not take the cache as "
                     f"`{decoder.cache_kwarg}`; the engine would sample without context"
                 )
-            tokens, logprobs = sample_tokens(logits, temperature=temperature, top_p=top_p, generator=generator)
+            tokens, logprobs = sample_tokens(
+                logits, temperature=temperature, top_p=top_p, generator=generator
+            )
             tokens_out[:, step], logprobs_out[:, step] = tokens, logprobs
             stopped_now = ~finished & (tokens == self.eos_token_id)
             lengths[stopped_now] = step + 1

@@ -220,7 +220,9 @@ class WireExperts(nn.ModuleList):
             x = linear.activation(x)
         if not decode:  # prefill: the whole stack dequantized once, one grouped GEMM
             name = linear.hf_name.replace(".experts.0.", ".experts.*.")
-            w = dispatch.dequantize_fp8_blockwise(q, s, block_size=linear.strategy.block(), dtype=x.dtype, name=name)
+            w = dispatch.dequantize_fp8_blockwise(
+                q, s, block_size=linear.strategy.block(), dtype=x.dtype, name=name
+            )
             return bf16_grouped_linear(x, w, offsets)
         return dispatch.fp8_grouped_weight_only_linear(x, q, s, offsets, linear.strategy.block())
 

@@ -27,7 +27,9 @@ SAMPLING = dict(temperature=1.0, top_p=1.0)
 def _wire(trainer):
     wire = {}
     for name, tensor in trainer.hf_weights():
-        wire.update(trainer.strategy.serialize(name, tensor, role=trainer.layout.role(name, trainer.model_cfg)))
+        wire.update(
+            trainer.strategy.serialize(name, tensor, role=trainer.layout.role(name, trainer.model_cfg))
+        )
     return wire
 
 

@@ -169,7 +169,11 @@ def _interpreter_main() -> None:
             check(f"fp8 {block} pow2={pow2} q", q, q_ref)
             check(f"fp8 {block} pow2={pow2} s", s, s_ref)
             fake = triton_fp8_blockwise.fake_quantize(w, block_size=block, pow2_scale=pow2)
-            check(f"fp8 fake {block} pow2={pow2}", fake, fp8_blockwise._dequantize(q_ref, s_ref, *block, w.dtype))
+            check(
+                f"fp8 fake {block} pow2={pow2}",
+                fake,
+                fp8_blockwise._dequantize(q_ref, s_ref, *block, w.dtype),
+            )
         check(
             f"fp8 dequant {block}",
             triton_fp8_blockwise.dequantize(q_ref, s_ref, block_size=block),

@@ -54,7 +54,9 @@ def test_static_cache_decodes_as_the_growing_cache_does(engines, run_cfg, precis
     b = static.generate(prompts, n=5, max_new_tokens=4, seed=11, **SAMPLING)
     assert [s.response_ids for s in a] == [s.response_ids for s in b]
     assert [s.finish_reason for s in a] == [s.finish_reason for s in b]
-    diff = max(abs(x - y) for sa, sb in zip(a, b, strict=True) for x, y in zip(sa.logprobs, sb.logprobs, strict=True))
+    diff = max(
+        abs(x - y) for sa, sb in zip(a, b, strict=True) for x, y in zip(sa.logprobs, sb.logprobs, strict=True)
+    )
     assert diff < 2e-2, diff
     assert all(isinstance(d, StaticDecoder) for d in static._decoders.values())
     assert {d.batch for d in static._decoders.values()} >= {6}
@@ -67,7 +69,7 @@ def test_a_kept_decoder_is_reused_and_starts_empty(engines, run_cfg):
     dynamic, static = engines()
     prompts = [p.token_ids for p in build_task(run_cfg().task, seed=0).prompts(0, 4)]
     first = static.generate(prompts[:1], n=4, max_new_tokens=3, seed=1, **SAMPLING)
-    (key, decoder), = static._decoders.items()
+    ((key, decoder),) = static._decoders.items()
     keys = decoder.cache.layers[0].keys
     shorter = [prompts[1][:-1]]
     assert cache_capacity(len(shorter[0]) + 3) == key[1]

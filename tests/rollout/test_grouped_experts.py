@@ -156,7 +156,9 @@ def test_fp8_prefill_dequantizes_each_stack_once_into_one_grouped_gemm(monkeypat
     monkeypatch.setattr(quantized_linear.dispatch, "fp8_grouped_weight_only_linear", no_decode_kernel)
     grouped = experts._grouped_forward(hidden, index, weights).float()
     assert len(dequantized) == 3
-    assert all(q is experts.stacked[p][0] for (q, _), p in zip(dequantized, WireExperts.PROJECTIONS, strict=True))
+    assert all(
+        q is experts.stacked[p][0] for (q, _), p in zip(dequantized, WireExperts.PROJECTIONS, strict=True)
+    )
     assert [name for _, name in dequantized] == [
         f"model.layers.0.mlp.experts.*.{p}.weight" for p in WireExperts.PROJECTIONS
     ]

@@ -65,7 +65,9 @@ def validate_flagged(pending: list[tuple[Tensor, Callable[[], None], bool]]) -> 
         if int(flag.item()):
             validate()
             if strict:
-                raise AssertionError("a kernel flagged an invalid input that the reference validation accepted")
+                raise AssertionError(
+                    "a kernel flagged an invalid input that the reference validation accepted"
+                )
 
 
 _deferred = threading.local()
