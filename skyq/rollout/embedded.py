@@ -34,7 +34,7 @@ from skyq.quant.strategies import WireSpec, get_strategy
 from skyq.rl.batch import FinishReason, Sample
 from skyq.rl.tokenizer import EOS_ID
 from skyq.rollout.decoding import DynamicDecoder, StaticDecoder, cache_capacity, padded_batch
-from skyq.rollout.quantized_linear import ExpertMLP, WireExperts, WireLinear, plain_linear
+from skyq.rollout.quantized_linear import DECODE_MAX_ROWS, ExpertMLP, WireExperts, WireLinear, plain_linear
 from skyq.rollout.sampling import check_sampling_args, sample_tokens
 from skyq.sync.wire_state import WireCopier
 
@@ -104,7 +104,8 @@ class EmbeddedEngine:
         self._stack_groups = self._stack_groups_of_plan()
         self.decode_mode = "graph" if cuda_graphs and self.device.type == "cuda" else "dynamic"
         """How `generate` decodes: "graph" (CUDA: a fixed-capacity cache, the one-token step captured
-        once per batch and capacity and replayed), "static" (the same cache and rows, every step
+        once per batch and capacity and replayed; batches padded past DECODE_MAX_ROWS rows run
+        eagerly over the same cache), "static" (the same cache and rows, every step
         eager: what a graph replays, for tests and debugging) or "dynamic" (transformers' growing
         cache, eager: CPU, or `cuda_graphs=False`)."""
         self._decoders: OrderedDict[tuple[int, int], StaticDecoder] = OrderedDict()
@@ -349,7 +350,9 @@ class EmbeddedEngine:
         key = (padded_batch(rows), cache_capacity(positions))
         decoder = self._decoders.pop(key, None)
         if decoder is None:
-            decoder = StaticDecoder(self.model, cache_kwarg, *key, graph=self.decode_mode == "graph")
+            # larger steps dequantize their dense weights per call, which is not capture-safe yet
+            graph = self.decode_mode == "graph" and key[0] <= DECODE_MAX_ROWS
+            decoder = StaticDecoder(self.model, cache_kwarg, *key, graph=graph)
             while len(self._decoders) >= DECODERS_KEPT:
                 self._decoders.popitem(last=False)
         self._decoders[key] = decoder

@@ -100,3 +100,15 @@ def test_a_non_finite_activation_in_a_replay_raises_the_eager_error(request):
         errors.append(str(err.value))
     assert graph._decoders[(4, 64)].replays == 1
     assert errors[0] == errors[1]
+
+
+def test_batches_past_the_decode_rows_run_eagerly_over_the_static_cache(request):
+    """A step of more than DECODE_MAX_ROWS rows dequantizes its dense weights per call (not capture
+    safe yet): its decoder keeps the fixed-capacity cache but never captures, and samples as the
+    static engine does."""
+    graph, static, _, cfg = _engines(request, "fp8_blockwise")
+    prompts = [p.token_ids for p in build_task(cfg.task, seed=0).prompts(0, 1)]
+    a = graph.generate(prompts, n=80, max_new_tokens=3, seed=0, **SAMPLING)
+    assert a == static.generate(prompts, n=80, max_new_tokens=3, seed=0, **SAMPLING)
+    ((key, decoder),) = graph._decoders.items()
+    assert key[0] == 96 and decoder._graph is None and decoder.replays == 0
