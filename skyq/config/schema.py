@@ -205,8 +205,7 @@ class RolloutConfig:
     top_p: float = 1.0
     """Nucleus sampling threshold."""
     cuda_graphs: bool = True
-    """Embedded engine on a GPU: capture its one-token decode step in a CUDA graph (per padded batch
-    and cache capacity) and replay it; false launches every step eagerly (launch-bound)."""
+    """Embedded engine on a GPU: replay its decode step from a CUDA graph (false: every step eager)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for engine processes."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
