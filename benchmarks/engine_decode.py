@@ -48,10 +48,10 @@ def random_wire(model_cfg: ModelConfig, precision_cfg: PrecisionConfig, gen: tor
     wire = {}
     for entry in build_plan(model_cfg, precision_cfg):
         if len(entry.shape) == 1:
-            w = torch.ones(entry.shape)
+            w = torch.ones(entry.shape, device="cuda")
         else:
-            w = torch.randn(entry.shape, generator=gen) * 0.02
-        w = w.to(entry.dtype).cuda()
+            w = torch.randn(entry.shape, generator=gen, device="cuda") * 0.02
+        w = w.to(entry.dtype)
         wire.update(
             strategy.serialize(entry.name, w, role=entry.role) if entry.quantized else {entry.name: w}
         )
@@ -63,7 +63,7 @@ def engine_for(model_cfg: ModelConfig, precision: str, graphs: bool, gen_seed: i
     engine = EmbeddedEngine(model_cfg=model_cfg, precision_cfg=precision_cfg, device="cuda", seed=0,
                             eos_token_id=-1, cuda_graphs=graphs)  # fmt: skip
     engine.load_weights(
-        random_wire(model_cfg, precision_cfg, torch.Generator().manual_seed(gen_seed)), version=0
+        random_wire(model_cfg, precision_cfg, torch.Generator("cuda").manual_seed(gen_seed)), version=0
     )
     return engine
 

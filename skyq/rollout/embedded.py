@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from skyq.checkpoint.hf_config import hf_config
+from skyq.config.enums import Precision
 from skyq.config.schema import ModelConfig, PrecisionConfig
 from skyq.quant.errors import QuantizationError
 from skyq.quant.fake_quant import activation_fake_quant
@@ -34,7 +35,7 @@ from skyq.quant.strategies import WireSpec, get_strategy
 from skyq.rl.batch import FinishReason, Sample
 from skyq.rl.tokenizer import EOS_ID
 from skyq.rollout.decoding import DynamicDecoder, StaticDecoder, cache_capacity, padded_batch
-from skyq.rollout.quantized_linear import DECODE_MAX_ROWS, ExpertMLP, WireExperts, WireLinear, plain_linear
+from skyq.rollout.quantized_linear import ExpertMLP, WireExperts, WireLinear, plain_linear
 from skyq.rollout.sampling import check_sampling_args, sample_tokens
 from skyq.sync.wire_state import WireCopier
 
@@ -104,8 +105,8 @@ class EmbeddedEngine:
         self._stack_groups = self._stack_groups_of_plan()
         self.decode_mode = "graph" if cuda_graphs and self.device.type == "cuda" else "dynamic"
         """How `generate` decodes: "graph" (CUDA: a fixed-capacity cache, the one-token step captured
-        once per batch and capacity and replayed; batches padded past DECODE_MAX_ROWS rows run
-        eagerly over the same cache), "static" (the same cache and rows, every step
+        once per batch and capacity and replayed where `_step_capturable`, else eagerly over the same
+        cache), "static" (the same cache and rows, every step
         eager: what a graph replays, for tests and debugging) or "dynamic" (transformers' growing
         cache, eager: CPU, or `cuda_graphs=False`)."""
         self._decoders: OrderedDict[tuple[int, int], StaticDecoder] = OrderedDict()
@@ -350,14 +351,25 @@ class EmbeddedEngine:
         key = (padded_batch(rows), cache_capacity(positions))
         decoder = self._decoders.pop(key, None)
         if decoder is None:
-            # larger steps dequantize their dense weights per call, which is not capture-safe yet
-            graph = self.decode_mode == "graph" and key[0] <= DECODE_MAX_ROWS
+            graph = self.decode_mode == "graph" and self._step_capturable(key[0])
             decoder = StaticDecoder(self.model, cache_kwarg, *key, graph=graph)
             while len(self._decoders) >= DECODERS_KEPT:
                 self._decoders.popitem(last=False)
         self._decoders[key] = decoder
         decoder.begin()
         return decoder
+
+    def _step_capturable(self, rows: int) -> bool:
+        """Whether a one-token step of `rows` rows launches without a host sync: bf16 or FP8
+        blockwise weights (the FP8 decode, dequantize and activation kernels defer their checks),
+        every experts block taking its grouped path. MXFP8 and INT4 experts run a per-expert loop
+        that reads the routing on the host, so their steps run eagerly over the same static cache."""
+        if Precision(self.precision_cfg.name) not in (Precision.bf16, Precision.fp8_blockwise):
+            return False
+        probe = torch.empty((rows, self.model.config.hidden_size), dtype=torch.bfloat16, device=self.device)
+        if Precision(self.precision_cfg.name) is Precision.fp8_blockwise and not dispatch.uses_kernel(probe):
+            return False
+        return all(m.capturable(probe) for m in self.model.modules() if isinstance(m, WireExperts))
 
     def _sample_rows(
         self,

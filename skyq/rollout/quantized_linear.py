@@ -177,6 +177,21 @@ class WireExperts(nn.ModuleList):
             return False
         return all(self._stack_is_live(p) for p in self.PROJECTIONS)
 
+    def capturable(self, x: Tensor) -> bool:
+        """A forward of x's shape launches without a host sync (so a CUDA graph can capture it): the
+        grouped path applies and, for FP8 decode sizes, the grouped kernel takes every projection
+        (elsewhere the per-expert form reads the offsets on the host)."""
+        if not self._grouped_applies(x):
+            return False
+        if self.stacked["gate_proj"][1] is None or x.shape[0] > DECODE_MAX_ROWS:
+            return True
+        from skyq.quant.kernels import triton_fp8_gemv
+
+        block = self[0].gate_proj.strategy.block()
+        return dispatch.uses_kernel(x) and all(
+            triton_fp8_gemv.grouped_applies(x, self.stacked[p][0], block) for p in self.PROJECTIONS
+        )
+
     def _stack_is_live(self, proj: str) -> bool:
         """The first and last experts' tensors are still views of the stack (a move restacks, see
         `_apply`; anything else that replaced them since `stack` turns the grouped path off)."""

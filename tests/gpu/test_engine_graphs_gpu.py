@@ -102,13 +102,26 @@ def test_a_non_finite_activation_in_a_replay_raises_the_eager_error(request):
     assert errors[0] == errors[1]
 
 
-def test_batches_past_the_decode_rows_run_eagerly_over_the_static_cache(request):
-    """A step of more than DECODE_MAX_ROWS rows dequantizes its dense weights per call (not capture
-    safe yet): its decoder keeps the fixed-capacity cache but never captures, and samples as the
-    static engine does."""
-    graph, static, _, cfg = _engines(request, "fp8_blockwise")
+@pytest.mark.parametrize("precision", ["fp8_blockwise", "bf16"])
+def test_batches_past_the_decode_rows_are_captured_too(request, precision):
+    """A step of more than DECODE_MAX_ROWS rows (dense FP8 weights dequantized in the step, the
+    experts' stacks dequantized into one grouped GEMM) has no host sync either: captured, replayed,
+    and equal to the static engine bit for bit."""
+    graph, static, _, cfg = _engines(request, precision)
     prompts = [p.token_ids for p in build_task(cfg.task, seed=0).prompts(0, 1)]
-    a = graph.generate(prompts, n=80, max_new_tokens=3, seed=0, **SAMPLING)
-    assert a == static.generate(prompts, n=80, max_new_tokens=3, seed=0, **SAMPLING)
+    a = graph.generate(prompts, n=80, max_new_tokens=4, seed=0, **SAMPLING)
+    assert a == static.generate(prompts, n=80, max_new_tokens=4, seed=0, **SAMPLING)
     ((key, decoder),) = graph._decoders.items()
-    assert key[0] == 96 and decoder._graph is None and decoder.replays == 0
+    assert key[0] == 96 and decoder._graph is not None and decoder.replays > 0
+
+
+@pytest.mark.parametrize("precision", ["mxfp8", "int4_qat"])
+def test_steps_that_sync_run_eagerly_over_the_static_cache(request, precision):
+    """MXFP8 and INT4 experts run their per-expert loop (the routing read on the host): the engine
+    does not try to capture their step; it decodes eagerly over the same static cache and samples
+    as the static engine does."""
+    graph, static, _, cfg = _engines(request, precision)
+    prompts = [p.token_ids for p in build_task(cfg.task, seed=0).prompts(0, 4)]
+    a = graph.generate(prompts, n=2, max_new_tokens=4, seed=0, **SAMPLING)
+    assert a == static.generate(prompts, n=2, max_new_tokens=4, seed=0, **SAMPLING)
+    assert all(d._graph is None and d.replays == 0 for d in graph._decoders.values())

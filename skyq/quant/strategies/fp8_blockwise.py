@@ -16,7 +16,7 @@ from torch import Tensor
 
 from skyq.config.enums import Fp8Recipe, Precision, ScaleFormat
 from skyq.config.schema import PrecisionConfig
-from skyq.quant import fake_quant, fp8_blockwise
+from skyq.quant import fake_quant
 from skyq.quant.kernels import dispatch
 from skyq.quant.layouts import Role
 from skyq.quant.strategies.base import (
@@ -88,7 +88,8 @@ class Fp8BlockwiseStrategy(QuantizationStrategy):
         )
 
     def _decode(self, stem: str, wire: Mapping[str, Tensor], dtype: torch.dtype) -> Tensor:
-        return fp8_blockwise.dequantize(
+        # the Triton kernel on CUDA (same bits; its checks deferred inside a deferred-checks scope)
+        return dispatch.dequantize_fp8_blockwise(
             wire[stem + "weight"], wire[stem + "weight_scale_inv"], block_size=self.block_size,
             dtype=dtype, name=stem + "weight",
         )  # fmt: skip
