@@ -42,6 +42,9 @@ from skyq.sync.wire_state import WireCopier
 NO_WEIGHTS = -1
 DECODERS_KEPT = 4
 """Fixed-capacity decoders (a KV cache, and on CUDA a captured step) the engine keeps, most recent first."""
+DECODER_CACHE_FRACTION = 0.25
+"""On CUDA the kept decoders' KV caches hold at most this fraction of the device's memory (the least
+recently used dropped first; the one in use always stays)."""
 _SHARED_SUFFIXES = frozenset({"weight_shape"})
 """Wire tensors that describe a matrix rather than hold it (int4's [N, K]): one per stack, not stacked."""
 
@@ -351,13 +354,29 @@ class EmbeddedEngine:
         key = (padded_batch(rows), cache_capacity(positions))
         decoder = self._decoders.pop(key, None)
         if decoder is None:
+            budget, need = self._cache_budget(), self._kv_bytes(*key)
+            while self._decoders and (
+                len(self._decoders) >= DECODERS_KEPT
+                or sum(self._kv_bytes(*k) for k in self._decoders) + need > budget
+            ):
+                self._decoders.popitem(last=False)
             graph = self.decode_mode == "graph" and self._step_capturable(key[0])
             decoder = StaticDecoder(self.model, cache_kwarg, *key, graph=graph)
-            while len(self._decoders) >= DECODERS_KEPT:
-                self._decoders.popitem(last=False)
         self._decoders[key] = decoder
         decoder.begin()
         return decoder
+
+    def _kv_bytes(self, batch: int, capacity: int) -> int:
+        """Bytes of a static KV cache (bf16 keys and values of every layer) for `batch` rows."""
+        c = self.model.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return 2 * c.num_hidden_layers * batch * c.num_key_value_heads * capacity * head_dim * 2
+
+    def _cache_budget(self) -> float:
+        """Bytes the kept decoders' caches may hold (`DECODER_CACHE_FRACTION` of a CUDA device)."""
+        if self.device.type != "cuda":
+            return float("inf")
+        return torch.cuda.get_device_properties(self.device).total_memory * DECODER_CACHE_FRACTION
 
     def _step_capturable(self, rows: int) -> bool:
         """Whether a one-token step of `rows` rows launches without a host sync: bf16 or FP8

@@ -92,6 +92,24 @@ def test_decoders_kept_are_bounded_least_recently_used_first(engines, monkeypatc
     assert [key[0] for key in static._decoders] == [3, 2]
 
 
+def test_kept_decoders_caches_stay_within_the_memory_budget(engines, monkeypatch):
+    """Beyond the count, the kept caches' bytes are bounded (on CUDA a fraction of the device): a
+    new decoder drops the least recently used until it fits; the one in use always stays."""
+    _, static = engines()
+    prompt = [1, 5, 13, 6, 18]
+    one_row = static._kv_bytes(1, 64)
+    c = static.model.config
+    assert one_row == 2 * c.num_hidden_layers * c.num_key_value_heads * 64 * c.head_dim * 2
+    monkeypatch.setattr(type(static), "_cache_budget", lambda self: 5 * one_row)
+    for n in (1, 2):  # 1 + 2 rows: fits
+        static.generate([prompt], n=n, max_new_tokens=2, seed=0, **SAMPLING)
+    assert [key[0] for key in static._decoders] == [1, 2]
+    static.generate([prompt], n=3, max_new_tokens=2, seed=0, **SAMPLING)  # 3 more: 1 dropped, 2 + 3 fit
+    assert [key[0] for key in static._decoders] == [2, 3]
+    static.generate([prompt], n=6, max_new_tokens=2, seed=0, **SAMPLING)  # alone over the budget: kept
+    assert [key[0] for key in static._decoders] == [6]
+
+
 def test_a_static_decoder_refuses_another_batch(engines):
     _, static = engines()
     decoder = StaticDecoder(static.model, embedded._cache_kwarg(type(static.model)), 4, 64, graph=False)
