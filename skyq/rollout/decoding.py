@@ -14,8 +14,9 @@ Checks stay loud under replay. The quantizers' finite checks, deferred during ca
 (`dispatch.deferred_finite_checks`), are part of the graph: their flags are summed inside it and
 read after each replay, and a set flag runs the same validations, in launch order, on the tensors
 of that very replay, so a NaN raises the same `QuantizationError` naming the same tensor as the
-eager engine. A host sync inside the step cannot be captured: the capture fails with an error
-saying so and how to run without graphs (`rollout.cuda_graphs=false`).
+eager engine. A host sync inside the step cannot be captured: the engine asks for a graph only
+where it knows the step has none (`EmbeddedEngine._step_capturable`), and an unexpected one fails
+the capture with an error saying so and how to run without graphs (`rollout.cuda_graphs=false`).
 
 A decoder serves one padded batch size and one cache capacity (`padded_batch`, `cache_capacity`:
 few distinct shapes, so graphs are reused across calls); the engine keeps the last few. Padded

@@ -108,10 +108,9 @@ class EmbeddedEngine:
         self._stack_groups = self._stack_groups_of_plan()
         self.decode_mode = "graph" if cuda_graphs and self.device.type == "cuda" else "dynamic"
         """How `generate` decodes: "graph" (CUDA: a fixed-capacity cache, the one-token step captured
-        once per batch and capacity and replayed where `_step_capturable`, else eagerly over the same
-        cache), "static" (the same cache and rows, every step
-        eager: what a graph replays, for tests and debugging) or "dynamic" (transformers' growing
-        cache, eager: CPU, or `cuda_graphs=False`)."""
+        once per batch and capacity and replayed where `_step_capturable`, else eager over the same
+        cache), "static" (the same cache and rows, every step eager: what a graph replays, for tests
+        and debugging) or "dynamic" (transformers' growing cache, eager: CPU, or `cuda_graphs=False`)."""
         self._decoders: OrderedDict[tuple[int, int], StaticDecoder] = OrderedDict()
 
     # construction -------------------------------------------------------------------------------
