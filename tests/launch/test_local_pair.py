@@ -213,3 +213,18 @@ def test_bf16_trainer_updates_fp32_master_weights(base_overrides):
         assert any(not torch.equal(before[n], p.detach()) for n, p in after.items())
     finally:
         pair.shutdown()
+
+
+@pytest.mark.parametrize(("override", "expected"), [([], True), (["rollout.cuda_graphs=false"], False)])
+def test_rollout_cuda_graphs_reaches_the_engine_worker(base_overrides, override, expected):
+    """`rollout.cuda_graphs` is an engine argument of both pair kinds (on CPU the engine decodes with
+    the growing cache either way)."""
+    from skyq.launch.actors import EngineWorker
+
+    cfg, _ = compose_config([*base_overrides, IN_PROCESS, *override])
+    spec = PairSpec(model=cfg.model, precision=cfg.precision, algorithm=cfg.algorithm, trainer=cfg.trainer,
+                    rollout=cfg.rollout, placement=placement_for(cfg.topology, cfg.rollout.weight_sync.transport),
+                    checkpoint_path="unused", seed=cfg.seed)  # fmt: skip
+    kwargs = spec.engine_kwargs()
+    assert kwargs["cuda_graphs"] is expected
+    assert EngineWorker(**kwargs).engine.decode_mode == "dynamic"
