@@ -11,6 +11,7 @@ pytest.importorskip("hydra")
 from native_fixtures import _one_thread, make_trainer, run_cfg, tiny_checkpoint  # noqa: E402, F401
 
 from skyq.rollout import quantized_linear  # noqa: E402
+from skyq.rollout.quantized_linear import WireExperts  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -18,13 +19,9 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("precision", ["fp8_blockwise", "bf16"])
-def test_engine_scores_moe_decode_rows_through_grouped_launches(request, monkeypatch, precision):
-    """The engine on the GPU stacks its FP8 (or bf16) experts; a forward of <= DECODE_MAX_ROWS rows runs each
-    projection of the experts as one grouped launch and scores as the per-expert loop does (the
-    loop with the stacks dropped), within the kernels' rounding; repeated calls give the same bits."""
+def _loaded_engine(request, precision):
+    """(engine on the GPU holding a tiny trainer's serialized weights, the run config)."""
     from skyq.rollout.embedded import EmbeddedEngine
-    from skyq.rollout.quantized_linear import WireExperts
 
     trainer = request.getfixturevalue("make_trainer")(precision)
     cfg = request.getfixturevalue("run_cfg")(precision)
@@ -35,6 +32,15 @@ def test_engine_scores_moe_decode_rows_through_grouped_launches(request, monkeyp
             trainer.strategy.serialize(name, tensor, role=trainer.layout.role(name, trainer.model_cfg))
         )
     engine.load_weights(wire, version=0)
+    return engine, cfg
+
+
+@pytest.mark.parametrize("precision", ["fp8_blockwise", "bf16"])
+def test_engine_scores_moe_decode_rows_through_grouped_launches(request, monkeypatch, precision):
+    """The engine on the GPU stacks its FP8 (or bf16) experts; a forward of <= DECODE_MAX_ROWS rows runs each
+    projection of the experts as one grouped launch and scores as the per-expert loop does (the
+    loop with the stacks dropped), within the kernels' rounding; repeated calls give the same bits."""
+    engine, cfg = _loaded_engine(request, precision)
     experts = [m for m in engine.model.modules() if isinstance(m, WireExperts)]
     assert experts and all(m.stacked for m in experts)
     ids = torch.randint(0, cfg.model.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -60,18 +66,7 @@ def test_engine_prefill_runs_the_experts_as_grouped_gemms(request, monkeypatch, 
     """A forward of more tokens than a decode (prefill, scoring) on the GPU also groups the experts:
     bf16 stacks and FP8 stacks dequantized once go through torch._grouped_mm, no per-expert loop;
     it scores as the loop does within bf16 rounding."""
-    from skyq.rollout.embedded import EmbeddedEngine
-    from skyq.rollout.quantized_linear import WireExperts
-
-    trainer = request.getfixturevalue("make_trainer")(precision)
-    cfg = request.getfixturevalue("run_cfg")(precision)
-    engine = EmbeddedEngine(model_cfg=cfg.model, precision_cfg=cfg.precision, seed=0, device="cuda")
-    wire = {}
-    for name, tensor in trainer.hf_weights():
-        wire.update(
-            trainer.strategy.serialize(name, tensor, role=trainer.layout.role(name, trainer.model_cfg))
-        )
-    engine.load_weights(wire, version=0)
+    engine, cfg = _loaded_engine(request, precision)
     experts = [m for m in engine.model.modules() if isinstance(m, WireExperts)]
     ids = torch.randint(0, cfg.model.vocab_size, (4, 40), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
