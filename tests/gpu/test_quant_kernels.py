@@ -75,7 +75,7 @@ def test_fp8_blockwise_extreme_magnitudes(gen, exponent):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [(128, 128), (1, 128), (1, 64), (64, 32)])
+@pytest.mark.parametrize("block_size", [(128, 128), (1, 128), (1, 64), (64, 32), (256, 64)])
 def test_fp8_blockwise_fake_quant_in_one_pass_matches_reference(make_weight, shape, dtype, block_size):
     """The one-pass fake quantization (trainer QAT weights, the activations of both sides) gives the
     reference quantize-then-dequantize bits in the input's dtype, every layout, both scale formats."""

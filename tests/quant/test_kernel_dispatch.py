@@ -179,6 +179,12 @@ def _interpreter_main() -> None:
             triton_fp8_blockwise.dequantize(q_ref, s_ref, block_size=block),
             fp8_blockwise.dequantize(q_ref, s_ref, block_size=block),
         )
+    for block in ((256, 64),):  # a block taller than the row slice: the two-pass (sliced) path, fake quant
+        q_ref, s_ref = fp8_blockwise.quantize(w, block_size=block)
+        q, s = triton_fp8_blockwise.quantize(w, block_size=block)
+        check(f"fp8 sliced {block} q", q, q_ref)
+        fake = triton_fp8_blockwise.fake_quantize(w, block_size=block)
+        check(f"fp8 fake sliced {block}", fake, fp8_blockwise._dequantize(q_ref, s_ref, *block, w.dtype))
     w3 = _weight(gen, (2, 256, 130), torch.float32).transpose(-1, -2)
     for got, ref, part in zip(triton_fp8_blockwise.quantize(w3), fp8_blockwise.quantize(w3), "qs"):
         check(f"fp8 3-D transposed {part}", got, ref)
