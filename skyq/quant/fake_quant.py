@@ -6,9 +6,9 @@ The forward reuses the exact quantize/dequantize arithmetic of `fp8_blockwise`, 
 (finite, shapes) run in the forward; the dequantize-side checks are skipped because the codes and
 scales were just produced by the quantizer. On CUDA the FP8 and MXFP8 quantizations go through
 `dispatch` (the Triton kernels, bit-identical to the references; FP8 quantizes and dequantizes in
-one pass): one launch, and a finite check
-that a `dispatch.deferred_finite_checks` scope defers instead of a host sync per call, which is
-what lets the engine capture its decode step in a CUDA graph.
+one pass): one launch, and a finite check that a `dispatch.deferred_finite_checks` scope defers
+instead of a host sync per call, which is what lets the engine capture its decode step in a CUDA
+graph.
 """
 
 from __future__ import annotations

@@ -119,13 +119,13 @@ def _quant_kernel(
         if CHECK:
             flag_if(bad, flag_ptr)
         scale = fp8_scale(amax, POW2)
+        inv = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
         for i in range(TN // SUB):
             rn = pid_n.to(tl.int64) * TN + i * SUB + tl.arange(0, SUB)
             mask = (rn[:, None] < N) & k_ok
             x = tl.load(x_base + rn[:, None] * sxn, mask=mask, other=0.0).to(tl.float32)
             q = to_e4m3(x * scale)
             if FAKE:
-                inv = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
                 q = (q.to(tl.float32) * inv).to(q_ptr.dtype.element_ty)
             tl.store(q_base + rn[:, None] * K, q, mask=mask)
     if not ROWWISE and not FAKE:
