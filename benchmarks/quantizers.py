@@ -1,6 +1,12 @@
 """M1: quantizer throughput as a fraction of the device-copy bandwidth measured in the same run.
 
     python benchmarks/quantizers.py [--size 16384] [--rounds 5] [--json out.json]
+    python benchmarks/quantizers.py --decode-sizes   # 1 x 128 fake quant of decode inputs: latency
+
+`--decode-sizes`: the activation fake quantization (the FP8 recipe's 1 x 128 tiles, one pass) of
+the few-row inputs a decode step quantizes, graphed over 16 inputs (launch gaps out), us a call:
+the default band (`triton_fp8_blockwise.quant_tile`) beside every rows-a-program x warps variant and
+the wide band these sizes used before (`ROW_TILE_ELEMENTS`), with a trivial kernel's time for scale.
 
 For each format, on one [size, size] bf16 tensor: our Triton kernel (the public dispatch call,
 which includes the in-kernel finiteness check and its one host sync, and the bare launch), the
@@ -126,6 +132,69 @@ def summarize(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+DECODE_INPUTS = [(1, 2048), (1, 6144), (16, 2048), (16, 4096), (64, 2048), (64, 6144), (256, 2048)]
+
+
+def time_graphed_us(fns: list[Callable[[], object]], replays: int = 10) -> float:
+    """us per call of a CUDA graph that makes every call in `fns` once (median of 5 timings)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # compiles Triton before the capture
+            [fn() for fn in fns]
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        [fn() for fn in fns]
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(replays):
+            graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / replays / len(fns))
+    return statistics.median(times)
+
+
+def decode_sizes(device: str) -> None:
+    gen = torch.Generator().manual_seed(0)
+    t0 = torch.zeros(16, device="cuda")
+    print(f"{device}: a trivial graphed kernel {time_graphed_us([lambda: t0.add_(1.0)] * 64):.2f} us a call")
+    wide = triton_fp8_blockwise.ROW_TILE_ELEMENTS // 128
+    rows = []
+    for m, k in DECODE_INPUTS:
+        xs = [torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda() for _ in range(16)]
+
+        def fake(tn: int | None = None, warps: int | None = None, xs: list = xs) -> float:
+            bands = triton_fp8_blockwise.SMALL_ROW_BANDS
+            if tn is not None:  # this band for every size
+                triton_fp8_blockwise.SMALL_ROW_BANDS = ((1 << 30, tn, warps),)
+            try:
+                return time_graphed_us([lambda x=x: triton_fp8_blockwise.launch_quantize(
+                    x, block_size=(1, 128), pow2_scale=False, fake=True) for x in xs])  # fmt: skip
+            finally:
+                triton_fp8_blockwise.SMALL_ROW_BANDS = bands
+
+        variants = sorted(
+            (fake(tn, w), tn, w)
+            for tn in (1, 2, 4, 8, 16, 32, 64)
+            for w in (1, 2, 4, 8)
+            if tn * 128 >= w * 32
+        )
+        ours, before = fake(), fake(wide, triton_fp8_blockwise.num_warps_for(wide * 128))
+        best = ", ".join(f"{t:.2f} ({tn} rows, {w} warps)" for t, tn, w in variants[:3])
+        print(f"{m:>4} x {k}: default {ours:.2f} us, wide band {before:.2f}; fastest {best}", flush=True)
+        rows.append((m, k, ours, before))
+    print("\n| metric | ours | baseline | ratio | device |")
+    print("|---|---|---|---|---|")
+    for m, k, ours, before in rows:
+        print(
+            f"| 1x128 fake quant {m} x {k}, us | {ours:.2f} | {before:.2f} (wide band) | {before / ours:.2f}x | {device} |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=16384)
@@ -133,8 +202,14 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--formats", nargs="+", default=None, help="time only these formats (quick runs)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baselines")
+    parser.add_argument(
+        "--decode-sizes", action="store_true", help="activation fake quant latency at decode sizes"
+    )
     args = parser.parse_args()
     device = torch.cuda.get_device_name()
+    if args.decode_sizes:
+        decode_sizes(device)
+        return
     torch.manual_seed(0)
     x = torch.randn(args.size, args.size, device="cuda").to(torch.bfloat16)
     dst = torch.empty_like(x)

@@ -179,6 +179,19 @@ def _interpreter_main() -> None:
             triton_fp8_blockwise.dequantize(q_ref, s_ref, block_size=block),
             fp8_blockwise.dequantize(q_ref, s_ref, block_size=block),
         )
+    for rows in (1, 13, 600):  # 1 x 128 tiles in each row band (`SMALL_ROW_BANDS`: 1 row, 4 rows, wide)
+        xa = _weight(gen, (rows, 300))
+        q_ref, s_ref = fp8_blockwise.quantize_activation(xa)
+        for got, ref, part in zip(
+            triton_fp8_blockwise.quantize(xa, block_size=(1, 128)), (q_ref, s_ref), "qs"
+        ):
+            check(f"fp8 activation {rows} rows {part}", got, ref)
+        fake = triton_fp8_blockwise.fake_quantize(xa, block_size=(1, 128))
+        check(
+            f"fp8 fake activation {rows} rows",
+            fake,
+            fp8_blockwise._dequantize(q_ref, s_ref, 1, 128, xa.dtype),
+        )
     for block in ((256, 64),):  # a block taller than the row slice: the two-pass (sliced) path, fake quant
         q_ref, s_ref = fp8_blockwise.quantize(w, block_size=block)
         q, s = triton_fp8_blockwise.quantize(w, block_size=block)
