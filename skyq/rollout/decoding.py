@@ -71,9 +71,17 @@ class DynamicDecoder:
         self.model, self.cache_kwarg, self.batch = model, cache_kwarg, batch
         self.cache = DynamicCache(config=model.config)
 
-    def forward(self, ids: Tensor) -> Tensor:
-        """Logits [batch, V] of the last position of `ids` [batch, T]."""
+    def forward(self, ids: Tensor, *, verify: bool = True) -> Tensor:
+        """Logits [batch, V] of the last position of `ids` [batch, T] (eager: the quantizers' checks
+        go to the caller's deferred scope; `verify` is `StaticDecoder.forward`'s)."""
         return _last_logits(self.model, self.cache_kwarg, self.cache, ids)
+
+    def flags_seen(self) -> None:
+        """No replays, so no replay flags (see `StaticDecoder.flags_seen`)."""
+        return None
+
+    def verify(self) -> None:
+        """Nothing to verify: eager steps' checks are the caller's deferred scope's."""
 
     def seq_length(self) -> int:
         return int(self.cache.get_seq_length())
@@ -85,16 +93,20 @@ class CaptureError(RuntimeError):
 
 class _GraphChecks(_common.DeferredChecks):
     """The deferred finite checks recorded while a step is captured: kept (never flushed) and
-    re-read after every replay, when their tensors hold that replay's values."""
+    re-read after a replay, when their tensors hold that replay's values. `seen` also counts every
+    replay's flags on the device (from `StaticDecoder.begin`), for a caller that reads them later."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
         super().__init__(max_pending=1 << 62)
         self.total: Tensor | None = None
+        self.seen = torch.zeros((), dtype=torch.int64, device=device)
 
     def sum_in_graph(self) -> None:
-        """Called inside the capture after the step: one flag for all of them, computed each replay."""
+        """Called inside the capture after the step: one flag for all of them, computed each replay
+        and added to `seen`."""
         if self.pending:
             self.total = torch.cat([flag for flag, _, _ in self.pending]).sum()
+            self.seen.add_(self.total)
 
     def verify(self) -> None:
         """After a replay: nothing when no flag is set, else the first bad tensor's own error."""
@@ -121,10 +133,26 @@ class StaticDecoder:
     def begin(self) -> None:
         """Empty the cache for a new call (same tensors: the graph's addresses stay valid)."""
         self.cache.reset()
+        if self._checks is not None:
+            self._checks.seen.zero_()
 
-    def forward(self, ids: Tensor) -> Tensor:
+    def flags_seen(self) -> Tensor | None:
+        """A device counter of the quantizers' finite-check flags set in the replays since `begin`
+        (None when no step was captured, or it has no checks): read it when convenient, then
+        `verify`. Eager steps record their flags in the caller's deferred scope instead."""
+        if self._checks is None or self._checks.total is None:
+            return None
+        return self._checks.seen
+
+    def verify(self) -> None:
+        """The last replay's checks (one host sync): its first bad tensor's own error, if any."""
+        if self._checks is not None:
+            self._checks.verify()
+
+    def forward(self, ids: Tensor, *, verify: bool = True) -> Tensor:
         """Logits [batch, V] of the last position of `ids` [batch, T]; a replayed step's logits are
-        the graph's output buffer, valid until the next forward."""
+        the graph's output buffer, valid until the next forward. `verify=False`: a replay's checks
+        are left to the caller (`flags_seen`, `verify`), so the replay does not wait for the GPU."""
         if ids.shape[0] != self.batch:
             raise ValueError(f"StaticDecoder for {self.batch} rows given {ids.shape[0]}")
         if ids.shape[1] != 1 or not self.use_graph:
@@ -135,7 +163,8 @@ class StaticDecoder:
         self._ids.copy_(ids)
         self._graph.replay()
         self.replays += 1
-        self._checks.verify()
+        if verify:
+            self._checks.verify()
         return self._logits
 
     def seq_length(self) -> int:
@@ -151,7 +180,7 @@ class StaticDecoder:
         torch.cuda.current_stream(ids.device).wait_stream(side)
         static_ids = ids.clone()
         graph = torch.cuda.CUDAGraph()
-        checks = _GraphChecks()
+        checks = _GraphChecks(ids.device)
         _common.push_deferred(checks)
         try:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):

@@ -28,7 +28,7 @@ from skyq.config.enums import Precision
 from skyq.config.schema import ModelConfig, PrecisionConfig
 from skyq.quant.errors import QuantizationError
 from skyq.quant.fake_quant import activation_fake_quant
-from skyq.quant.kernels import dispatch
+from skyq.quant.kernels import _common, dispatch
 from skyq.quant.layouts import get_layout
 from skyq.quant.plan import ParamPlan, build_plan
 from skyq.quant.strategies import WireSpec, get_strategy
@@ -36,7 +36,7 @@ from skyq.rl.batch import FinishReason, Sample
 from skyq.rl.tokenizer import EOS_ID
 from skyq.rollout.decoding import DynamicDecoder, StaticDecoder, cache_capacity, padded_batch
 from skyq.rollout.quantized_linear import ExpertMLP, WireExperts, WireLinear, plain_linear
-from skyq.rollout.sampling import check_sampling_args, sample_tokens
+from skyq.rollout.sampling import check_sampling_args, draw_uniforms, sample_tokens
 from skyq.sync.wire_state import WireCopier
 
 NO_WEIGHTS = -1
@@ -398,43 +398,129 @@ class EmbeddedEngine:
         generator: torch.Generator,
     ) -> list[Sample]:
         """Decode equal-length prompts together with a KV cache; one Sample per row. Rows a
-        fixed-capacity decoder pads the batch with repeat the last row and are never sampled."""
+        fixed-capacity decoder pads the batch with repeat the last row and are never sampled.
+
+        Everything per step stays on the engine's device: the sampler (uniforms drawn up front from
+        `generator`), the eos bookkeeping and each step's status (all rows finished, non-finite
+        logits, the replay's quantizer flags). On CUDA the status is copied to the host without
+        waiting and read one step later, so the GPU always has the next step queued while the host
+        reads the last (a call may decode one step past the last eos; its tokens are dropped)."""
         input_ids = torch.tensor(rows, dtype=torch.long, device=self.device)
         n_rows, prompt_len = input_ids.shape
         decoder = self._decoder(n_rows, prompt_len + max_new_tokens)
-        tokens_out = torch.zeros((n_rows, max_new_tokens), dtype=torch.long)
-        logprobs_out = torch.zeros((n_rows, max_new_tokens), dtype=torch.float32)
-        lengths = torch.full((n_rows,), max_new_tokens, dtype=torch.long)
-        finished = torch.zeros(n_rows, dtype=torch.bool)
+        uniforms = draw_uniforms(generator, max_new_tokens, n_rows).to(self.device)
+        tokens_out = torch.zeros((n_rows, max_new_tokens), dtype=torch.long, device=self.device)
+        logprobs_out = torch.zeros((n_rows, max_new_tokens), dtype=torch.float32, device=self.device)
+        lengths = torch.full((n_rows,), max_new_tokens, dtype=torch.long, device=self.device)
+        finished = torch.zeros(n_rows, dtype=torch.bool, device=self.device)
+        status = _StepStatus(self.device)
         step_input = _pad_rows(input_ids, decoder.batch)
+        steps = 0
         for step in range(max_new_tokens):
-            logits = decoder.forward(step_input)[:n_rows].cpu()
-            # A model that silently ignored the cache would decode every later token without context.
-            if decoder.seq_length() != prompt_len + step:
-                raise RuntimeError(
-                    f"the KV cache holds {decoder.seq_length()} positions after decode step {step}, expected "
-                    f"{prompt_len + step}: this transformers version does not take the cache as "
-                    f"`{decoder.cache_kwarg}`; the engine would sample without context"
-                )
+            logits = decoder.forward(step_input, verify=False)[:n_rows]
             tokens, logprobs = sample_tokens(
-                logits, temperature=temperature, top_p=top_p, generator=generator
+                logits, temperature=temperature, top_p=top_p, uniforms=uniforms[step]
             )
             tokens_out[:, step], logprobs_out[:, step] = tokens, logprobs
             stopped_now = ~finished & (tokens == self.eos_token_id)
-            lengths[stopped_now] = step + 1
+            lengths.masked_fill_(stopped_now, step + 1)
             finished |= stopped_now
-            if bool(finished.all()):
+            steps = step + 1
+            if step == 0:  # the prefill filled the cache (the rest is checked once at the end)
+                self._check_cache(decoder, prompt_len, step)
+            status.post(step, finished.all(), torch.isfinite(logits).all(), decoder.flags_seen())
+            if any(self._check_status(s, decoder, n_rows, prompt_len) for s in status.ready(lag=1)):
                 break
-            step_input = _pad_rows(tokens[:, None].to(self.device), decoder.batch)
+            step_input = _pad_rows(tokens[:, None], decoder.batch)
+        for s in status.ready(lag=0):
+            self._check_status(s, decoder, n_rows, prompt_len)
+        self._check_cache(decoder, prompt_len, steps - 1)
+        tokens_cpu, logprobs_cpu, lengths_cpu = tokens_out.cpu(), logprobs_out.cpu(), lengths.cpu()
+        finished_cpu = finished.cpu()
         return [
             Sample(
                 prompt_ids=list(rows[r]),
-                response_ids=tokens_out[r, : lengths[r]].tolist(),
-                logprobs=logprobs_out[r, : lengths[r]].tolist(),
-                finish_reason=FinishReason.stop if finished[r] else FinishReason.length,
+                response_ids=tokens_cpu[r, : lengths_cpu[r]].tolist(),
+                logprobs=logprobs_cpu[r, : lengths_cpu[r]].tolist(),
+                finish_reason=FinishReason.stop if finished_cpu[r] else FinishReason.length,
             )
             for r in range(len(rows))
         ]
+
+    @staticmethod
+    def _check_cache(decoder: DynamicDecoder | StaticDecoder, prompt_len: int, step: int) -> None:
+        """The cache holds the prompt and one position per later step (one host sync): a model that
+        silently ignored the cache would decode every later token without context."""
+        if decoder.seq_length() != prompt_len + step:
+            raise RuntimeError(
+                f"the KV cache holds {decoder.seq_length()} positions after decode step {step}, expected "
+                f"{prompt_len + step}: this transformers version does not take the cache as "
+                f"`{decoder.cache_kwarg}`; the engine would sample without context"
+            )
+
+    def _check_status(
+        self,
+        status: tuple[int, bool, bool, int],
+        decoder: DynamicDecoder | StaticDecoder,
+        rows: int,
+        prompt_len: int,
+    ) -> bool:
+        """Act on one step's status: raise on a replay's quantizer flag (the flagged tensor's own
+        error when the step in hand still shows it) or on non-finite logits; True when every row
+        has finished."""
+        step, done, logits_finite, flags = status
+        if flags:
+            decoder.verify()
+            raise QuantizationError(
+                f"a quantizer's finite check failed in replayed decode step {step} ({rows} rows, prompt length "
+                f"{prompt_len}) and the values were gone before the tensor could be named; rerun with "
+                "rollout.cuda_graphs=false to name it"
+            )
+        if not logits_finite:
+            # eager steps' quantizer checks first (the generate scope's): a flagged tensor is named
+            scope = _common.active_deferred()
+            if scope is not None:
+                scope.flush()
+            raise RuntimeError(
+                f"the model produced non-finite logits at decode step {step} ({rows} rows, prompt length "
+                f"{prompt_len}, weight version {self._version}): NaN or inf in the weights' products or "
+                "activations; nothing was sampled from them"
+            )
+        return done
+
+
+class _StepStatus:
+    """Each decode step's (all rows finished, logits finite, replay flags seen) on the host. On CUDA
+    copied into pinned buffers without waiting and handed out `lag` steps later (the copy is then
+    long done, or nearly); elsewhere at once."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.pending: list[tuple[int, Tensor, torch.cuda.Event | None]] = []
+        self._zero = torch.zeros((), dtype=torch.int64, device=device)
+
+    def post(self, step: int, done: Tensor, finite: Tensor, flags: Tensor | None) -> None:
+        values = torch.stack([done.long(), finite.long(), self._zero if flags is None else flags])
+        if not self.cuda:
+            self.pending.append((step, values, None))
+            return
+        host = torch.empty(3, dtype=torch.int64, pin_memory=True)
+        host.copy_(values, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.pending.append((step, host, event))
+
+    def ready(self, lag: int) -> list[tuple[int, bool, bool, int]]:
+        """The statuses of all but the last `lag` posted steps (all of them off CUDA), oldest first."""
+        keep = lag if self.cuda else 0
+        out, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep :]
+        result = []
+        for step, values, event in out:
+            if event is not None:
+                event.synchronize()
+            done, finite, flags = values.tolist()
+            result.append((step, bool(done), bool(finite), int(flags)))
+        return result
 
 
 def _pad_rows(ids: Tensor, batch: int) -> Tensor:

@@ -126,3 +126,23 @@ def test_steps_that_sync_run_eagerly_over_the_static_cache(request, precision):
     a = graph.generate(prompts, n=2, max_new_tokens=4, seed=0, **SAMPLING)
     assert a == static.generate(prompts, n=2, max_new_tokens=4, seed=0, **SAMPLING)
     assert all(d._graph is None and d.replays == 0 for d in graph._decoders.values())
+
+
+def test_a_non_finite_value_first_seen_in_a_replay_fails_generate(request):
+    """Through `generate`, whose replays are checked one step late (the status copied without
+    waiting): every embedding row but the prompt's turned NaN after the capture, so the first
+    replayed step that feeds a sampled token outside the prompt quantizes NaN. The call raises a
+    `QuantizationError`, as the static engine's does (there from the eager step's own check)."""
+    graph, static, _, cfg = _engines(request, "fp8_blockwise")
+    prompt = [1, 5, 13, 6, 18]
+    for engine in (graph, static):
+        engine.eos_token_id = -1  # every row decodes every step
+        engine.generate([prompt], n=4, max_new_tokens=3, seed=0, **SAMPLING)  # captures the step
+        with torch.inference_mode():
+            emb = engine.model.get_input_embeddings().weight
+            keep = emb[prompt].clone()
+            emb.fill_(float("nan"))
+            emb[prompt] = keep
+        with pytest.raises(QuantizationError):
+            engine.generate([prompt], n=4, max_new_tokens=12, seed=1, **SAMPLING)
+    assert graph._decoders[(4, 64)].replays > 0

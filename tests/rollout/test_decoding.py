@@ -128,7 +128,7 @@ def test_static_decoding_without_a_filled_cache_is_refused(engines, monkeypatch)
 def test_graph_checks_name_the_first_flagged_tensor_after_a_replay():
     """The checks recorded during a capture are re-read after each replay: no flag, nothing; a set
     flag runs the validations in launch order, so the first bad tensor raises its own error."""
-    checks = decoding._GraphChecks()
+    checks = decoding._GraphChecks(torch.device("cpu"))
     seen: list[str] = []
 
     def validate(name: str, bad: bool):
@@ -153,3 +153,16 @@ def test_graph_checks_name_the_first_flagged_tensor_after_a_replay():
         checks.verify()
     assert seen == ["b"]
     assert len(checks.pending) == 3  # kept for the next replay
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "static"])
+def test_non_finite_logits_fail_the_call_naming_the_step(engines, run_cfg, mode):
+    """An lm_head that overflows (inf written past `load_weights`' checks) gives non-finite logits: the
+    call raises naming the decode step instead of sampling from them."""
+    dynamic, static = engines("bf16")
+    engine = dynamic if mode == "dynamic" else static
+    prompts = [p.token_ids for p in build_task(run_cfg().task, seed=0).prompts(0, 2)]
+    with torch.no_grad():
+        engine.model.lm_head.weight[3] = float("inf")
+    with pytest.raises(RuntimeError, match="non-finite logits at decode step 0"):
+        engine.generate(prompts, n=2, max_new_tokens=3, seed=0, **SAMPLING)
