@@ -11,10 +11,13 @@ uses), captures the step once in a CUDA graph and replays it for every later tok
 new tokens into the graph's input first.
 
 Checks stay loud under replay. The quantizers' finite checks, deferred during capture
-(`dispatch.deferred_finite_checks`), are part of the graph: their flags are summed inside it and
-read after each replay, and a set flag runs the same validations, in launch order, on the tensors
-of that very replay, so a NaN raises the same `QuantizationError` naming the same tensor as the
-eager engine. A host sync inside the step cannot be captured: the engine asks for a graph only
+(`dispatch.deferred_finite_checks`), are part of the graph: their flags (slots of a pool zeroed once
+per call, so the graph replays no kernel that zeroes them) are summed inside it into a running
+count. `forward` reads it after each replay by default; the engine reads it one step late instead
+(`flags_seen`), so no replay waits for the host. A set flag runs the same validations, in launch
+order, on the tensors in hand, so a NaN raises the same `QuantizationError` naming the same tensor
+as the eager engine (when the values are gone by then, the engine still fails the call, naming the
+step). A host sync inside the step cannot be captured: the engine asks for a graph only
 where it knows the step has none (`EmbeddedEngine._step_capturable`), and an unexpected one fails
 the capture with an error saying so and how to run without graphs (`rollout.cuda_graphs=false`).
 
@@ -100,6 +103,12 @@ class _GraphChecks(_common.DeferredChecks):
         super().__init__(max_pending=1 << 62)
         self.total: Tensor | None = None
         self.seen = torch.zeros((), dtype=torch.int64, device=device)
+        self.flag_pool = _common.FlagPool(device)  # the captured launches' flags: no zeroing kernels
+
+    def reset(self) -> None:
+        """Before a new call's replays: no flag set, nothing seen."""
+        self.flag_pool.reset()
+        self.seen.zero_()
 
     def sum_in_graph(self) -> None:
         """Called inside the capture after the step: one flag for all of them, computed each replay
@@ -108,10 +117,12 @@ class _GraphChecks(_common.DeferredChecks):
             self.total = torch.cat([flag for flag, _, _ in self.pending]).sum()
             self.seen.add_(self.total)
 
-    def verify(self) -> None:
-        """After a replay: nothing when no flag is set, else the first bad tensor's own error."""
+    def verify(self, *, strict: bool = True) -> None:
+        """After a replay: nothing when no flag is set, else the first bad tensor's own error.
+        `strict=False`: a set flag whose tensor now validates is let pass (the flag may be an
+        earlier replay's: pool flags stay set until `reset`), for the caller to report."""
         if self.total is not None and int(self.total.item()):
-            _common.validate_flagged(self.pending)
+            _common.validate_flagged([(flag, check, strict and s) for flag, check, s in self.pending])
 
 
 class StaticDecoder:
@@ -134,7 +145,7 @@ class StaticDecoder:
         """Empty the cache for a new call (same tensors: the graph's addresses stay valid)."""
         self.cache.reset()
         if self._checks is not None:
-            self._checks.seen.zero_()
+            self._checks.reset()
 
     def flags_seen(self) -> Tensor | None:
         """A device counter of the quantizers' finite-check flags set in the replays since `begin`
@@ -145,9 +156,10 @@ class StaticDecoder:
         return self._checks.seen
 
     def verify(self) -> None:
-        """The last replay's checks (one host sync): its first bad tensor's own error, if any."""
+        """The checks on the last replay's tensors (one host sync): the first bad tensor's own
+        error, if it is there (a flag set by an earlier replay of this call may no longer be)."""
         if self._checks is not None:
-            self._checks.verify()
+            self._checks.verify(strict=False)
 
     def forward(self, ids: Tensor, *, verify: bool = True) -> Tensor:
         """Logits [batch, V] of the last position of `ids` [batch, T]; a replayed step's logits are

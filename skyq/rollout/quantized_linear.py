@@ -24,6 +24,7 @@ from skyq.config.enums import Precision
 from skyq.quant.kernels import dispatch
 from skyq.quant.layouts import Role
 from skyq.quant.strategies import QuantizationStrategy, WireSpec
+from skyq.rollout.moe_combine import combine
 
 TensorFn = Callable[[Tensor], Tensor]
 
@@ -115,9 +116,10 @@ class WireExperts(nn.ModuleList):
     def stack(self) -> bool:
         """Put each projection's weight of all experts into one tensor (FP8: `weight` and
         `weight_scale_inv`) and make the experts' tensors views of it (values kept; in-place weight
-        loads land in the stack). For FP8 blockwise `WireLinear` experts or bias-free bf16
-        `nn.Linear` ones, of equal shapes; returns whether it stacked. Call it once the module is
-        on its device (a later move stacks again, see `_apply`)."""
+        loads land in the stack). gate and up share one [E, 2I, K] stack where their rows allow it
+        (FP8: I a whole number of scale blocks), so one launch computes both. For FP8 blockwise
+        `WireLinear` experts or bias-free bf16 `nn.Linear` ones, of equal shapes; returns whether it
+        stacked. Call it once the module is on its device (a later move stacks again, see `_apply`)."""
         projs = [[getattr(expert, p) for expert in self] for p in self.PROJECTIONS]
         linears = [lin for ps in projs for lin in ps]
         fp8 = bool(self) and all(
@@ -125,26 +127,25 @@ class WireExperts(nn.ModuleList):
             for lin in linears
         )
         bf16 = bool(self) and all(
-            type(lin) is nn.Linear and lin.bias is None and lin.weight.dtype == torch.bfloat16
+            isinstance(lin, nn.Linear) and lin.bias is None and lin.weight.dtype == torch.bfloat16
             for lin in linears
         )
         if not (fp8 or bf16):
             return False
-        stacked: dict[str, tuple[Tensor, Tensor | None]] = {}
-        leaves, store = _stacked_leaves(fp8)
-        for name, group in zip(self.PROJECTIONS, projs, strict=True):
-            parts: list[Tensor] = []
-            for leaf in leaves:
-                tensors = [getattr(lin, store)[leaf] for lin in group]
-                if len({(tuple(t.shape), t.dtype, t.device) for t in tensors}) != 1:
-                    return False
-                stack = torch.stack([t.detach() for t in tensors])
-                for lin, t, view in zip(group, tensors, stack.unbind(0), strict=True):
-                    getattr(lin, store)[leaf] = (
-                        view if fp8 else nn.Parameter(view, requires_grad=t.requires_grad)
-                    )
-                parts.append(stack)
-            stacked[name] = (parts[0], parts[1] if fp8 else None)
+        gate, up, down = projs
+        fused = [[g, u] for g, u in zip(gate, up, strict=True)]
+        grids = {"down_proj": [[lin] for lin in down]}
+        if rows_stackable(fused[0]) and _grid_uniform(fused):
+            grids["gate_up_proj"] = fused
+        else:
+            grids.update(gate_proj=[[lin] for lin in gate], up_proj=[[lin] for lin in up])
+        if not all(_grid_uniform(grid) for grid in grids.values()):
+            return False  # checked before any tensor moves: nothing changed
+        stacked = {name: stack_rows(grid) for name, grid in grids.items()}
+        if "gate_up_proj" in stacked:
+            width = gate[0].weight.shape[0]
+            stacked["gate_proj"] = _row_slice(stacked["gate_up_proj"], 0, width, gate[0])
+            stacked["up_proj"] = _row_slice(stacked["gate_up_proj"], width, 2 * width, gate[0])
         self.stacked = stacked
         return True
 
@@ -189,7 +190,7 @@ class WireExperts(nn.ModuleList):
 
         block = self[0].gate_proj.strategy.block()
         return dispatch.uses_kernel(x) and all(
-            triton_fp8_gemv.grouped_applies(x, self.stacked[p][0], block) for p in self.PROJECTIONS
+            triton_fp8_gemv.grouped_applies(x, q, block) for q, _ in self.stacked.values()
         )
 
     def _stack_is_live(self, proj: str) -> bool:
@@ -206,7 +207,7 @@ class WireExperts(nn.ModuleList):
     def _grouped_forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         """The loop's result from rows sorted by expert: each projection one grouped launch, then each
         token's expert outputs added in ascending expert order in the output dtype, as the loop's
-        `index_add_` calls do."""
+        `index_add_` calls do (`moe_combine.combine`: one launch on CUDA)."""
         n_experts, (t, k) = len(self), top_k_index.shape
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)  # by expert, then token (the loop's row order)
@@ -215,17 +216,13 @@ class WireExperts(nn.ModuleList):
         first = self[0]
         xs = hidden_states[order // k]
         decode = t <= DECODE_MAX_ROWS
-        gate = self._grouped(first.gate_proj, "gate_proj", xs, offsets, decode)
-        up = self._grouped(first.up_proj, "up_proj", xs, offsets, decode)
+        if "gate_up_proj" in self.stacked:  # one launch (and one activation quantization) for both
+            gate, up = self._grouped(first.gate_proj, "gate_up_proj", xs, offsets, decode).chunk(2, dim=-1)
+        else:
+            gate = self._grouped(first.gate_proj, "gate_proj", xs, offsets, decode)
+            up = self._grouped(first.up_proj, "up_proj", xs, offsets, decode)
         down = self._grouped(first.down_proj, "down_proj", first.act_fn(gate) * up, offsets, decode)
-        routed = torch.empty_like(down)
-        routed[order] = down * top_k_weights.reshape(-1)[order, None]
-        routed = routed.to(hidden_states.dtype).view(t, k, -1)
-        rank = torch.argsort(top_k_index, dim=1)  # each token's experts in ascending order
-        out = torch.zeros_like(hidden_states)
-        for j in range(k):
-            out = out + torch.take_along_dim(routed, rank[:, j, None, None], dim=1).squeeze(1)
-        return out
+        return combine(down, order, top_k_index, top_k_weights, hidden_states.dtype)
 
     def _grouped(self, linear: nn.Module, proj: str, x: Tensor, offsets: Tensor, decode: bool) -> Tensor:
         q, s = self.stacked[proj]
@@ -235,11 +232,80 @@ class WireExperts(nn.ModuleList):
             x = linear.activation(x)
         if not decode:  # prefill: the whole stack dequantized once, one grouped GEMM
             name = linear.hf_name.replace(".experts.0.", ".experts.*.")
+            if proj == "gate_up_proj":
+                name = name.replace(".gate_proj.", ".gate_proj+up_proj.")
             w = dispatch.dequantize_fp8_blockwise(
                 q, s, block_size=linear.strategy.block(), dtype=x.dtype, name=name
             )
             return bf16_grouped_linear(x, w, offsets)
         return dispatch.fp8_grouped_weight_only_linear(x, q, s, offsets, linear.strategy.block())
+
+
+def _is_fp8(lin: nn.Module) -> bool:
+    return isinstance(lin, WireLinear) and lin.strategy.precision is Precision.fp8_blockwise
+
+
+def rows_stackable(members: list[nn.Module]) -> bool:
+    """Whether these linears' weights can be one weight, their rows one after another: all FP8
+    blockwise `WireLinear`s or all bias-free bf16 `nn.Linear`s of one input width and device; FP8 also
+    every member but the last a whole number of scale-block rows (else the scale rows would not
+    line up with the weight rows)."""
+    if not members:
+        return False
+    first = members[0].weight
+    if any(m.weight.shape[1:] != first.shape[1:] or m.weight.device != first.device for m in members):
+        return False
+    if all(_is_fp8(m) for m in members):
+        bn = members[0].strategy.block()[0]
+        return all(m.strategy.block() == members[0].strategy.block() for m in members) and all(
+            m.weight.shape[0] % bn == 0 for m in members[:-1]
+        )
+    return all(
+        isinstance(m, nn.Linear) and m.bias is None and m.weight.dtype == torch.bfloat16 for m in members
+    )
+
+
+def _grid_uniform(grid: list[list[nn.Module]]) -> bool:
+    """Every unit's members have the first unit's stored shapes, dtypes and devices."""
+    leaves, store = _stacked_leaves(_is_fp8(grid[0][0]))
+    return all(
+        len({tuple((tuple(t.shape), t.dtype, t.device) for t in unit) for unit in tensors}) == 1
+        for tensors in ([[getattr(lin, store)[leaf] for lin in unit] for unit in grid] for leaf in leaves)
+    )
+
+
+def stack_rows(grid: list[list[nn.Module]]) -> tuple[Tensor, Tensor | None]:
+    """One tensor per stored leaf for `grid[e]` (units, e.g. experts) of row-stacked members (e.g.
+    gate then up): [E, sum of the members' rows, ...] (FP8 codes and their scale rows; bf16 weights),
+    values kept, every member's tensor made a view of it (so in-place weight loads land in it).
+    Returns (weight stack, scale stack or None for bf16). The grid must pass `_grid_uniform` (and,
+    for more than one member, `rows_stackable`)."""
+    fp8 = _is_fp8(grid[0][0])
+    leaves, store = _stacked_leaves(fp8)
+    stacks = [
+        torch.stack([torch.cat([getattr(lin, store)[leaf].detach() for lin in unit]) for unit in grid])
+        for leaf in leaves
+    ]
+    for leaf, stack in zip(leaves, stacks, strict=True):
+        for e, unit in enumerate(grid):
+            row = 0
+            for lin in unit:
+                t = getattr(lin, store)[leaf]
+                view = stack[e, row : row + t.shape[0]]
+                row += t.shape[0]
+                getattr(lin, store)[leaf] = view if fp8 else nn.Parameter(view, requires_grad=t.requires_grad)
+    return stacks[0], (stacks[1] if fp8 else None)
+
+
+def _row_slice(
+    stacked: tuple[Tensor, Tensor | None], lo: int, hi: int, member: nn.Module
+) -> tuple[Tensor, Tensor | None]:
+    """Rows lo:hi of a row stack (FP8: their scale rows too; lo a multiple of the block rows)."""
+    q, s = stacked
+    if s is None:
+        return q[:, lo:hi], None
+    bn = member.strategy.block()[0]
+    return q[:, lo:hi], s[:, lo // bn : -(-hi // bn)]
 
 
 def _stacked_leaves(fp8: bool) -> tuple[tuple[str, ...], str]:

@@ -80,3 +80,17 @@ def test_engine_prefill_runs_the_experts_as_grouped_gemms(request, monkeypatch, 
     loop = engine.score(ids, mask)
     assert len(calls) == 3 * len(experts)
     assert float((grouped - loop).abs().max()) < 5e-2
+
+
+@pytest.mark.parametrize(("t", "k", "experts", "h"), [(1, 4, 32, 1024), (64, 8, 128, 2048), (37, 6, 20, 513)])
+def test_combine_kernel_is_the_ordered_bf16_sum_bit_for_bit(t, k, experts, h):
+    """The one-launch recombination of routed rows equals the torch reference (k gathers and k bf16
+    adds in ascending expert order) bit for bit on the GPU."""
+    from skyq.rollout.moe_combine import combine, combine_reference
+    from tests.rollout.test_moe_combine import routed_rows
+
+    gen = torch.Generator().manual_seed(t * 1000 + k)
+    down, order, idx, w = (a.cuda() for a in routed_rows(gen, t, k, experts, h, torch.bfloat16))
+    assert torch.equal(
+        combine(down, order, idx, w, torch.bfloat16), combine_reference(down, order, idx, w, torch.bfloat16)
+    )

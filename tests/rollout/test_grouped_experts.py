@@ -31,12 +31,14 @@ def _linear(strategy, name: str, shape: tuple[int, int], gen: torch.Generator) -
     return layer
 
 
-def _experts(gen: torch.Generator, precision: Precision = Precision.fp8_blockwise) -> WireExperts:
+def _experts(
+    gen: torch.Generator, precision: Precision = Precision.fp8_blockwise, inter: int = INTER
+) -> WireExperts:
     strategy = get_strategy(PrecisionConfig(name=precision))
     stem = "model.layers.0.mlp.experts"
     return WireExperts([
         ExpertMLP(*(_linear(strategy, f"{stem}.{e}.{p}.weight", shape, gen)
-                    for p, shape in (("gate_proj", (INTER, H)), ("up_proj", (INTER, H)), ("down_proj", (H, INTER)))),
+                    for p, shape in (("gate_proj", (inter, H)), ("up_proj", (inter, H)), ("down_proj", (H, inter)))),
                   act_fn=F.silu)
         for e in range(E)
     ])  # fmt: skip
@@ -59,12 +61,13 @@ def _experts_own_math(experts: WireExperts, offsets_at: int):
 
     def grouped(*args):
         x, w, offsets = args[0], args[1], args[offsets_at]
-        proj = next(p for p in WireExperts.PROJECTIONS if experts.stacked[p][0] is w)
+        proj = next(p for p, (q, _) in experts.stacked.items() if q is w)
+        projs = ("gate_proj", "up_proj") if proj == "gate_up_proj" else (proj,)
         bounds = offsets.tolist()
         out = x.new_empty((x.shape[0], w.shape[1]))
         for e, (a, b) in enumerate(zip(bounds, bounds[1:])):
             if b > a:
-                out[a:b] = getattr(experts[e], proj)(x[a:b])
+                out[a:b] = torch.cat([getattr(experts[e], p)(x[a:b]) for p in projs], dim=-1)
         return out
 
     return grouped
@@ -87,6 +90,27 @@ def test_stack_makes_the_experts_buffers_views_of_one_tensor_a_projection():
     assert all(experts._stack_is_live(p) for p in WireExperts.PROJECTIONS)
     experts[E - 1].gate_proj._buffers["weight"] = experts[E - 1].gate_proj._buffers["weight"].clone()
     assert not experts._stack_is_live("gate_proj")  # a replaced buffer: the grouped path is not taken
+
+
+def test_gate_and_up_share_one_stack_when_their_rows_fill_whole_scale_blocks():
+    """gate rows then up rows in one [E, 2I, H] stack (codes, and scale rows), each expert's gate and
+    up buffers views of it; with I not a whole number of 128-row scale blocks, separate stacks."""
+    gen = torch.Generator().manual_seed(4)
+    experts = _experts(gen)
+    before = {n: t.clone() for n, t in experts.state_dict().items()}
+    assert experts.stack()
+    assert all(torch.equal(before[n], t) for n, t in experts.state_dict().items())
+    q, s = experts.stacked["gate_up_proj"]
+    assert q.shape == (E, 2 * INTER, H) and s.shape == (E, 2 * INTER // 128, H // 128)
+    for e in range(E):
+        assert experts[e].gate_proj.get_buffer("weight").data_ptr() == q[e].data_ptr()
+        assert experts[e].up_proj.get_buffer("weight").data_ptr() == q[e, INTER].data_ptr()
+        assert experts[e].up_proj.get_buffer("weight_scale_inv").data_ptr() == s[e, INTER // 128].data_ptr()
+    experts[3].up_proj.get_buffer("weight").fill_(1.0)
+    assert bool((q[3, INTER:].float() == 1.0).all()) and not bool((q[3, :INTER].float() == 1.0).all())
+    odd = _experts(gen, inter=INTER + 64)
+    assert odd.stack() and "gate_up_proj" not in odd.stacked
+    assert odd.stacked["gate_proj"][0].shape == (E, INTER + 64, H)
 
 
 def test_a_move_stacks_the_experts_again():
@@ -155,12 +179,14 @@ def test_fp8_prefill_dequantizes_each_stack_once_into_one_grouped_gemm(monkeypat
 
     monkeypatch.setattr(quantized_linear.dispatch, "fp8_grouped_weight_only_linear", no_decode_kernel)
     grouped = experts._grouped_forward(hidden, index, weights).float()
-    assert len(dequantized) == 3
-    assert all(
-        q is experts.stacked[p][0] for (q, _), p in zip(dequantized, WireExperts.PROJECTIONS, strict=True)
-    )
+    assert len(dequantized) == 2  # gate and up are one stack
+    assert [q for q, _ in dequantized] == [
+        experts.stacked["gate_up_proj"][0],
+        experts.stacked["down_proj"][0],
+    ]
     assert [name for _, name in dequantized] == [
-        f"model.layers.0.mlp.experts.*.{p}.weight" for p in WireExperts.PROJECTIONS
+        "model.layers.0.mlp.experts.*.gate_proj+up_proj.weight",
+        "model.layers.0.mlp.experts.*.down_proj.weight",
     ]
     assert float((grouped - loop).norm() / loop.norm()) < 1e-2
 

@@ -25,8 +25,32 @@ def as_3d(w: Tensor) -> Tensor:
 
 
 def new_flag(device: torch.device) -> Tensor:
-    """One int32 counter the kernels bump when a tile holds an invalid input (NaN/inf, NaN code)."""
-    return torch.zeros(1, dtype=torch.int32, device=device)
+    """One int32 counter the kernels bump when a tile holds an invalid input (NaN/inf, NaN code):
+    a slot of the active deferred scope's `FlagPool` when it has one (no kernel to zero it), else
+    a fresh zeroed tensor."""
+    pool = getattr(active_deferred(), "flag_pool", None)
+    flag = pool.take(device) if pool is not None else None
+    return flag if flag is not None else torch.zeros(1, dtype=torch.int32, device=device)
+
+
+class FlagPool:
+    """Zeroed int32 flags allocated once and handed out one slot per launch, so launches captured
+    in a CUDA graph do not each replay a kernel that zeroes their flag. The slots are zeroed only by
+    `reset` (eagerly, between uses), so within a use a set flag stays set."""
+
+    def __init__(self, device: torch.device, size: int = 1024) -> None:
+        self.flags = torch.zeros(size, dtype=torch.int32, device=device)
+        self.used = 0
+
+    def take(self, device: torch.device) -> Tensor | None:
+        """The next free slot ([1] view), None when full or on another device."""
+        if self.used >= self.flags.numel() or self.flags.device != torch.device(device):
+            return None
+        self.used += 1
+        return self.flags[self.used - 1 : self.used]
+
+    def reset(self) -> None:
+        self.flags.zero_()
 
 
 class DeferredChecks:
@@ -34,6 +58,9 @@ class DeferredChecks:
 
     Entries keep `validate` (and so the input it closes over) alive until the next `flush`; the
     scope flushes every `max_pending` entries to bound that."""
+
+    flag_pool: FlagPool | None = None
+    """Where `new_flag` takes the flags of launches made in this scope (None: fresh tensors)."""
 
     def __init__(self, max_pending: int) -> None:
         self.max_pending = max_pending

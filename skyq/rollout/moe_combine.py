@@ -1,0 +1,103 @@
+"""Each token's routed expert outputs, weighted and added in ascending expert order: one launch on CUDA.
+
+The grouped experts (`WireExperts`) compute every (token, expert) row sorted by expert. The loop they
+replace added each token's expert outputs into a bf16 accumulator in ascending expert order
+(`index_add_` per expert), so the sum's roundings depend on that order; `combine_reference` keeps it
+with torch ops (scatter the weighted rows back, rank each token's experts, then k gathers and k adds:
+2k + 6 small kernels a layer). `combine` does the same arithmetic in one Triton launch: each program
+takes one token's slice of the hidden size, finds the token's k rows in the sorted order (their
+positions ascend with the expert id, since the rows were sorted by expert), and for each, in that
+order, rounds `row * weight` to the output dtype and adds it to the accumulator with the same
+rounding as a bf16 tensor add (fp32 sum, one rounding). The result equals the reference's bit for
+bit (tests/rollout/test_moe_combine.py under the Triton interpreter, tests/gpu on the H200).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+from torch import Tensor
+
+HIDDEN_TILE = 256
+"""Hidden columns a program adds (one token's rows, k loads of this many values each)."""
+
+
+def combine_reference(
+    down: Tensor, order: Tensor, top_k_index: Tensor, top_k_weights: Tensor, dtype: torch.dtype
+) -> Tensor:
+    """out [T, H] in `dtype`: for each token, `sum_j bf16(down[row(t, e_j)] * w[t, e_j])` added in
+    ascending expert id e_j to zeros, rounding after every add. down [T * k, H]: row i is the
+    (token, slot) `order[i]` (flat index t * k + slot), rows sorted by expert."""
+    t, k = top_k_index.shape
+    routed = torch.empty_like(down)
+    routed[order] = down * top_k_weights.reshape(-1)[order, None]
+    routed = routed.to(dtype).view(t, k, -1)
+    rank = torch.argsort(top_k_index, dim=1)  # each token's experts in ascending order
+    out = torch.zeros((t, down.shape[-1]), dtype=dtype, device=down.device)
+    for j in range(k):
+        out = out + torch.take_along_dim(routed, rank[:, j, None, None], dim=1).squeeze(1)
+    return out
+
+
+def combine(
+    down: Tensor, order: Tensor, top_k_index: Tensor, top_k_weights: Tensor, dtype: torch.dtype
+) -> Tensor:
+    """`combine_reference`'s result: one Triton launch (plus the inverse permutation) on CUDA,
+    the reference elsewhere. No host sync."""
+    if not (down.is_cuda and importlib.util.find_spec("triton") is not None):
+        return combine_reference(down, order, top_k_index, top_k_weights, dtype)
+    return _combine_triton(down, order, top_k_index, top_k_weights, dtype)
+
+
+def _combine_triton(
+    down: Tensor, order: Tensor, top_k_index: Tensor, top_k_weights: Tensor, dtype: torch.dtype
+) -> Tensor:
+    import triton
+
+    t, k = top_k_index.shape
+    h = down.shape[-1]
+    position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    weights = top_k_weights.reshape(-1)
+    out = torch.empty((t, h), dtype=dtype, device=down.device)
+    grid = (t, triton.cdiv(h, HIDDEN_TILE))
+    _kernel()[grid](
+        down, order, position, weights, out, h, down.stride(0), down.stride(1), out.stride(0),
+        K=k, KP=triton.next_power_of_2(k), BH=HIDDEN_TILE, num_warps=2,
+    )  # fmt: skip
+    return out
+
+
+_compiled = None
+
+
+def _kernel():
+    """The Triton kernel, defined on first use (Triton is imported only where it runs)."""
+    global _compiled
+    if _compiled is not None:
+        return _compiled
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _combine_kernel(
+        down_ptr, order_ptr, pos_ptr, w_ptr, out_ptr, H, sdr, sdh, sor,
+        K: tl.constexpr, KP: tl.constexpr, BH: tl.constexpr,
+    ):  # fmt: skip
+        tok = tl.program_id(0)
+        rh = tl.program_id(1) * BH + tl.arange(0, BH)
+        h_ok = rh < H
+        slot = tl.arange(0, KP)
+        # the token's rows in the sorted order: ascending positions = ascending expert ids
+        pos = tl.sort(tl.load(pos_ptr + tok * K + slot, mask=slot < K, other=2**62))
+        acc = tl.zeros([BH], dtype=tl.float32)
+        for j in tl.static_range(K):
+            p = tl.sum(tl.where(slot == j, pos, 0))
+            w = tl.load(w_ptr + tl.load(order_ptr + p)).to(tl.float32)
+            row = tl.load(down_ptr + p * sdr + rh * sdh, mask=h_ok, other=0.0).to(tl.float32)
+            contribution = (row * w).to(out_ptr.dtype.element_ty).to(tl.float32)
+            acc = (acc + contribution).to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + tok.to(tl.int64) * sor + rh, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
+
+    _compiled = _combine_kernel
+    return _compiled
