@@ -35,7 +35,14 @@ from skyq.quant.strategies import WireSpec, get_strategy
 from skyq.rl.batch import FinishReason, Sample
 from skyq.rl.tokenizer import EOS_ID
 from skyq.rollout.decoding import DynamicDecoder, StaticDecoder, cache_capacity, padded_batch
-from skyq.rollout.quantized_linear import ExpertMLP, WireExperts, WireLinear, plain_linear
+from skyq.rollout.quantized_linear import (
+    ExpertMLP,
+    SharedInput,
+    WireExperts,
+    WireLinear,
+    plain_linear,
+    rows_stackable,
+)
 from skyq.rollout.sampling import check_sampling_args, draw_uniforms, sample_tokens
 from skyq.sync.wire_state import WireCopier
 
@@ -45,6 +52,8 @@ DECODERS_KEPT = 4
 DECODER_CACHE_FRACTION = 0.25
 """On CUDA the kept decoders' KV caches hold at most this fraction of the device's memory (the least
 recently used dropped first; the one in use always stays)."""
+_QKV = ("q_proj", "k_proj", "v_proj")
+"""An attention block's projections of one input (`SharedInput`)."""
 _SHARED_SUFFIXES = frozenset({"weight_shape"})
 """Wire tensors that describe a matrix rather than hold it (int4's [N, K]): one per stack, not stacked."""
 
@@ -100,6 +109,10 @@ class EmbeddedEngine:
         for module in self.model.modules():  # experts as one tensor a projection (grouped decode)
             if isinstance(module, WireExperts):
                 module.stack()
+            elif all(isinstance(getattr(module, p, None), nn.Module) for p in _QKV):
+                qkv = [getattr(module, p) for p in _QKV]
+                if rows_stackable(qkv):  # q, k and v in one launch at decode sizes
+                    SharedInput(qkv)
         self._version = NO_WEIGHTS
         self._held = self.model.state_dict()  # the live tensors load_weights copies into
         self._copier = WireCopier(self._held)

@@ -57,7 +57,13 @@ class WireLinear(nn.Module):
     def wire(self) -> dict[str, Tensor]:
         return {self.stem + leaf: buffer for leaf, buffer in self._buffers.items()}
 
+    shared: SharedInput | None = None
+    """The group of linears reading one input that this one belongs to (`SharedInput`), if any."""
+    slot = 0
+
     def forward(self, x: Tensor) -> Tensor:
+        if self.shared is not None and (y := self.shared.output(self.slot, x)) is not None:
+            return y
         if self.activation is not None:
             x = self.activation(x)
         if self._decodes_from_fp8(x):
@@ -326,8 +332,76 @@ def _bf16_grouped_mm_on(device: torch.device) -> bool:
     return hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def plain_linear(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Linear:
+class PlainLinear(nn.Linear):
+    """An unquantized linear that may belong to a `SharedInput` group (see `WireLinear.shared`)."""
+
+    shared: SharedInput | None = None
+    slot = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.shared is not None and (y := self.shared.output(self.slot, x)) is not None:
+            return y
+        return super().forward(x)
+
+
+def plain_linear(shape: tuple[int, ...], dtype: torch.dtype) -> PlainLinear:
     """An unquantized bias-free linear of weight shape (out, in), zero-filled until weights load."""
-    linear = nn.Linear(shape[1], shape[0], bias=False, dtype=dtype)
+    linear = PlainLinear(shape[1], shape[0], bias=False, dtype=dtype)
     nn.init.zeros_(linear.weight)
     return linear.requires_grad_(False)
+
+
+class SharedInput:
+    """Linears called one after another on one input (an attention block's q, k and v projections):
+    their weights one row-stacked tensor (`stack_rows`; the members' tensors views of it, so weight
+    loads land in it), and at decode sizes on CUDA the first member's call computes every member's
+    output in one launch, with one activation quantization; each later member called with that same
+    input tensor gets its slice. Any other call pattern (another input, another order, prefill
+    sizes, CPU, a member whose weight was replaced) computes each member on its own, as before."""
+
+    def __init__(self, members: list[nn.Module]) -> None:
+        if not rows_stackable(members):
+            raise ValueError("SharedInput: these linears cannot share one weight (see rows_stackable)")
+        self.members = members
+        q, s = stack_rows([members])
+        self.weight, self.scale = q[0], (s[0] if s is not None else None)
+        rows = [m.weight.shape[0] for m in members]
+        self.bounds = [sum(rows[:i]) for i in range(len(rows) + 1)]
+        self._x: Tensor | None = None
+        self._y: Tensor | None = None
+        for slot, member in enumerate(members):
+            member.shared, member.slot = self, slot
+
+    def applies(self, x: Tensor) -> bool:
+        """Decode-sized bf16 input on CUDA, every member still a view of the stack."""
+        return (
+            x.is_cuda
+            and x.dtype == torch.bfloat16
+            and x.numel() // max(x.shape[-1], 1) <= DECODE_MAX_ROWS
+            and all(
+                m.weight.data_ptr() == self.weight[a].data_ptr()
+                for m, a in zip(self.members, self.bounds, strict=False)
+            )
+        )
+
+    def output(self, slot: int, x: Tensor) -> Tensor | None:
+        """Member `slot`'s output for x from the shared launch, or None: the member computes it."""
+        if slot == 0:
+            self._x = self._y = None
+            if not self.applies(x):
+                return None
+            self._x, self._y = x, self._all(x)
+        elif self._x is not x or self._y is None:
+            return None
+        y = self._y[..., self.bounds[slot] : self.bounds[slot + 1]]
+        if slot == len(self.members) - 1:
+            self._x = self._y = None
+        return y
+
+    def _all(self, x: Tensor) -> Tensor:
+        lead = self.members[0]
+        if self.scale is None:
+            return F.linear(x, self.weight)
+        if lead.activation is not None:
+            x = lead.activation(x)
+        return dispatch.fp8_weight_only_linear(x, self.weight, self.scale, lead.strategy.block())

@@ -146,3 +146,59 @@ def test_a_non_finite_value_first_seen_in_a_replay_fails_generate(request):
         with pytest.raises(QuantizationError):
             engine.generate([prompt], n=4, max_new_tokens=12, seed=1, **SAMPLING)
     assert graph._decoders[(4, 64)].replays > 0
+
+
+@pytest.mark.parametrize("precision", ["fp8_blockwise", "bf16"])
+def test_q_k_v_in_one_launch_decode_as_three_launches_do(precision, monkeypatch):
+    """A model whose q/k/v rows fill whole scale blocks (q 256, k/v 128 rows): the engine groups each
+    block's q, k and v (`SharedInput`) and a graphed decode step computes them in one launch. The
+    samples match an engine that computes the three on their own (same weights, the grouping turned
+    off) token for token, log-probs within fp32 summation noise; and the shared path did run."""
+    from skyq.config.enums import Precision
+    from skyq.config.schema import ModelConfig, PrecisionConfig
+    from skyq.quant.plan import build_plan
+    from skyq.quant.strategies import get_strategy
+    from skyq.rollout import quantized_linear
+    from skyq.rollout.embedded import EmbeddedEngine
+
+    model_cfg = ModelConfig(
+        name="qkv", hidden_size=256, num_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        intermediate_size=512, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2, vocab_size=64,
+        max_position_embeddings=256,
+    )  # fmt: skip
+    precision_cfg = PrecisionConfig(name=Precision(precision))
+    strategy, gen = get_strategy(precision_cfg), torch.Generator().manual_seed(0)
+    wire = {}
+    for entry in build_plan(model_cfg, precision_cfg):
+        w = (
+            torch.ones(entry.shape)
+            if len(entry.shape) == 1
+            else torch.randn(entry.shape, generator=gen) * 0.05
+        )
+        w = w.to(entry.dtype).cuda()
+        wire.update(
+            strategy.serialize(entry.name, w, role=entry.role) if entry.quantized else {entry.name: w}
+        )
+    engines = []
+    for _ in range(2):
+        engine = EmbeddedEngine(model_cfg=model_cfg, precision_cfg=precision_cfg, device="cuda", seed=0)
+        engine.load_weights(wire, version=0)
+        engine.eos_token_id = -1
+        engines.append(engine)
+    groups = {id(m.shared) for m in engines[0].model.modules() if getattr(m, "shared", None) is not None}
+    assert len(groups) == model_cfg.num_layers
+    shared_calls = []
+    real = quantized_linear.SharedInput._all
+    monkeypatch.setattr(
+        quantized_linear.SharedInput, "_all", lambda self, x: shared_calls.append(1) or real(self, x)
+    )
+    prompts = [[1, 5, 9, 13], [2, 6, 10, 14]]
+    a = engines[0].generate(prompts, n=3, max_new_tokens=6, seed=4, **SAMPLING)
+    assert shared_calls
+    monkeypatch.setattr(quantized_linear.SharedInput, "applies", lambda self, x: False)
+    b = engines[1].generate(prompts, n=3, max_new_tokens=6, seed=4, **SAMPLING)
+    assert [s.response_ids for s in a] == [s.response_ids for s in b]
+    diff = max(
+        abs(x - y) for sa, sb in zip(a, b, strict=True) for x, y in zip(sa.logprobs, sb.logprobs, strict=True)
+    )
+    assert diff < 2e-2, diff
