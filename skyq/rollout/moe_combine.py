@@ -55,49 +55,16 @@ def _combine_triton(
 ) -> Tensor:
     import triton
 
+    from skyq.rollout.triton_combine import combine_kernel
+
     t, k = top_k_index.shape
     h = down.shape[-1]
     position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     weights = top_k_weights.reshape(-1)
     out = torch.empty((t, h), dtype=dtype, device=down.device)
     grid = (t, triton.cdiv(h, HIDDEN_TILE))
-    _kernel()[grid](
+    combine_kernel[grid](
         down, order, position, weights, out, h, down.stride(0), down.stride(1), out.stride(0),
         K=k, KP=triton.next_power_of_2(k), BH=HIDDEN_TILE, num_warps=2,
     )  # fmt: skip
     return out
-
-
-_compiled = None
-
-
-def _kernel():
-    """The Triton kernel, defined on first use (Triton is imported only where it runs)."""
-    global _compiled
-    if _compiled is not None:
-        return _compiled
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _combine_kernel(
-        down_ptr, order_ptr, pos_ptr, w_ptr, out_ptr, H, sdr, sdh, sor,
-        K: tl.constexpr, KP: tl.constexpr, BH: tl.constexpr,
-    ):  # fmt: skip
-        tok = tl.program_id(0)
-        rh = tl.program_id(1) * BH + tl.arange(0, BH)
-        h_ok = rh < H
-        slot = tl.arange(0, KP)
-        # the token's rows in the sorted order: ascending positions = ascending expert ids
-        pos = tl.sort(tl.load(pos_ptr + tok * K + slot, mask=slot < K, other=2**62))
-        acc = tl.zeros([BH], dtype=tl.float32)
-        for j in tl.static_range(K):
-            p = tl.sum(tl.where(slot == j, pos, 0))
-            w = tl.load(w_ptr + tl.load(order_ptr + p)).to(tl.float32)
-            row = tl.load(down_ptr + p * sdr + rh * sdh, mask=h_ok, other=0.0).to(tl.float32)
-            contribution = (row * w).to(out_ptr.dtype.element_ty).to(tl.float32)
-            acc = (acc + contribution).to(out_ptr.dtype.element_ty).to(tl.float32)
-        tl.store(out_ptr + tok.to(tl.int64) * sor + rh, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
-
-    _compiled = _combine_kernel
-    return _compiled

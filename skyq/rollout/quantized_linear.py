@@ -222,7 +222,7 @@ class WireExperts(nn.ModuleList):
         first = self[0]
         xs = hidden_states[order // k]
         decode = t <= DECODE_MAX_ROWS
-        if "gate_up_proj" in self.stacked:  # one launch (and one activation quantization) for both
+        if decode and "gate_up_proj" in self.stacked:  # one launch (and one activation quantization)
             gate, up = self._grouped(first.gate_proj, "gate_up_proj", xs, offsets, decode).chunk(2, dim=-1)
         else:
             gate = self._grouped(first.gate_proj, "gate_proj", xs, offsets, decode)
@@ -232,14 +232,16 @@ class WireExperts(nn.ModuleList):
 
     def _grouped(self, linear: nn.Module, proj: str, x: Tensor, offsets: Tensor, decode: bool) -> Tensor:
         q, s = self.stacked[proj]
+        if not decode:
+            # prefill / scoring: each projection's own GEMM, as the trainer's experts compute it (a
+            # gate+up stack's halves copied out contiguous), so the scores keep the trainer's bits
+            q, s = q.contiguous(), (s.contiguous() if s is not None else None)
         if s is None:
             return bf16_grouped_linear(x, q, offsets)
         if linear.activation is not None:
             x = linear.activation(x)
         if not decode:  # prefill: the whole stack dequantized once, one grouped GEMM
             name = linear.hf_name.replace(".experts.0.", ".experts.*.")
-            if proj == "gate_up_proj":
-                name = name.replace(".gate_proj.", ".gate_proj+up_proj.")
             w = dispatch.dequantize_fp8_blockwise(
                 q, s, block_size=linear.strategy.block(), dtype=x.dtype, name=name
             )

@@ -179,14 +179,13 @@ def test_fp8_prefill_dequantizes_each_stack_once_into_one_grouped_gemm(monkeypat
 
     monkeypatch.setattr(quantized_linear.dispatch, "fp8_grouped_weight_only_linear", no_decode_kernel)
     grouped = experts._grouped_forward(hidden, index, weights).float()
-    assert len(dequantized) == 2  # gate and up are one stack
-    assert [q for q, _ in dequantized] == [
-        experts.stacked["gate_up_proj"][0],
-        experts.stacked["down_proj"][0],
-    ]
+    assert len(dequantized) == 3  # prefill: gate and up each their own GEMM, as the trainer's
+    assert all(
+        torch.equal(q.view(torch.uint8), experts.stacked[p][0].view(torch.uint8))
+        for (q, _), p in zip(dequantized, WireExperts.PROJECTIONS, strict=True)
+    )
     assert [name for _, name in dequantized] == [
-        "model.layers.0.mlp.experts.*.gate_proj+up_proj.weight",
-        "model.layers.0.mlp.experts.*.down_proj.weight",
+        f"model.layers.0.mlp.experts.*.{p}.weight" for p in WireExperts.PROJECTIONS
     ]
     assert float((grouped - loop).norm() / loop.norm()) < 1e-2
 
