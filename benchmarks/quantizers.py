@@ -135,27 +135,11 @@ def summarize(values: list[float]) -> dict[str, float]:
 DECODE_INPUTS = [(1, 2048), (1, 6144), (16, 2048), (16, 4096), (64, 2048), (64, 6144), (256, 2048)]
 
 
-def time_graphed_us(fns: list[Callable[[], object]], replays: int = 10) -> float:
-    """us per call of a CUDA graph that makes every call in `fns` once (median of 5 timings)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):  # compiles Triton before the capture
-            [fn() for fn in fns]
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        [fn() for fn in fns]
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(replays):
-            graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / replays / len(fns))
-    return statistics.median(times)
+def time_graphed_us(fns: list[Callable[[], object]]) -> float:
+    """us per call of a CUDA graph making every call in `fns` once (decode.py's timing)."""
+    from decode import time_per_call  # benchmarks/ is the script's directory
+
+    return time_per_call(fns) * 1e6
 
 
 def decode_sizes(device: str) -> None:
