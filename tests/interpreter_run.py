@@ -12,6 +12,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def seeded_generator():
+    """A torch generator for an interpreter check's random data: the seed from SKYQ_TEST_SEED or
+    fresh, printed so a failure can be replayed."""
+    import secrets
+
+    import torch
+
+    seed = int(os.environ.get("SKYQ_TEST_SEED", secrets.randbits(32)))
+    print(f"SKYQ_TEST_SEED={seed}")
+    return torch.Generator().manual_seed(seed)
+
+
 def run_under_interpreter(script: str, marker: str = "interpreter check passed", timeout: int = 900) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     result = subprocess.run(

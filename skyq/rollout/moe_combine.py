@@ -14,10 +14,10 @@ bit (tests/rollout/test_moe_combine.py under the Triton interpreter, tests/gpu o
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 from torch import Tensor
+
+from skyq.quant.kernels import dispatch
 
 HIDDEN_TILE = 256
 """Hidden columns a program adds (one token's rows, k loads of this many values each)."""
@@ -45,7 +45,7 @@ def combine(
 ) -> Tensor:
     """`combine_reference`'s result: one Triton launch (plus the inverse permutation) on CUDA,
     the reference elsewhere. No host sync."""
-    if not (down.is_cuda and importlib.util.find_spec("triton") is not None):
+    if not dispatch.uses_kernel(down):
         return combine_reference(down, order, top_k_index, top_k_weights, dtype)
     return _combine_triton(down, order, top_k_index, top_k_weights, dtype)
 

@@ -128,15 +128,7 @@ class WireExperts(nn.ModuleList):
         stacked. Call it once the module is on its device (a later move stacks again, see `_apply`)."""
         projs = [[getattr(expert, p) for expert in self] for p in self.PROJECTIONS]
         linears = [lin for ps in projs for lin in ps]
-        fp8 = bool(self) and all(
-            isinstance(lin, WireLinear) and lin.strategy.precision is Precision.fp8_blockwise
-            for lin in linears
-        )
-        bf16 = bool(self) and all(
-            isinstance(lin, nn.Linear) and lin.bias is None and lin.weight.dtype == torch.bfloat16
-            for lin in linears
-        )
-        if not (fp8 or bf16):
+        if not (linears and (all(map(_is_fp8, linears)) or all(map(_is_bf16_linear, linears)))):
             return False
         gate, up, down = projs
         fused = [[g, u] for g, u in zip(gate, up, strict=True)]
@@ -253,6 +245,10 @@ def _is_fp8(lin: nn.Module) -> bool:
     return isinstance(lin, WireLinear) and lin.strategy.precision is Precision.fp8_blockwise
 
 
+def _is_bf16_linear(lin: nn.Module) -> bool:
+    return isinstance(lin, nn.Linear) and lin.bias is None and lin.weight.dtype == torch.bfloat16
+
+
 def rows_stackable(members: list[nn.Module]) -> bool:
     """Whether these linears' weights can be one weight, their rows one after another: all FP8
     blockwise `WireLinear`s or all bias-free bf16 `nn.Linear`s of one input width and device; FP8 also
@@ -268,9 +264,7 @@ def rows_stackable(members: list[nn.Module]) -> bool:
         return all(m.strategy.block() == members[0].strategy.block() for m in members) and all(
             m.weight.shape[0] % bn == 0 for m in members[:-1]
         )
-    return all(
-        isinstance(m, nn.Linear) and m.bias is None and m.weight.dtype == torch.bfloat16 for m in members
-    )
+    return all(map(_is_bf16_linear, members))
 
 
 def _grid_uniform(grid: list[list[nn.Module]]) -> bool:

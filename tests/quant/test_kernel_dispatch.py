@@ -149,12 +149,12 @@ def _exact_interpreter_casts() -> None:
 
 
 def _interpreter_main() -> None:
+    from tests.interpreter_run import seeded_generator
+
     _exact_interpreter_casts()
     from skyq.quant.kernels import triton_fp8_act, triton_fp8_blockwise, triton_int4, triton_mxfp8
 
-    seed = int(os.environ.get("SKYQ_TEST_SEED", secrets.randbits(32)))
-    print(f"SKYQ_TEST_SEED={seed}")
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded_generator()
     failures = []
 
     def check(label: str, got: torch.Tensor, ref: torch.Tensor) -> None:

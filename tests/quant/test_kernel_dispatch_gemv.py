@@ -145,15 +145,14 @@ def _bf16_interpreter_dot() -> None:
 
 
 def _interpreter_main() -> None:
+    from tests.interpreter_run import seeded_generator
     from tests.quant.test_kernel_dispatch import _exact_interpreter_casts
 
     _exact_interpreter_casts()
     _bf16_interpreter_dot()
     from skyq.quant.kernels import triton_fp8_gemv
 
-    seed = int(os.environ.get("SKYQ_TEST_SEED", secrets.randbits(32)))
-    print(f"SKYQ_TEST_SEED={seed}")
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded_generator()
     failures = []
     cases = [  # (M, N, K, block, forced (BM, BN, TK, split) or None)
         (1, 200, 300, (128, 128), None),

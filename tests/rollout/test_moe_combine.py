@@ -10,8 +10,6 @@ it on the H200.
 from __future__ import annotations
 
 import importlib.util
-import os
-import secrets
 import sys
 from pathlib import Path
 
@@ -19,7 +17,7 @@ import pytest
 import torch
 
 from skyq.rollout.moe_combine import combine, combine_reference
-from tests.interpreter_run import run_under_interpreter
+from tests.interpreter_run import run_under_interpreter, seeded_generator
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,9 +60,7 @@ def _interpreter_main() -> None:
     from tests.quant.test_kernel_dispatch import _exact_interpreter_casts
 
     _exact_interpreter_casts()
-    seed = int(os.environ.get("SKYQ_TEST_SEED", secrets.randbits(32)))
-    print(f"SKYQ_TEST_SEED={seed}")
-    gen = torch.Generator().manual_seed(seed)
+    gen = seeded_generator()
     failures = []
     for t, k, experts, h, w_dtype in [(1, 4, 8, 300, torch.bfloat16), (7, 8, 32, 256, torch.bfloat16),
                                       (5, 6, 12, 513, torch.bfloat16), (3, 1, 4, 64, torch.bfloat16)]:  # fmt: skip
