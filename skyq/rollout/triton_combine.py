@@ -5,14 +5,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _round(x, DTYPE: tl.constexpr):
-    """fp32 x rounded to the 16-bit DTYPE (round to nearest even) and widened back exactly. bf16
-    widens through its bit pattern (a shift), so the compiler cannot fold the round trip away."""
-    if DTYPE == tl.bfloat16:
-        return (x.to(DTYPE).to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    return x.to(DTYPE).to(tl.float32)
+from skyq.ops.triton_math import round_to
 
 
 @triton.jit
@@ -36,5 +29,5 @@ def combine_kernel(
         p = tl.sum(tl.where(rank == j, pos, 0))
         w = tl.load(w_ptr + tl.load(order_ptr + p)).to(tl.float32)
         row = tl.load(down_ptr + p * sdr + rh * sdh, mask=h_ok, other=0.0).to(tl.float32)
-        acc = _round(acc + _round(row * w, dtype), dtype)
+        acc = round_to(acc + round_to(row * w, dtype), dtype)
     tl.store(out_ptr + tok.to(tl.int64) * sor + rh, acc.to(dtype), mask=h_ok)

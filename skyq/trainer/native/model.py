@@ -10,18 +10,21 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from skyq.checkpoint.atomic import atomic_write_bytes, atomic_write_json
 from skyq.checkpoint.hf_config import ModelBuildError, hf_config
 from skyq.config.schema import ModelConfig
+from skyq.ops.rmsnorm import fuse_norms
 from skyq.quant.layouts import get_layout
 
 
 def build_model(
     model_cfg: ModelConfig, *, seed: int, dtype: torch.dtype = torch.float32
 ) -> Qwen3MoeForCausalLM:
-    """A randomly initialized model; the init depends only on `seed` (not on global RNG state)."""
+    """A randomly initialized model; the init depends only on `seed` (not on global RNG state). Its
+    norms are skyq's (`fuse_norms`), as the engine's are."""
     config = hf_config(model_cfg)
     fork_devices: list[int] = []
     with torch.random.fork_rng(devices=fork_devices):
         torch.manual_seed(seed)
         model = Qwen3MoeForCausalLM(config)
+    fuse_norms(model)
     return model.to(dtype)
 
 

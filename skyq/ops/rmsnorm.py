@@ -1,0 +1,114 @@
+"""RMSNorm as transformers' Qwen3-MoE computes it, one launch on CUDA, and the same op in the trainer
+and in the engine.
+
+transformers' `Qwen3MoeRMSNorm` is eight small kernels a call (widen, square, mean, add, rsqrt,
+multiply, narrow, scale), 17 calls a decode step of a 4-layer model: a third of the engine's graphed
+step's launches (benchmarks/engine_decode.py --profile). `rms_norm` is the same formula in one Triton
+launch on CUDA and the stock formula elsewhere. Its sum of squares is not torch's (another order),
+so on a GPU its bits differ from the stock module's in the last place; `fuse_norms` therefore puts
+it in every model skyq builds, the trainer's and the engine's, and it is batch-invariant (a row's
+result does not depend on the rows beside it, tests/gpu), so the trainer scoring whole sequences and
+the engine decoding one token a step get the same bits for the same row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from skyq.quant.kernels import dispatch
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+MAX_FEATURES = 65536
+"""Rows wider than this take the reference (a program holds one whole row)."""
+
+
+def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """transformers' `Qwen3MoeRMSNorm.forward`: x normalized in fp32, narrowed to x's dtype, times
+    `weight` (the product in the promoted dtype)."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _kernel_applies(x: Tensor, weight: Tensor) -> bool:
+    return (
+        dispatch.uses_kernel(x) and x.dtype in _FLOATS and weight.dtype in _FLOATS and weight.device == x.device
+        and weight.ndim == 1 and x.shape[-1] == weight.shape[0] <= MAX_FEATURES and x.numel() > 0
+    )  # fmt: skip
+
+
+def _rms_norm_triton(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    from skyq.ops import triton_rmsnorm
+
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    triton_rmsnorm.launch(x2, weight.contiguous(), y.view(-1, x.shape[-1]), eps)
+    return y
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """Forward through `forward_impl`; backward through autograd of the reference formula recomputed
+    from the saved input (the gradient of the same function; its bits need match nothing)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float, forward_impl: Callable) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return forward_impl(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, weight = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[:2]
+        with torch.enable_grad():
+            xd = x.detach().requires_grad_(need_x)
+            wd = weight.detach().requires_grad_(need_w)
+            y = rms_norm_reference(xd, wd, ctx.eps)
+            wanted = [t for t, need in ((xd, need_x), (wd, need_w)) if need]
+            grads = iter(torch.autograd.grad(y, wanted, dy))
+        return (next(grads) if need_x else None), (next(grads) if need_w else None), None, None
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """`rms_norm_reference`'s formula: one Triton launch on CUDA (differentiable), the reference
+    elsewhere. No host sync, so it can be captured in a CUDA graph."""
+    if not _kernel_applies(x, weight):
+        return rms_norm_reference(x, weight, eps)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _RMSNormFn.apply(x, weight, eps, _rms_norm_triton)
+    return _rms_norm_triton(x, weight, eps)
+
+
+class RMSNorm(nn.Module):
+    """A drop-in for transformers' `Qwen3MoeRMSNorm` (same parameter name, shape and epsilon
+    attribute, so state dicts and optimizers see no change) computing through `rms_norm`."""
+
+    def __init__(self, weight: nn.Parameter, eps: float) -> None:
+        super().__init__()
+        self.weight = weight
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+def fuse_norms(model: nn.Module) -> list[str]:
+    """Replace every transformers `Qwen3MoeRMSNorm` of `model` by an `RMSNorm` that keeps its
+    parameter object; returns the replaced module names. Every model skyq builds goes through this
+    (trainer and engine), so both run the same norm."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+
+    names = [name for name, m in model.named_modules() if type(m) is Qwen3MoeRMSNorm]
+    for name in names:
+        stock = model.get_submodule(name)
+        parent, _, child = name.rpartition(".")
+        model.get_submodule(parent).register_module(child, RMSNorm(stock.weight, stock.variance_epsilon))
+    return names

@@ -1,0 +1,35 @@
+"""`topology=1gpu` on a GPU: the trainer and the engine in one process on the device. With FP8
+blockwise weights the trainer's log-probs of sampled sequences equal the engine's teacher-forced
+ones bit for bit, as on the CPU (test_local_pair.py): every op before a quantizer, skyq's RMSNorm
+included, computes the same bits on both sides."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skyq.ops.rmsnorm import RMSNorm
+
+from .run_helpers import compose_config
+from .test_local_pair import _pair, _score_both_sides
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def test_fp8_trainer_scores_exactly_what_the_engine_computes_on_the_gpu(base_overrides):
+    overrides = [*base_overrides, "topology=1gpu", "precision=fp8_blockwise"]
+    cfg, _ = compose_config(overrides)
+    pair = _pair(overrides)
+    try:
+        for model in (pair.trainer.trainer.model, pair.engine.engine.model):
+            norms = [m for m in model.modules() if "RMSNorm" in type(m).__name__]
+            assert norms and all(type(m) is RMSNorm for m in norms)
+            assert next(model.parameters()).is_cuda
+        trainer, engine, mask = _score_both_sides(pair, cfg)
+    finally:
+        pair.shutdown()
+    assert mask.sum() > 0
+    assert torch.equal(trainer[mask].cpu(), engine[mask].cpu())

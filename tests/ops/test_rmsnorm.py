@@ -1,0 +1,148 @@
+"""skyq's RMSNorm (`skyq.ops.rmsnorm`), on the CPU.
+
+Off CUDA it is transformers' formula bit for bit, so CPU runs and checkpoints are unchanged; every
+model skyq builds (trainer and engine) carries it. The Triton kernel is checked under the Triton
+interpreter (where Triton is importable; CI has none) against a float64 evaluation of the formula
+and for batch invariance; tests/gpu/test_rmsnorm_gpu.py checks it on the H200.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+
+from skyq.config.store import compose, to_object
+from skyq.ops.rmsnorm import RMSNorm, _RMSNormFn, fuse_norms, rms_norm, rms_norm_reference
+from skyq.trainer.native.model import build_model
+from tests.interpreter_run import run_under_interpreter, seeded_generator
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _stock(n: int, dtype: torch.dtype, gen: torch.Generator, eps: float = 1e-6) -> Qwen3MoeRMSNorm:
+    stock = Qwen3MoeRMSNorm(n, eps=eps)
+    with torch.no_grad():
+        stock.weight.copy_(torch.randn(n, generator=gen) * 0.5 + 1.0)
+    return stock.to(dtype)
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                             (torch.bfloat16, torch.float32)])  # fmt: skip
+def test_off_cuda_rms_norm_is_the_transformers_module_bit_for_bit(x_dtype, w_dtype):
+    gen = torch.Generator().manual_seed(1)
+    stock = _stock(96, w_dtype, gen)
+    x = (torch.randn(3, 5, 96, generator=gen) * 7).to(x_dtype)
+    ours = RMSNorm(stock.weight, stock.variance_epsilon)
+    want = stock(x)
+    got = ours(x)
+    assert got.dtype == want.dtype == torch.promote_types(w_dtype, x_dtype)
+    assert torch.equal(got, want)
+    assert torch.equal(rms_norm(x, stock.weight, stock.variance_epsilon), want)
+
+
+def test_fuse_norms_replaces_every_norm_of_a_built_model_keeping_parameters_and_outputs():
+    cfg = to_object(compose([]))
+    model = build_model(cfg.model, seed=3)
+    stock = Qwen3MoeRMSNorm  # build_model already fused: a fresh stock copy to compare against
+    assert not any(type(m) is stock for m in model.modules())
+    norms = {name: m for name, m in model.named_modules() if isinstance(m, RMSNorm)}
+    layers = cfg.model.num_layers
+    assert len(norms) == 4 * layers + 1  # input, post-attention, q and k norms a layer + the final one
+    assert all(f"{name}.weight" in model.state_dict() for name in norms)
+
+    from transformers import Qwen3MoeForCausalLM
+
+    from skyq.checkpoint.hf_config import hf_config
+
+    plain = Qwen3MoeForCausalLM(hf_config(cfg.model))
+    params_before = {name: p for name, p in plain.named_parameters()}
+    replaced = fuse_norms(plain)
+    assert sorted(replaced) == sorted(norms)
+    assert {name: p for name, p in plain.named_parameters()} == params_before  # same objects, same names
+    restored = Qwen3MoeForCausalLM(hf_config(cfg.model))
+    restored.load_state_dict(plain.state_dict())
+    ids = torch.randint(0, cfg.model.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(plain(input_ids=ids).logits, restored(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("need", [(True, True), (True, False), (False, True)])
+def test_backward_is_the_gradient_of_the_formula(need):
+    gen = torch.Generator().manual_seed(2)
+    x0 = torch.randn(4, 64, generator=gen).to(torch.bfloat16)
+    w0 = (torch.randn(64, generator=gen) + 1).to(torch.bfloat16)
+    dy = torch.randn(4, 64, generator=gen).to(torch.bfloat16)
+
+    def grads(fn):
+        x, w = x0.clone().requires_grad_(need[0]), w0.clone().requires_grad_(need[1])
+        fn(x, w).backward(dy)
+        return x.grad, w.grad
+
+    ours = grads(lambda x, w: _RMSNormFn.apply(x, w, 1e-6, rms_norm_reference))
+    want = grads(lambda x, w: rms_norm_reference(x, w, 1e-6))
+    for got, ref, needed in zip(ours, want, need, strict=True):
+        assert (got is None) == (not needed)
+        assert got is None or torch.equal(got, ref)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CI)")
+def test_rms_norm_kernel_under_the_triton_interpreter():
+    run_under_interpreter(str(Path(__file__)), marker="interpreter: rms_norm matches")
+
+
+def check_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> list[str]:
+    """The kernel's result against the formula evaluated in float64 with the same two roundings
+    (normalized value to x's dtype, product to the output dtype), and row by row alone (batch
+    invariance). Used by the interpreter check here and the GPU test."""
+    from skyq.ops.rmsnorm import _rms_norm_triton
+
+    failures = []
+    got = _rms_norm_triton(x, weight, eps)
+    xd = x.double()
+    h = (xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype).double()
+    want = (weight.double() * h).to(got.dtype)
+    # fp32 sums in another order and an approximate rsqrt: the normalized value may round to the
+    # neighbouring x-dtype value, so allow one step of the output dtype's precision on top
+    tol = 2 * torch.finfo(x.dtype).eps + 2 * torch.finfo(got.dtype).eps
+    err = ((got.double() - want.double()).abs() / want.double().abs().clamp_min(1e-30)).max().item()
+    if err > tol:
+        failures.append(f"{tuple(x.shape)} {x.dtype}: relative error {err:.3g} > {tol:.3g}")
+    rows = x.reshape(-1, x.shape[-1])
+    flat = got.reshape(-1, x.shape[-1])
+    for r in {0, rows.shape[0] // 2, rows.shape[0] - 1}:
+        if not torch.equal(_rms_norm_triton(rows[r : r + 1], weight, eps), flat[r : r + 1]):
+            failures.append(f"{tuple(x.shape)} {x.dtype}: row {r} alone differs from it in the batch")
+    return failures
+
+
+def _interpreter_main() -> None:
+    import skyq.quant.kernels.dispatch as dispatch
+    from tests.quant.test_kernel_dispatch import _exact_interpreter_casts
+
+    _exact_interpreter_casts()
+    dispatch.uses_kernel = lambda t: True  # the interpreter runs the kernel on CPU tensors
+    gen = seeded_generator()
+    failures = []
+    for shape, x_dtype, w_dtype in [((1, 128), torch.bfloat16, torch.bfloat16), ((3, 7, 128), torch.bfloat16, torch.bfloat16),
+                                    ((5, 1024), torch.bfloat16, torch.bfloat16), ((9, 100), torch.float32, torch.float32),
+                                    ((4, 300), torch.bfloat16, torch.float32), ((2, 5000), torch.bfloat16, torch.bfloat16)]:  # fmt: skip
+        x = torch.randn(shape, generator=gen) * 10.0 ** torch.randint(-3, 3, (*shape[:-1], 1), generator=gen)
+        weight = torch.randn(shape[-1], generator=gen).to(w_dtype)
+        failures += check_kernel(x.to(x_dtype), weight)
+        # the public function takes the kernel here (dispatch says so) and is a plain tensor op
+        if not torch.equal(rms_norm(x.to(x_dtype), weight, 1e-6), rms_norm(x.to(x_dtype), weight, 1e-6)):
+            failures.append(f"{shape}: not deterministic")
+    if failures:
+        print("interpreter: rms_norm FAILED", failures)
+        sys.exit(1)
+    print("interpreter: rms_norm matches")
+
+
+if __name__ == "__main__" and "--interpret" in sys.argv:
+    sys.path.insert(0, str(ROOT))
+    _interpreter_main()
