@@ -7,3 +7,17 @@ function that dispatches on the tensor's device (Triton on CUDA, the stock formu
 configuration can make the two disagree. Imports torch and `skyq.quant.kernels` only; the Triton
 kernel modules are imported where they run.
 """
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def install(model: nn.Module) -> list[str]:
+    """skyq's ops in a transformers Qwen3-MoE model (`rmsnorm.fuse_norms`: its norm modules replaced;
+    `rotary.install`: the modeling module's rotary function); returns the replaced module names.
+    Every model skyq builds, the trainer's and the engine's, goes through this."""
+    from skyq.ops import rmsnorm, rotary
+
+    rotary.install()
+    return rmsnorm.fuse_norms(model)

@@ -23,10 +23,10 @@ from collections import OrderedDict
 import torch
 from torch import Tensor, nn
 
+from skyq import ops
 from skyq.checkpoint.hf_config import hf_config
 from skyq.config.enums import Precision
 from skyq.config.schema import ModelConfig, PrecisionConfig
-from skyq.ops.rmsnorm import fuse_norms
 from skyq.quant.errors import QuantizationError
 from skyq.quant.fake_quant import activation_fake_quant
 from skyq.quant.kernels import _common, dispatch
@@ -142,7 +142,7 @@ class EmbeddedEngine:
 
         with torch.device("meta"):  # nothing of the stock model is kept: skip allocating and initializing it
             model = Qwen3MoeForCausalLM(hf_config(self.model_cfg))
-        fuse_norms(model)  # the trainer's norm (same bits on a GPU)
+        ops.install(model)  # the trainer's norm and rotary kernels (same bits on a GPU)
         for name, module in list(model.named_modules()):
             if isinstance(module, nn.Linear) and f"{name}.weight" in self.plan:
                 self._replace(model, name, self._linear(f"{name}.weight"))

@@ -41,17 +41,29 @@ def combine_reference(
 
 
 def combine(
-    down: Tensor, order: Tensor, top_k_index: Tensor, top_k_weights: Tensor, dtype: torch.dtype
+    down: Tensor,
+    order: Tensor,
+    top_k_index: Tensor,
+    top_k_weights: Tensor,
+    dtype: torch.dtype,
+    *,
+    position: Tensor | None = None,
 ) -> Tensor:
-    """`combine_reference`'s result: one Triton launch (plus the inverse permutation) on CUDA,
-    the reference elsewhere. No host sync."""
+    """`combine_reference`'s result: one Triton launch on CUDA (plus the inverse permutation of
+    `order` unless `position` gives it: `moe_route.Route.position`), the reference elsewhere. No
+    host sync."""
     if not dispatch.uses_kernel(down):
         return combine_reference(down, order, top_k_index, top_k_weights, dtype)
-    return _combine_triton(down, order, top_k_index, top_k_weights, dtype)
+    return _combine_triton(down, order, top_k_index, top_k_weights, dtype, position)
 
 
 def _combine_triton(
-    down: Tensor, order: Tensor, top_k_index: Tensor, top_k_weights: Tensor, dtype: torch.dtype
+    down: Tensor,
+    order: Tensor,
+    top_k_index: Tensor,
+    top_k_weights: Tensor,
+    dtype: torch.dtype,
+    position: Tensor | None = None,
 ) -> Tensor:
     import triton
 
@@ -59,7 +71,10 @@ def _combine_triton(
 
     t, k = top_k_index.shape
     h = down.shape[-1]
-    position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    if position is None:
+        position = torch.empty_like(order).scatter_(
+            0, order, torch.arange(order.numel(), device=order.device)
+        )
     weights = top_k_weights.reshape(-1)
     out = torch.empty((t, h), dtype=dtype, device=down.device)
     grid = (t, triton.cdiv(h, HIDDEN_TILE))

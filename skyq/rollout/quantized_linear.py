@@ -25,6 +25,7 @@ from skyq.quant.kernels import dispatch
 from skyq.quant.layouts import Role
 from skyq.quant.strategies import QuantizationStrategy, WireSpec
 from skyq.rollout.moe_combine import combine
+from skyq.rollout.moe_route import route
 
 TensorFn = Callable[[Tensor], Tensor]
 
@@ -206,13 +207,11 @@ class WireExperts(nn.ModuleList):
         """The loop's result from rows sorted by expert: each projection one grouped launch, then each
         token's expert outputs added in ascending expert order in the output dtype, as the loop's
         `index_add_` calls do (`moe_combine.combine`: one launch on CUDA)."""
-        n_experts, (t, k) = len(self), top_k_index.shape
-        flat = top_k_index.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # by expert, then token (the loop's row order)
-        bounds = torch.arange(n_experts + 1, device=flat.device, dtype=flat.dtype)
-        offsets = torch.searchsorted(flat[order], bounds).to(torch.int32)  # expert e's rows: no host sync
+        t = top_k_index.shape[0]
+        # rows by expert, then token (the loop's row order); expert e's rows: no host sync
+        order, position, offsets, token = route(top_k_index, len(self))
         first = self[0]
-        xs = hidden_states[order // k]
+        xs = hidden_states[token]
         decode = t <= DECODE_MAX_ROWS
         if decode and "gate_up_proj" in self.stacked:  # one launch (and one activation quantization)
             gate, up = self._grouped(first.gate_proj, "gate_up_proj", xs, offsets, decode).chunk(2, dim=-1)
@@ -220,7 +219,7 @@ class WireExperts(nn.ModuleList):
             gate = self._grouped(first.gate_proj, "gate_proj", xs, offsets, decode)
             up = self._grouped(first.up_proj, "up_proj", xs, offsets, decode)
         down = self._grouped(first.down_proj, "down_proj", first.act_fn(gate) * up, offsets, decode)
-        return combine(down, order, top_k_index, top_k_weights, hidden_states.dtype)
+        return combine(down, order, top_k_index, top_k_weights, hidden_states.dtype, position=position)
 
     def _grouped(self, linear: nn.Module, proj: str, x: Tensor, offsets: Tensor, decode: bool) -> Tensor:
         q, s = self.stacked[proj]

@@ -7,10 +7,10 @@ from pathlib import Path
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from skyq import ops
 from skyq.checkpoint.atomic import atomic_write_bytes, atomic_write_json
 from skyq.checkpoint.hf_config import ModelBuildError, hf_config
 from skyq.config.schema import ModelConfig
-from skyq.ops.rmsnorm import fuse_norms
 from skyq.quant.layouts import get_layout
 
 
@@ -18,13 +18,13 @@ def build_model(
     model_cfg: ModelConfig, *, seed: int, dtype: torch.dtype = torch.float32
 ) -> Qwen3MoeForCausalLM:
     """A randomly initialized model; the init depends only on `seed` (not on global RNG state). Its
-    norms are skyq's (`fuse_norms`), as the engine's are."""
+    norms and rotary embedding are skyq's (`skyq.ops.install`), as the engine's are."""
     config = hf_config(model_cfg)
     fork_devices: list[int] = []
     with torch.random.fork_rng(devices=fork_devices):
         torch.manual_seed(seed)
         model = Qwen3MoeForCausalLM(config)
-    fuse_norms(model)
+    ops.install(model)
     return model.to(dtype)
 
 

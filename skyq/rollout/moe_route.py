@@ -1,0 +1,70 @@
+"""Where each routed (token, expert) row goes in the grouped experts: one launch on CUDA.
+
+`WireExperts` sorts the k rows of each token by expert (stable: by expert, then token) so each
+expert's rows are contiguous for the grouped GEMMs. In torch that is a stable argsort, an arange, a
+searchsorted, a gather, a cast and a division, then an inverse-permutation scatter in the combine:
+a radix sort and ~8 small kernels a layer, more than the experts' GEMMs take at decode sizes
+(benchmarks/engine_decode.py --profile). `route` computes the same integers in one Triton program by
+counting: an entry's place is the number of entries with a smaller expert, or the same expert and a
+smaller index; expert e's first row is the number of entries below e. Integers, so the result is the
+reference's exactly (tests/rollout/test_moe_route.py under the Triton interpreter, tests/gpu).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from skyq.quant.kernels import dispatch
+
+KERNEL_MAX_ENTRIES = 512
+"""Routed rows (tokens x k) the one-program kernel takes (64 decode tokens x top-8); more take the
+reference (prefill)."""
+
+
+class Route(NamedTuple):
+    order: Tensor
+    """[T * k] int64: the flat (token * k + slot) index of each sorted row."""
+    position: Tensor
+    """[T * k] int64: the sorted row of each flat index (order's inverse)."""
+    offsets: Tensor
+    """[E + 1] int32: expert e's rows are offsets[e]:offsets[e + 1]."""
+    token: Tensor
+    """[T * k] int64: the token of each sorted row (order // k)."""
+
+
+def route_reference(top_k_index: Tensor, num_experts: int) -> Route:
+    """The rows sorted by expert, then by flat index, with torch ops."""
+    k = top_k_index.shape[-1]
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    bounds = torch.arange(num_experts + 1, device=flat.device, dtype=flat.dtype)
+    offsets = torch.searchsorted(flat[order], bounds).to(torch.int32)
+    position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return Route(order, position, offsets, order // k)
+
+
+def route(top_k_index: Tensor, num_experts: int) -> Route:
+    """`route_reference`'s integers: one Triton launch on CUDA for at most `KERNEL_MAX_ENTRIES`
+    rows, the reference elsewhere. No host sync."""
+    n = top_k_index.numel()
+    if not (
+        dispatch.uses_kernel(top_k_index) and 0 < n <= KERNEL_MAX_ENTRIES and top_k_index.is_contiguous()
+    ):
+        return route_reference(top_k_index, num_experts)
+    import triton
+
+    from skyq.rollout.triton_route import route_kernel
+
+    device = top_k_index.device
+    order, position, token = (torch.empty(n, dtype=torch.int64, device=device) for _ in range(3))
+    offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
+    nb = max(16, triton.next_power_of_2(n))
+    route_kernel[(1,)](
+        top_k_index, order, position, offsets, token, n, num_experts,
+        K=top_k_index.shape[-1], NB=nb, CHUNK=min(nb, 32), EB=max(16, triton.next_power_of_2(num_experts + 1)),
+        num_warps=8 if nb >= 256 else 4,
+    )  # fmt: skip
+    return Route(order, position, offsets, token)

@@ -1,0 +1,35 @@
+"""The Triton kernel of `moe_route.route` (imported only where it runs: CUDA with Triton)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["n", "E"])
+def route_kernel(
+    idx_ptr, order_ptr, pos_ptr, off_ptr, tok_ptr, n, E,
+    K: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr, EB: tl.constexpr,
+):  # fmt: skip
+    """One program. Entry i (expert idx[i]) goes to row rank(i) = #{j: idx[j] < idx[i] or (idx[j] ==
+    idx[i] and j < i)}; offsets[e] = #{j: idx[j] < e}, e in [0, E]."""
+    i = tl.arange(0, NB)
+    big = 2**62
+    key_i = tl.load(idx_ptr + i, mask=i < n, other=big).to(tl.int64)
+    e = tl.arange(0, EB).to(tl.int64)
+    rank = tl.zeros([NB], dtype=tl.int32)
+    below = tl.zeros([EB], dtype=tl.int32)
+    for j0 in tl.static_range(0, NB, CHUNK):
+        j = j0 + tl.arange(0, CHUNK)
+        key_j = tl.load(idx_ptr + j, mask=j < n, other=big).to(tl.int64)
+        before = (key_j[None, :] < key_i[:, None]) | (
+            (key_j[None, :] == key_i[:, None]) & (j[None, :] < i[:, None])
+        )
+        rank += tl.sum(before.to(tl.int32), axis=1)
+        below += tl.sum((key_j[None, :] < e[:, None]).to(tl.int32), axis=1)
+    ok = i < n
+    rank64 = rank.to(tl.int64)
+    tl.store(pos_ptr + i, rank64, mask=ok)
+    tl.store(order_ptr + rank64, i.to(tl.int64), mask=ok)
+    tl.store(tok_ptr + rank64, (i // K).to(tl.int64), mask=ok)
+    tl.store(off_ptr + e, below, mask=e <= E)

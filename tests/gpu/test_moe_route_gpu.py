@@ -1,0 +1,32 @@
+"""The grouped experts' routing kernel on a GPU (`skyq.rollout.moe_route`): the reference's integers
+exactly, up to the kernel's row limit, and replayable from a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skyq.rollout.moe_route import KERNEL_MAX_ENTRIES, route, route_reference
+from tests.rollout.test_moe_route import CASES, check_route, routing
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+@pytest.mark.parametrize("t,k,experts", [*CASES, (KERNEL_MAX_ENTRIES // 8, 8, 256), (1, 8, 384)])
+def test_kernel_gives_the_reference_integers(gen, t, k, experts):
+    idx = routing(gen, t, k, experts).cuda()
+    assert check_route(route(idx, experts), route_reference(idx, experts))
+
+
+def test_replays_from_a_cuda_graph(gen):
+    idx = routing(gen, 16, 8, 128).cuda()
+    route(idx, 128)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = route(idx, 128)
+    idx.copy_(routing(gen, 16, 8, 128).cuda())
+    graph.replay()
+    assert check_route(got, route_reference(idx, 128))
