@@ -14,10 +14,26 @@ from torch import nn
 
 
 def install(model: nn.Module) -> list[str]:
-    """skyq's ops in a transformers Qwen3-MoE model (`rmsnorm.fuse_norms`: its norm modules replaced;
-    `rotary.install`: the modeling module's rotary function); returns the replaced module names.
+    """skyq's ops in a transformers Qwen3-MoE model: its RMSNorm modules become `rmsnorm.RMSNorm`,
+    its routers `router.TopKRouter` (each keeping its parameter object and name), and the modeling
+    module's rotary function `rotary.apply_rotary_pos_emb`. Returns the replaced module names.
     Every model skyq builds, the trainer's and the engine's, goes through this."""
-    from skyq.ops import rmsnorm, rotary
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm, Qwen3MoeTopKRouter
+
+    from skyq.ops import rotary
+    from skyq.ops.rmsnorm import RMSNorm
+    from skyq.ops.router import TopKRouter
 
     rotary.install()
-    return rmsnorm.fuse_norms(model)
+    replaced = []
+    for name, module in list(model.named_modules()):
+        if type(module) is Qwen3MoeRMSNorm:
+            ours = RMSNorm(module.weight, module.variance_epsilon)
+        elif type(module) is Qwen3MoeTopKRouter:
+            ours = TopKRouter(module.weight, module.top_k, module.norm_topk_prob)
+        else:
+            continue
+        parent, _, child = name.rpartition(".")
+        model.get_submodule(parent).register_module(child, ours)
+        replaced.append(name)
+    return replaced

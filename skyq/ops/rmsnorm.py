@@ -5,8 +5,8 @@ transformers' `Qwen3MoeRMSNorm` is eight small kernels a call (widen, square, me
 multiply, narrow, scale), 17 calls a decode step of a 4-layer model: a third of the engine's graphed
 step's launches (benchmarks/engine_decode.py --profile). `rms_norm` is the same formula in one Triton
 launch on CUDA and the stock formula elsewhere. Its sum of squares is not torch's (another order),
-so on a GPU its bits differ from the stock module's in the last place; `fuse_norms` therefore puts
-it in every model skyq builds, the trainer's and the engine's, and it is batch-invariant (a row's
+so on a GPU its bits differ from the stock module's in the last place; `skyq.ops.install` therefore
+puts it in every model skyq builds, the trainer's and the engine's, and it is batch-invariant (a row's
 result does not depend on the rows beside it, tests/gpu), so the trainer scoring whole sequences and
 the engine decoding one token a step get the same bits for the same row.
 """
@@ -98,17 +98,3 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
-
-
-def fuse_norms(model: nn.Module) -> list[str]:
-    """Replace every transformers `Qwen3MoeRMSNorm` of `model` by an `RMSNorm` that keeps its
-    parameter object; returns the replaced module names. Every model skyq builds goes through this
-    (trainer and engine), so both run the same norm."""
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
-
-    names = [name for name, m in model.named_modules() if type(m) is Qwen3MoeRMSNorm]
-    for name in names:
-        stock = model.get_submodule(name)
-        parent, _, child = name.rpartition(".")
-        model.get_submodule(parent).register_module(child, RMSNorm(stock.weight, stock.variance_epsilon))
-    return names

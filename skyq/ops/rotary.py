@@ -2,10 +2,12 @@
 
 `apply_rotary_pos_emb` is ten small kernels a layer in transformers (two products, a negation, a
 concatenation and a sum for each of q and k). Here it is one Triton launch on CUDA with the same
-roundings (each product and the sum rounded to the tensors' dtype, as those ops round them), so the
-result equals the stock function's bit for bit (tests/gpu) and the trainer and the engine agree
-whichever of them runs it; the stock function runs elsewhere and for any shape the kernel does not
-take. `install` puts it in transformers' Qwen3-MoE modeling module, which its attention layers call.
+roundings (each product and the sum rounded to bf16, as those ops round them), so the result equals
+the stock function's bit for bit (tests/gpu) and the trainer and the engine agree whichever of them
+runs it; the stock function runs elsewhere, for other dtypes and for any shape the kernel does not
+take. (bf16 only: the rounding through bf16's bit pattern keeps the compiler from fusing a product
+and the sum into one FMA; in fp32 and fp16 it did, and on the H200 the results differed from
+torch's in the last place.) `install` puts it in transformers' Qwen3-MoE modeling module, which its attention layers call.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from torch import Tensor
 
 from skyq.quant.kernels import dispatch
 
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _stock = None  # transformers' function, kept when `install` replaces it
 
 
@@ -27,7 +28,7 @@ def _kernel_applies(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_di
     (b, _, t, d), (kb, _, kt, kd) = q.shape, k.shape
     half = d // 2
     return (
-        q.dtype == k.dtype == cos.dtype == sin.dtype and q.dtype in _FLOATS
+        q.dtype == k.dtype == cos.dtype == sin.dtype == torch.bfloat16
         and (kb, kt, kd) == (b, t, d) and tuple(cos.shape) == tuple(sin.shape) == (b, t, d)
         and cos.stride() == sin.stride() and d % 2 == 0 and half & (half - 1) == 0
         and q.stride(-1) == k.stride(-1) == cos.stride(-1) == 1 and q.numel() > 0 and k.numel() > 0

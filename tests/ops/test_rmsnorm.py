@@ -1,7 +1,7 @@
 """skyq's RMSNorm (`skyq.ops.rmsnorm`), on the CPU.
 
 Off CUDA it is transformers' formula bit for bit, so CPU runs and checkpoints are unchanged; every
-model skyq builds (trainer and engine) carries it. The Triton kernel is checked under the Triton
+model skyq builds (trainer and engine) carries it (tests/ops/test_install.py). The Triton kernel is checked under the Triton
 interpreter (where Triton is importable; CI has none) against a float64 evaluation of the formula
 and for batch invariance; tests/gpu/test_rmsnorm_gpu.py checks it on the H200.
 """
@@ -16,9 +16,7 @@ import pytest
 import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
 
-from skyq.config.store import compose, to_object
-from skyq.ops.rmsnorm import RMSNorm, _RMSNormFn, fuse_norms, rms_norm, rms_norm_reference
-from skyq.trainer.native.model import build_model
+from skyq.ops.rmsnorm import RMSNorm, _RMSNormFn, rms_norm, rms_norm_reference
 from tests.interpreter_run import run_under_interpreter, seeded_generator
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,32 +41,6 @@ def test_off_cuda_rms_norm_is_the_transformers_module_bit_for_bit(x_dtype, w_dty
     assert got.dtype == want.dtype == torch.promote_types(w_dtype, x_dtype)
     assert torch.equal(got, want)
     assert torch.equal(rms_norm(x, stock.weight, stock.variance_epsilon), want)
-
-
-def test_fuse_norms_replaces_every_norm_of_a_built_model_keeping_parameters_and_outputs():
-    cfg = to_object(compose([]))
-    model = build_model(cfg.model, seed=3)
-    stock = Qwen3MoeRMSNorm  # build_model already fused: a fresh stock copy to compare against
-    assert not any(type(m) is stock for m in model.modules())
-    norms = {name: m for name, m in model.named_modules() if isinstance(m, RMSNorm)}
-    layers = cfg.model.num_layers
-    assert len(norms) == 4 * layers + 1  # input, post-attention, q and k norms a layer + the final one
-    assert all(f"{name}.weight" in model.state_dict() for name in norms)
-
-    from transformers import Qwen3MoeForCausalLM
-
-    from skyq.checkpoint.hf_config import hf_config
-
-    plain = Qwen3MoeForCausalLM(hf_config(cfg.model))
-    params_before = {name: p for name, p in plain.named_parameters()}
-    replaced = fuse_norms(plain)
-    assert sorted(replaced) == sorted(norms)
-    assert {name: p for name, p in plain.named_parameters()} == params_before  # same objects, same names
-    restored = Qwen3MoeForCausalLM(hf_config(cfg.model))
-    restored.load_state_dict(plain.state_dict())
-    ids = torch.randint(0, cfg.model.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        assert torch.equal(plain(input_ids=ids).logits, restored(input_ids=ids).logits)
 
 
 @pytest.mark.parametrize("need", [(True, True), (True, False), (False, True)])

@@ -33,7 +33,8 @@ def attention_inputs(gen, b, t, hq, hk, d, dtype, device="cpu"):
 
 
 def check_rotary(gen, device="cpu") -> list[str]:
-    """The kernel path's q and k against the stock function's, bit for bit, with the stock layout."""
+    """The kernel path's q and k against the stock function's, bit for bit, with the stock layout
+    (bf16 through the kernel, fp32 and fp16 through the stock function)."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import rotate_half
 
     def stock(q, k, cos, sin):  # transformers' formula, written from its definition
@@ -42,8 +43,8 @@ def check_rotary(gen, device="cpu") -> list[str]:
 
     failures = []
     for b, t, hq, hk, d, dtype in [(1, 1, 16, 4, 128, torch.bfloat16), (3, 1, 8, 8, 64, torch.bfloat16),
-                                   (2, 9, 4, 2, 128, torch.bfloat16), (2, 5, 6, 3, 64, torch.float32),
-                                   (1, 7, 2, 1, 32, torch.float16)]:  # fmt: skip
+                                   (2, 9, 4, 2, 128, torch.bfloat16), (1, 7, 2, 1, 32, torch.bfloat16),
+                                   (2, 5, 6, 3, 64, torch.float32), (1, 7, 2, 1, 32, torch.float16)]:  # fmt: skip
         q, k, cos, sin = attention_inputs(gen, b, t, hq, hk, d, dtype, device)
         got, want = rotary.apply_rotary_pos_emb(q, k, cos, sin), stock(q, k, cos, sin)
         for name, g, w in zip("qk", got, want, strict=True):
