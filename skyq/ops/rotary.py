@@ -29,7 +29,8 @@ def _kernel_applies(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, unsqueeze_di
     half = d // 2
     return (
         q.dtype == k.dtype == cos.dtype == sin.dtype == torch.bfloat16
-        and (kb, kt, kd) == (b, t, d) and tuple(cos.shape) == tuple(sin.shape) == (b, t, d)
+        and (kb, kt, kd) == (b, t, d) and tuple(cos.shape) == tuple(sin.shape)
+        and tuple(cos.shape) in ((b, t, d), (1, t, d))
         and cos.stride() == sin.stride() and d % 2 == 0 and half & (half - 1) == 0
         and q.stride(-1) == k.stride(-1) == cos.stride(-1) == 1 and q.numel() > 0 and k.numel() > 0
         and k.device == cos.device == sin.device == q.device

@@ -49,12 +49,13 @@ def rotary_kernel(
 
 
 def launch(q, k, q_out, k_out, cos, sin) -> None:
-    """q, k, q_out, k_out [B, H, T, D]; cos, sin [B, T, D] (same strides), D / 2 a power of two."""
+    """q, k, q_out, k_out [B, H, T, D]; cos, sin [B or 1, T, D] (same strides; one batch row is
+    shared by all, as decoding rows at the same positions gives it), D / 2 a power of two."""
     b, hq, t, d = q.shape
     hk = k.shape[1]
     rotary_kernel[(b * t, max(hq, hk))](
         q, k, q_out, k_out, cos, sin, t, hq, hk,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         q_out.stride(0), q_out.stride(1), q_out.stride(2), k_out.stride(0), k_out.stride(1), k_out.stride(2),
-        cos.stride(0), cos.stride(1), HALF=d // 2, num_warps=1,
+        cos.stride(0) if cos.shape[0] == b else 0, cos.stride(1), HALF=d // 2, num_warps=1,
     )  # fmt: skip

@@ -202,3 +202,27 @@ def test_q_k_v_in_one_launch_decode_as_three_launches_do(precision, monkeypatch)
         abs(x - y) for sa, sb in zip(a, b, strict=True) for x, y in zip(sa.logprobs, sb.logprobs, strict=True)
     )
     assert diff < 2e-2, diff
+
+
+def test_prefill_and_decode_take_skyq_kernels_at_every_batch(request, monkeypatch):
+    """The norm, rotary and router kernels (skyq.ops) are taken in prefill and in every decode
+    step at 1 and 64 rows: a shape they refuse would fall back to the stock ops silently (the
+    rotary once did at 64 rows, whose decode shares one row of cos / sin)."""
+    from skyq.ops import rmsnorm, rotary, router
+
+    graph, _, _, cfg = _engines(request, "fp8_blockwise")
+    taken: dict[str, list[bool]] = {"rmsnorm": [], "rotary": [], "router": []}
+    for name, module in (("rmsnorm", rmsnorm), ("rotary", rotary), ("router", router)):
+        check = module._kernel_applies
+
+        def spy(*args, _check=check, _name=name):
+            taken[_name].append(_check(*args))
+            return taken[_name][-1]
+
+        monkeypatch.setattr(module, "_kernel_applies", spy)
+    prompts = [p.token_ids for p in build_task(cfg.task, seed=0).prompts(0, 64)]
+    for rows in (1, 64):
+        graph.generate(prompts[:rows], n=1, max_new_tokens=4, seed=rows, **SAMPLING)
+    assert all(taken.values()) and all(all(v) for v in taken.values()), {
+        k: v.count(False) for k, v in taken.items()
+    }

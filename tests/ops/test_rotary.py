@@ -16,17 +16,19 @@ import pytest
 import torch
 
 from skyq.ops import rotary
+from skyq.quant.kernels import dispatch
 from tests.interpreter_run import run_under_interpreter, seeded_generator
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def attention_inputs(gen, b, t, hq, hk, d, dtype, device="cpu"):
+def attention_inputs(gen, b, t, hq, hk, d, dtype, device="cpu", cos_rows=None):
     """q, k as attention makes them ([B, T, H, D] projections viewed as [B, H, T, D]) and the
-    rotary embedding's cos, sin [B, T, D] (position-dependent, |values| <= 1)."""
+    rotary embedding's cos, sin [cos_rows (default B), T, D] (position-dependent, |values| <= 1;
+    one row when every sequence is at the same positions, as in the engine's decode)."""
     q = (torch.randn(b, t, hq, d, generator=gen) * 4).to(dtype).to(device).transpose(1, 2)
     k = (torch.randn(b, t, hk, d, generator=gen) * 4).to(dtype).to(device).transpose(1, 2)
-    angle = torch.rand(b, t, d // 2, generator=gen) * 100
+    angle = torch.rand(cos_rows or b, t, d // 2, generator=gen) * 100
     cos = torch.cat([angle.cos(), angle.cos()], dim=-1).to(dtype).to(device)
     sin = torch.cat([angle.sin(), angle.sin()], dim=-1).to(dtype).to(device)
     return q, k, cos, sin
@@ -42,10 +44,19 @@ def check_rotary(gen, device="cpu") -> list[str]:
         return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
 
     failures = []
-    for b, t, hq, hk, d, dtype in [(1, 1, 16, 4, 128, torch.bfloat16), (3, 1, 8, 8, 64, torch.bfloat16),
-                                   (2, 9, 4, 2, 128, torch.bfloat16), (1, 7, 2, 1, 32, torch.bfloat16),
-                                   (2, 5, 6, 3, 64, torch.float32), (1, 7, 2, 1, 32, torch.float16)]:  # fmt: skip
-        q, k, cos, sin = attention_inputs(gen, b, t, hq, hk, d, dtype, device)
+    for b, t, hq, hk, d, dtype, rows in [
+        (1, 1, 16, 4, 128, torch.bfloat16, None), (3, 1, 8, 8, 64, torch.bfloat16, None),
+        (2, 9, 4, 2, 128, torch.bfloat16, None), (1, 7, 2, 1, 32, torch.bfloat16, None),
+        (64, 1, 16, 4, 128, torch.bfloat16, 1), (5, 3, 4, 2, 64, torch.bfloat16, 1),
+        (2, 5, 6, 3, 64, torch.float32, None), (1, 7, 2, 1, 32, torch.float16, None),
+    ]:  # fmt: skip
+        q, k, cos, sin = attention_inputs(gen, b, t, hq, hk, d, dtype, device, rows)
+        if (
+            dtype == torch.bfloat16
+            and dispatch.uses_kernel(q)
+            and not rotary._kernel_applies(q, k, cos, sin, 1)
+        ):
+            failures.append(f"{(b, t, hq, hk, d, rows)}: the kernel refused a bf16 attention shape")
         got, want = rotary.apply_rotary_pos_emb(q, k, cos, sin), stock(q, k, cos, sin)
         for name, g, w in zip("qk", got, want, strict=True):
             if not torch.equal(g, w):

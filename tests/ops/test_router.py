@@ -17,7 +17,9 @@ import pytest
 import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
+from skyq.ops import router
 from skyq.ops.router import TopKRouter, _SelectFn, select_experts, select_experts_reference
+from skyq.quant.kernels import dispatch
 from tests.interpreter_run import run_under_interpreter, seeded_generator
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,6 +64,8 @@ def check_select(gen: torch.Generator, device: str = "cpu") -> list[str]:
         # where its spacing survives the rounding, fp32 for the wide routers
         spaced = torch.stack([torch.randperm(e, generator=gen) for _ in range(t)]).float() * (8 / e) - 4
         logits = spaced.to(torch.bfloat16 if e <= 128 else torch.float32).to(device)
+        if dispatch.uses_kernel(logits) and not router._kernel_applies(logits, k):
+            failures.append(f"{(t, e, k, norm)}: the kernel refused")
         values, indices = select_experts(logits, k, norm)
         want_v, want_i = select_experts_reference(logits, k, norm)
         if not torch.equal(indices, want_i):
