@@ -7,7 +7,8 @@ the stock function's bit for bit (tests/gpu) and the trainer and the engine agre
 runs it; the stock function runs elsewhere, for other dtypes and for any shape the kernel does not
 take. (bf16 only: the rounding through bf16's bit pattern keeps the compiler from fusing a product
 and the sum into one FMA; in fp32 and fp16 it did, and on the H200 the results differed from
-torch's in the last place.) `install` puts it in transformers' Qwen3-MoE modeling module, which its attention layers call.
+torch's in the last place.) `install` puts it in transformers' Qwen3-MoE modeling module, which its
+attention layers call.
 """
 
 from __future__ import annotations

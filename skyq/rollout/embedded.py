@@ -142,7 +142,7 @@ class EmbeddedEngine:
 
         with torch.device("meta"):  # nothing of the stock model is kept: skip allocating and initializing it
             model = Qwen3MoeForCausalLM(hf_config(self.model_cfg))
-        ops.install(model)  # the trainer's norm and rotary kernels (same bits on a GPU)
+        ops.install(model)  # the trainer's norm, rotary and router kernels (same bits on a GPU)
         for name, module in list(model.named_modules()):
             if isinstance(module, nn.Linear) and f"{name}.weight" in self.plan:
                 self._replace(model, name, self._linear(f"{name}.weight"))

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from skyq.quant.kernels import dispatch
+from skyq.rollout.moe_route import inverse_permutation
 
 HIDDEN_TILE = 256
 """Hidden columns a program adds (one token's rows, k loads of this many values each)."""
@@ -72,9 +73,7 @@ def _combine_triton(
     t, k = top_k_index.shape
     h = down.shape[-1]
     if position is None:
-        position = torch.empty_like(order).scatter_(
-            0, order, torch.arange(order.numel(), device=order.device)
-        )
+        position = inverse_permutation(order)
     weights = top_k_weights.reshape(-1)
     out = torch.empty((t, h), dtype=dtype, device=down.device)
     grid = (t, triton.cdiv(h, HIDDEN_TILE))

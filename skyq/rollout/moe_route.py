@@ -35,6 +35,11 @@ class Route(NamedTuple):
     """[T * k] int64: the token of each sorted row (order // k)."""
 
 
+def inverse_permutation(order: Tensor) -> Tensor:
+    """position with position[order[i]] = i."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
 def route_reference(top_k_index: Tensor, num_experts: int) -> Route:
     """The rows sorted by expert, then by flat index, with torch ops."""
     k = top_k_index.shape[-1]
@@ -42,8 +47,7 @@ def route_reference(top_k_index: Tensor, num_experts: int) -> Route:
     order = torch.argsort(flat, stable=True)
     bounds = torch.arange(num_experts + 1, device=flat.device, dtype=flat.dtype)
     offsets = torch.searchsorted(flat[order], bounds).to(torch.int32)
-    position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return Route(order, position, offsets, order // k)
+    return Route(order, inverse_permutation(order), offsets, order // k)
 
 
 def route(top_k_index: Tensor, num_experts: int) -> Route:

@@ -1,9 +1,10 @@
 """skyq's RMSNorm (`skyq.ops.rmsnorm`), on the CPU.
 
 Off CUDA it is transformers' formula bit for bit, so CPU runs and checkpoints are unchanged; every
-model skyq builds (trainer and engine) carries it (tests/ops/test_install.py). The Triton kernel is checked under the Triton
-interpreter (where Triton is importable; CI has none) against a float64 evaluation of the formula
-and for batch invariance; tests/gpu/test_rmsnorm_gpu.py checks it on the H200.
+model skyq builds (trainer and engine) carries it (tests/ops/test_install.py). The Triton kernel is
+checked under the Triton interpreter (where Triton is importable; the set-up installs it) against a
+float64 evaluation of the formula and for batch invariance; tests/gpu/test_rmsnorm_gpu.py checks it
+on the H200.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def test_backward_is_the_gradient_of_the_formula(need):
         assert got is None or torch.equal(got, ref)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CI)")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_rms_norm_kernel_under_the_triton_interpreter():
     run_under_interpreter(str(Path(__file__)), marker="interpreter: rms_norm matches")
 

@@ -2,7 +2,7 @@
 
 `install` makes transformers' Qwen3-MoE attention call it; off CUDA it is the stock function. The
 Triton kernel must equal the stock function bit for bit (its roundings are the stock ops'): checked
-under the Triton interpreter (where Triton is importable; CI has none) and on the H200
+under the Triton interpreter (where Triton is importable; the set-up installs it) and on the H200
 (tests/gpu/test_rotary_gpu.py), on the layouts attention passes (q and k transposed views).
 """
 
@@ -47,7 +47,7 @@ def check_rotary(gen, device="cpu") -> list[str]:
     for b, t, hq, hk, d, dtype, rows in [
         (1, 1, 16, 4, 128, torch.bfloat16, None), (3, 1, 8, 8, 64, torch.bfloat16, None),
         (2, 9, 4, 2, 128, torch.bfloat16, None), (1, 7, 2, 1, 32, torch.bfloat16, None),
-        (64, 1, 16, 4, 128, torch.bfloat16, 1), (5, 3, 4, 2, 64, torch.bfloat16, 1),
+        (6, 1, 16, 4, 128, torch.bfloat16, 1), (5, 3, 4, 2, 64, torch.bfloat16, 1),
         (2, 5, 6, 3, 64, torch.float32, None), (1, 7, 2, 1, 32, torch.float16, None),
     ]:  # fmt: skip
         q, k, cos, sin = attention_inputs(gen, b, t, hq, hk, d, dtype, device, rows)
@@ -85,7 +85,7 @@ def test_install_routes_transformers_attention_through_skyq_and_cpu_runs_the_sto
     assert check_rotary(gen) == []  # on the CPU: the stock function itself
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CI)")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_rotary_kernel_under_the_triton_interpreter():
     run_under_interpreter(str(Path(__file__)), marker="interpreter: rotary matches")
 

@@ -1,7 +1,7 @@
 """The router's expert choice (`skyq.ops.router`), on the CPU.
 
 Off CUDA `select_experts` is transformers' router bit for bit. The Triton kernel is checked under
-the Triton interpreter (where Triton is importable; CI has none) and on the H200
+the Triton interpreter (where Triton is importable; the set-up installs it) and on the H200
 (tests/gpu/test_router_gpu.py): the same experts in the same order as torch's top-k where the
 probabilities are distinct, weights within fp32 rounding of torch's, ties to the lower expert, a
 NaN row still naming experts of the layer, and a token's choice independent of its batch.
@@ -92,7 +92,7 @@ def check_select(gen: torch.Generator, device: str = "cpu") -> list[str]:
     return failures
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CI)")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_router_kernel_under_the_triton_interpreter():
     run_under_interpreter(str(Path(__file__)), marker="interpreter: router matches")
 

@@ -88,7 +88,7 @@ def test_dispatch_raises_the_reference_errors_on_cpu():
         dispatch.quantize_mxfp8(torch.ones(4, 40))
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CI)")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_kernels_match_the_reference_under_the_triton_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
@@ -249,7 +249,7 @@ if __name__ == "__main__":
     _interpreter_main()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CI)")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_two_orientation_kernel_takes_m_and_k_tiles_as_runtime_values():
     """With Triton 3.6, M == 1 and one K tile specialized as constants gave wrong row codes on the
     H200 at 4 and 16 warps (docs/benchmarks.md M3, session 10); the kernel keeps both runtime values

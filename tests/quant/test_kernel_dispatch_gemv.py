@@ -2,7 +2,7 @@
 
 The reference path (`x.float() @ dequantize(q, s, bfloat16).float().T`) is what `fp8_weight_only_linear`
 runs without CUDA. The Triton kernel multiplies by the bf16-dequantized weight, as the trainer
-does; under the Triton interpreter (where Triton is importable; skipped in CI, which has no Triton)
+does; under the Triton interpreter (where Triton is importable; skipped where Triton is not installed)
 it is checked against `x.float() @ dequantize(q, s, bfloat16).float().T`: bit for bit where
 summation order cannot matter, and within fp32 summation noise of it elsewhere. The interpreter
 check runs this file as a script in a subprocess, because TRITON_INTERPRET must be set before
@@ -111,7 +111,7 @@ def test_deferred_scope_on_cpu_checks_at_once_with_the_reference_error():
         dispatch.quantize_fp8_blockwise(w, name="layer")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CI)")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_gemv_kernel_matches_the_reference_under_the_triton_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     out = subprocess.run(

@@ -1,6 +1,6 @@
 """The grouped FP8 blockwise, MXFP8 and INT4 quantize kernels (`launch_quantize_group`: one launch for
 many tensors) give the bits of the per-tensor kernels for each, checked under the Triton
-interpreter where Triton is importable (skipped in CI, which has no Triton; a subprocess, since
+interpreter where Triton is importable (skipped where Triton is not installed; a subprocess, since
 TRITON_INTERPRET must be set before `@triton.jit` runs). On the GPU it is checked against the
 reference in tests/gpu/test_quant_kernels.py; without CUDA `dispatch.quantize_fp8_blockwise_group`
 is the per-tensor reference, checked in tests/quant/test_strategies.py."""

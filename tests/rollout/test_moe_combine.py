@@ -2,7 +2,7 @@
 
 The reference is the grouped experts' former torch code, itself tested against the per-expert loop
 (tests/rollout/test_grouped_experts.py). The one-launch Triton kernel is checked against it bit for
-bit under the Triton interpreter (where Triton is importable; skipped in CI, which has no Triton),
+bit under the Triton interpreter (where Triton is importable; skipped where Triton is not installed),
 in a subprocess because TRITON_INTERPRET must be set before `@triton.jit` runs; tests/gpu checks
 it on the H200.
 """
@@ -50,7 +50,7 @@ def test_off_cuda_combine_is_the_reference_and_sums_in_ascending_expert_order():
         assert torch.equal(out[tok], acc)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CI)")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_combine_kernel_matches_the_reference_under_the_triton_interpreter():
     run_under_interpreter(str(Path(__file__)), marker="interpreter: combine matches")
 

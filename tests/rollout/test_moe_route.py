@@ -2,8 +2,8 @@
 
 The reference is checked against its definition (rows by expert, then flat index; offsets bound
 each expert's rows; position inverts order). The one-program Triton kernel must give the same
-integers: checked under the Triton interpreter (where Triton is importable; CI has none) and on the
-H200 (tests/gpu/test_engine_moe_gpu.py).
+integers: checked under the Triton interpreter (where Triton is importable; the set-up installs it)
+and on the H200 (tests/gpu/test_moe_route_gpu.py).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def test_reference_sorts_rows_by_expert_then_index_and_bounds_each_expert(t, k, 
     assert check_route(route(idx, experts), r)  # off CUDA: the reference
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CI)")
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_route_kernel_under_the_triton_interpreter():
     run_under_interpreter(str(Path(__file__)), marker="interpreter: route matches")
 

@@ -3,7 +3,7 @@
 On the CPU (CI) this checks the chunk table every end of a sync derives from its layout and the
 torch path `PendingScan` takes without CUDA. The Triton kernel is checked against a torch
 reference of the same partial sums under the Triton interpreter where Triton is importable
-(skipped in CI, which has no Triton; a subprocess, since TRITON_INTERPRET must be set before
+(skipped where Triton is not installed; a subprocess, since TRITON_INTERPRET must be set before
 `@triton.jit` runs), and on the GPU in tests/gpu/test_bytescan.py.
 """
 
