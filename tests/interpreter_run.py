@@ -30,3 +30,21 @@ def run_under_interpreter(script: str, marker: str = "interpreter check passed",
         [sys.executable, script, "--interpret"], env=env, capture_output=True, text=True, timeout=timeout
     )
     assert result.returncode == 0 and marker in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def kernels_on_cpu() -> None:
+    """Set up an interpreter check: torch's exact casts for the interpreter's, and `dispatch.uses_kernel`
+    true for the CPU tensors the interpreter runs kernels on."""
+    import skyq.quant.kernels.dispatch as dispatch
+    from tests.quant.test_kernel_dispatch import _exact_interpreter_casts
+
+    _exact_interpreter_casts()
+    dispatch.uses_kernel = lambda t: True
+
+
+def report(name: str, failures: list) -> None:
+    """End an interpreter check: print `interpreter: <name> matches`, or the failures and exit 1."""
+    if failures:
+        print(f"interpreter: {name} FAILED", failures)
+        sys.exit(1)
+    print(f"interpreter: {name} matches")

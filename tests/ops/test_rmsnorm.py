@@ -18,7 +18,7 @@ import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
 
 from skyq.ops.rmsnorm import RMSNorm, _RMSNormFn, rms_norm, rms_norm_reference
-from tests.interpreter_run import run_under_interpreter, seeded_generator
+from tests.interpreter_run import kernels_on_cpu, report, run_under_interpreter, seeded_generator
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -94,11 +94,7 @@ def check_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> li
 
 
 def _interpreter_main() -> None:
-    import skyq.quant.kernels.dispatch as dispatch
-    from tests.quant.test_kernel_dispatch import _exact_interpreter_casts
-
-    _exact_interpreter_casts()
-    dispatch.uses_kernel = lambda t: True  # the interpreter runs the kernel on CPU tensors
+    kernels_on_cpu()
     gen = seeded_generator()
     failures = []
     for shape, x_dtype, w_dtype in [((1, 128), torch.bfloat16, torch.bfloat16), ((3, 7, 128), torch.bfloat16, torch.bfloat16),
@@ -110,10 +106,7 @@ def _interpreter_main() -> None:
         # the public function takes the kernel here (dispatch says so) and is a plain tensor op
         if not torch.equal(rms_norm(x.to(x_dtype), weight, 1e-6), rms_norm(x.to(x_dtype), weight, 1e-6)):
             failures.append(f"{shape}: not deterministic")
-    if failures:
-        print("interpreter: rms_norm FAILED", failures)
-        sys.exit(1)
-    print("interpreter: rms_norm matches")
+    report("rms_norm", failures)
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:

@@ -17,7 +17,7 @@ import torch
 
 from skyq.ops import rotary
 from skyq.quant.kernels import dispatch
-from tests.interpreter_run import run_under_interpreter, seeded_generator
+from tests.interpreter_run import kernels_on_cpu, report, run_under_interpreter, seeded_generator
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,17 +91,10 @@ def test_rotary_kernel_under_the_triton_interpreter():
 
 
 def _interpreter_main() -> None:
-    import skyq.quant.kernels.dispatch as dispatch
-    from tests.quant.test_kernel_dispatch import _exact_interpreter_casts
-
-    _exact_interpreter_casts()
-    dispatch.uses_kernel = lambda t: True  # the interpreter runs the kernel on CPU tensors
+    kernels_on_cpu()
     rotary.install()
     failures = check_rotary(seeded_generator())
-    if failures:
-        print("interpreter: rotary FAILED", failures)
-        sys.exit(1)
-    print("interpreter: rotary matches")
+    report("rotary", failures)
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:

@@ -20,7 +20,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 from skyq.ops import router
 from skyq.ops.router import TopKRouter, _SelectFn, select_experts, select_experts_reference
 from skyq.quant.kernels import dispatch
-from tests.interpreter_run import run_under_interpreter, seeded_generator
+from tests.interpreter_run import kernels_on_cpu, report, run_under_interpreter, seeded_generator
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = [(1, 32, 4, True), (9, 128, 8, True), (5, 60, 6, False), (3, 384, 8, True), (64, 16, 1, True)]
@@ -98,16 +98,9 @@ def test_router_kernel_under_the_triton_interpreter():
 
 
 def _interpreter_main() -> None:
-    import skyq.quant.kernels.dispatch as dispatch
-    from tests.quant.test_kernel_dispatch import _exact_interpreter_casts
-
-    _exact_interpreter_casts()
-    dispatch.uses_kernel = lambda t: True  # the interpreter runs the kernel on CPU tensors
+    kernels_on_cpu()
     failures = check_select(seeded_generator())
-    if failures:
-        print("interpreter: router FAILED", failures)
-        sys.exit(1)
-    print("interpreter: router matches")
+    report("router", failures)
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from skyq.rollout.moe_combine import combine, combine_reference
-from tests.interpreter_run import run_under_interpreter, seeded_generator
+from tests.interpreter_run import kernels_on_cpu, report, run_under_interpreter, seeded_generator
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,9 +57,8 @@ def test_combine_kernel_matches_the_reference_under_the_triton_interpreter():
 
 def _interpreter_main() -> None:
     from skyq.rollout import moe_combine
-    from tests.quant.test_kernel_dispatch import _exact_interpreter_casts
 
-    _exact_interpreter_casts()
+    kernels_on_cpu()
     gen = seeded_generator()
     failures = []
     for t, k, experts, h, w_dtype in [(1, 4, 8, 300, torch.bfloat16), (7, 8, 32, 256, torch.bfloat16),
@@ -68,10 +67,7 @@ def _interpreter_main() -> None:
         got = moe_combine._combine_triton(down, order, idx, w, torch.bfloat16)
         if not torch.equal(got, combine_reference(down, order, idx, w, torch.bfloat16)):
             failures.append((t, k, experts, h, w_dtype))
-    if failures:
-        print("interpreter: combine FAILED", failures)
-        sys.exit(1)
-    print("interpreter: combine matches")
+    report("combine", failures)
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:

@@ -17,7 +17,7 @@ import torch
 
 from skyq.rollout import moe_route
 from skyq.rollout.moe_route import route, route_reference
-from tests.interpreter_run import run_under_interpreter, seeded_generator
+from tests.interpreter_run import kernels_on_cpu, report, run_under_interpreter, seeded_generator
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = [(1, 4, 32), (7, 8, 128), (64, 8, 128), (64, 4, 32), (5, 1, 3), (13, 2, 4), (100, 5, 16)]
@@ -54,19 +54,14 @@ def test_route_kernel_under_the_triton_interpreter():
 
 
 def _interpreter_main() -> None:
-    import skyq.quant.kernels.dispatch as dispatch
-
-    dispatch.uses_kernel = lambda t: True  # the interpreter runs the kernel on CPU tensors
+    kernels_on_cpu()
     gen = seeded_generator()
     failures = [
         (t, k, experts)
         for t, k, experts in CASES
         if not check_route(route(idx := routing(gen, t, k, experts), experts), route_reference(idx, experts))
     ]
-    if failures:
-        print("interpreter: route FAILED", failures)
-        sys.exit(1)
-    print("interpreter: route matches")
+    report("route", failures)
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:
