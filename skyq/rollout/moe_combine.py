@@ -55,17 +55,6 @@ def combine(
     host sync."""
     if not dispatch.uses_kernel(down):
         return combine_reference(down, order, top_k_index, top_k_weights, dtype)
-    return _combine_triton(down, order, top_k_index, top_k_weights, dtype, position)
-
-
-def _combine_triton(
-    down: Tensor,
-    order: Tensor,
-    top_k_index: Tensor,
-    top_k_weights: Tensor,
-    dtype: torch.dtype,
-    position: Tensor | None = None,
-) -> Tensor:
     import triton
 
     from skyq.rollout.triton_combine import combine_kernel

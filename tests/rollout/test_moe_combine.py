@@ -64,7 +64,7 @@ def _interpreter_main() -> None:
     for t, k, experts, h, w_dtype in [(1, 4, 8, 300, torch.bfloat16), (7, 8, 32, 256, torch.bfloat16),
                                       (5, 6, 12, 513, torch.bfloat16), (3, 1, 4, 64, torch.bfloat16)]:  # fmt: skip
         down, order, idx, w = routed_rows(gen, t, k, experts, h, w_dtype)
-        got = moe_combine._combine_triton(down, order, idx, w, torch.bfloat16)
+        got = moe_combine.combine(down, order, idx, w, torch.bfloat16)  # the kernel (kernels_on_cpu)
         if not torch.equal(got, combine_reference(down, order, idx, w, torch.bfloat16)):
             failures.append((t, k, experts, h, w_dtype))
     report("combine", failures)
