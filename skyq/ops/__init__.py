@@ -10,7 +10,11 @@ kernel modules are imported where they run.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""The dtypes the ops' kernels take; others run the stock formulas."""
 
 
 def install(model: nn.Module) -> list[str]:

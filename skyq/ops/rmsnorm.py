@@ -18,9 +18,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from skyq.ops import FLOAT_DTYPES
 from skyq.quant.kernels import dispatch
 
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 MAX_FEATURES = 16384
 """Rows wider than this take the reference (a program holds one whole row in registers; hidden sizes
 of the supported models are <= 8192)."""
@@ -36,7 +36,7 @@ def rms_norm_reference(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def _kernel_applies(x: Tensor, weight: Tensor) -> bool:
     return (
-        dispatch.uses_kernel(x) and x.dtype in _FLOATS and weight.dtype in _FLOATS and weight.device == x.device
+        dispatch.uses_kernel(x) and x.dtype in FLOAT_DTYPES and weight.dtype in FLOAT_DTYPES and weight.device == x.device
         and weight.ndim == 1 and x.shape[-1] == weight.shape[0] <= MAX_FEATURES and x.numel() > 0
     )  # fmt: skip
 

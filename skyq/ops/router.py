@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from skyq.ops import FLOAT_DTYPES
 from skyq.quant.kernels import dispatch
 
-_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 MAX_EXPERTS = 4096
 MAX_TOP_K = 64
 
@@ -34,7 +34,7 @@ def select_experts_reference(logits: Tensor, top_k: int, norm_topk_prob: bool) -
 
 def _kernel_applies(logits: Tensor, top_k: int) -> bool:
     return (
-        dispatch.uses_kernel(logits) and logits.dtype in _FLOATS and logits.ndim == 2 and logits.shape[0] > 0
+        dispatch.uses_kernel(logits) and logits.dtype in FLOAT_DTYPES and logits.ndim == 2 and logits.shape[0] > 0
         and 0 < top_k <= min(logits.shape[1], MAX_TOP_K) and logits.shape[1] <= MAX_EXPERTS
     )  # fmt: skip
 

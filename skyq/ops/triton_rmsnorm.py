@@ -35,7 +35,7 @@ def launch(x2, weight, y2, eps: float) -> None:
     r, n = x2.shape
     block = triton.next_power_of_2(n)
     rows = max(1, ELEMENTS_PER_PROGRAM // block)
-    warps = 4 if rows * block <= 4096 else 8
+    warps = 4 if block <= ELEMENTS_PER_PROGRAM else 8  # a row wider than a program's share
     rms_norm_kernel[(triton.cdiv(r, rows),)](
         x2, weight, y2, r, n, x2.stride(0), y2.stride(0), eps, 1.0 / n, ROWS=rows, BLOCK=block, num_warps=warps,
     )  # fmt: skip
