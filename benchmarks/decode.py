@@ -14,6 +14,7 @@ overhead is equal and small. tokens/s = batch / step time; medians over repeats 
 
     python benchmarks/decode.py [--layers 8] [--repeats 15] [--fused]
     python benchmarks/decode.py --gluon --fused [--no-sweep]   # + the Triton kernel beside, Gluon sweep
+    python benchmarks/decode.py --only gluon-sweep --shapes 1536x1024 --batches 32 64   # one sweep, any shapes
 """
 
 from __future__ import annotations
@@ -402,7 +403,7 @@ def gluon_sweep(
                 seen.add(key)
                 jobs.append((m, n, k, cfg, pf))
     compile_in_parallel("gluon sweep", jobs, _compile_gluon_jobs)
-    print("gluon sweep: us per call; cfg = BN/KC/split/warps/kwarps/prefetch")
+    print("gluon sweep: us per call; cfg = BM/BN/KC/split/warps/kwarps/prefetch")
     sms = kern.sm_count(torch.device("cuda"))
     best = {}
     for label, n, k in dict.fromkeys((lab, n, k) for lab, n, k, _ in cells):
@@ -436,10 +437,10 @@ def gluon_sweep(
             res.sort(key=lambda r: r[0])
             best[(n, k, m)] = TRITON if res[0][1] == TRITON else res[0][1:]
             top = ", ".join(
-                "triton" if c == TRITON else f"{c[1]}/{c[2]}/{c[3]}/{c[4]}/{c[5]}/{pf} {t * 1e6:.1f}"
+                "triton" if c == TRITON else f"{c[0]}/{c[1]}/{c[2]}/{c[3]}/{c[4]}/{c[5]}/{pf} {t * 1e6:.1f}"
                 for t, c, pf in res[:5]
             )
-            print(f"{label} M={m}: bf16 {tb * 1e6:.1f}, triton {tt * 1e6:.1f}, default {default[1:]} {td * 1e6:.1f}, best {top}",
+            print(f"{label} M={m}: bf16 {tb * 1e6:.1f}, triton {tt * 1e6:.1f}, default {default} {td * 1e6:.1f}, best {top}",
                   flush=True)  # fmt: skip
         del ws, qs
     return best
@@ -491,7 +492,11 @@ def main() -> None:
         help="model with the Triton kernel beside (same run), Gluon sweep, model with the sweep's best",
     )
     ap.add_argument("--cc-only", action="store_true", help="sweep only the CUDA-core kernel (batches <= 4)")
-    ap.add_argument("--only", choices=["model", "per-shape", "sweep", "floor"], default=None)
+    ap.add_argument("--only", choices=["model", "per-shape", "sweep", "gluon-sweep", "floor"], default=None)
+    ap.add_argument(
+        "--shapes", nargs="+", default=None, metavar="NxK",
+        help="sweeps: these weight shapes instead (e.g. small_moe's fused q/k/v and o: 1536x1024 1024x1024)",
+    )  # fmt: skip
     ap.add_argument("--fused", action="store_true", help="q/k/v and gate/up as one weight each, both sides")
     ap.add_argument(
         "--scales-in-loop-max-m", type=int, default=None,
@@ -516,9 +521,14 @@ def main() -> None:
     if args.only == "floor":
         per_call_floor(gen)
         return
-    if args.only == "sweep":
+    if args.only in ("sweep", "gluon-sweep"):
         shapes = FUSED_SWEEP_SHAPES if args.fused else SWEEP_SHAPES
-        sweep(gen, args.batches, deadline, args.sweep_log, shapes, args.cc_only)
+        if args.shapes:
+            shapes = {s: tuple(int(d) for d in s.split("x")) for s in args.shapes}
+        if args.only == "sweep":
+            sweep(gen, args.batches, deadline, args.sweep_log, shapes, args.cc_only)
+        else:
+            gluon_sweep(gen, args.batches, shapes, deadline, args.sweep_log)
         return
     layers = make_layers(args.layers, gen, args.fused)
     fp8 = [{name: dispatch.quantize_fp8_blockwise(w) for name, w in layer.items()} for layer in layers]

@@ -13,6 +13,7 @@ the median wall time of a `generate` call (after one untimed call, which capture
     python benchmarks/engine_decode.py [--batches 1 8 16 32 64] [--new-tokens 64] [--repeats 5]
         [--layers 4 --hidden 1024 --experts 32 --top-k 4 --expert-width 768 --vocab 32]
     python benchmarks/engine_decode.py --profile [--batches 1 64]   # where a graphed step's time goes
+    python benchmarks/engine_decode.py --ops [--batches 64]         # which operators (eager) launch it
 """
 
 from __future__ import annotations
@@ -107,6 +108,28 @@ def profile(engine: EmbeddedEngine, prompts: list[list[int]], new_tokens: int, l
         print(f"  {e.device_time_total / new_tokens:>8.1f} us {e.count / new_tokens:>6.1f}x  {e.key[:90]}")
 
 
+def profile_ops(
+    engine: EmbeddedEngine, prompts: list[list[int]], new_tokens: int, label: str, top: int
+) -> None:
+    """Per torch operator and input shapes: the device time of its own kernels a decode step, from one
+    `generate` call through the graph mode's fixed-capacity cache, its steps launched eagerly (which
+    operator a kernel of the graphed step's profile comes from)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    engine.decode_mode = "static"  # the graph mode's StaticCache, not captured
+    engine.generate(prompts, n=1, max_new_tokens=new_tokens, temperature=1.0, top_p=1.0, seed=0)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU], record_shapes=True) as prof:
+        engine.generate(prompts, n=1, max_new_tokens=new_tokens, temperature=1.0, top_p=1.0, seed=1)
+        torch.cuda.synchronize()
+    ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.self_device_time_total > 0]
+    print(f"\n{label}: operators by their own device time a step")
+    for e in sorted(ops, key=lambda e: -e.self_device_time_total)[:top]:
+        print(f"  {e.self_device_time_total / new_tokens:>8.1f} us {e.count / new_tokens:>6.1f}x  {e.key[:40]:<40} "
+              f"{str(e.input_shapes)[:110]}")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16, 32, 64])
@@ -120,6 +143,7 @@ def main() -> None:
     ap.add_argument("--expert-width", type=int, default=768)
     ap.add_argument("--vocab", type=int, default=32)
     ap.add_argument("--profile", action="store_true", help="per-kernel device time of the graph mode instead")
+    ap.add_argument("--ops", action="store_true", help="per operator and input shapes, eager mode, instead")
     ap.add_argument("--top", type=int, default=15, help="kernels listed per profile")
     args = ap.parse_args()
     device = torch.cuda.get_device_name()
@@ -132,11 +156,17 @@ def main() -> None:
     prompts = {
         b: torch.randint(0, args.vocab, (b, args.prompt_len), generator=gen).tolist() for b in args.batches
     }
-    if args.profile:
+    if args.profile or args.ops:
         for precision in PRECISIONS:
             engine = engine_for(model_cfg, precision, True, gen_seed=1)
             for b in args.batches:
-                profile(engine, prompts[b], args.new_tokens, f"{precision} graph, batch {b}", args.top)
+                (profile_ops if args.ops else profile)(
+                    engine,
+                    prompts[b],
+                    args.new_tokens,
+                    f"{precision} {'static eager' if args.ops else 'graph'}, batch {b}",
+                    args.top,
+                )
         return
     results: dict[tuple[str, str, int], float] = {}
     for precision in PRECISIONS:

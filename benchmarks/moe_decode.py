@@ -10,17 +10,25 @@ decode. Times are wall-clock per call after a sync (the loop syncs with the host
 routed experts; the grouped path does not, so it is also shown replayed from a CUDA graph).
 
     python benchmarks/moe_decode.py [--tokens 1 4 16 64] [--repeats 20]
+
+`--sweep` times the grouped FP8 kernel alone (`gluon_fp8_gemv.linear_grouped`) at each tiling of
+`--configs` beside bf16's `torch._grouped_mm` on the same routed rows, per projection (the stacked
+gate+up, down), graphed over `--layers` copies of the weights in turn (the decode step reads each
+layer's experts once, so L2 holds none of them), for a model's expert shape:
+
+    python benchmarks/moe_decode.py --sweep [--shape a3b|small_moe] [--tokens 1 8 16 32 64]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from skyq.config.enums import Precision
 from skyq.config.schema import PrecisionConfig
@@ -82,12 +90,100 @@ def graphed(fn, repeats: int) -> float:
     return wall(g.replay, repeats)
 
 
+SWEEP_SHAPES = {  # (hidden, expert width, experts, top-k)
+    "a3b": (HIDDEN, INTER, EXPERTS, TOP_K),
+    "small_moe": (1024, 768, 32, 4),
+}
+SWEEP_CONFIGS = [  # (BM, warps, kwarps); BN = 16 weight rows a warp, KC = 128
+    (8, 1, 1), (8, 1, 2), (8, 1, 4), (8, 1, 8), (16, 1, 1), (16, 1, 2), (16, 1, 4), (16, 1, 8),
+    (8, 2, 1), (8, 2, 2), (16, 2, 1), (16, 2, 2), (32, 1, 1), (32, 1, 2),
+]  # fmt: skip
+
+
+def routed(tokens: int, experts: int, top_k: int, gen: torch.Generator) -> Tensor:
+    """int32 offsets [E + 1] of `tokens` tokens routed to top_k distinct uniform experts each."""
+    idx = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    counts = torch.bincount(idx.flatten(), minlength=experts)
+    return torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32).cuda()
+
+
+def graphed_calls(fns, repeats: int) -> float:
+    """Median seconds per call of a CUDA graph replaying every fn of `fns` once, in turn."""
+    return graphed(lambda: [fn() for fn in fns], repeats) / len(fns)
+
+
+def sweep(args, gen: torch.Generator) -> None:
+    from skyq.quant import fp8_blockwise
+    from skyq.quant.kernels import gluon_fp8_gemv
+    from skyq.quant.kernels.triton_fp8_gemv import sm_count
+    from skyq.rollout.quantized_linear import bf16_grouped_linear
+
+    hidden, inter, experts, top_k = SWEEP_SHAPES[args.shape]
+    sms = sm_count(torch.device("cuda"))
+    print(f"{args.shape}: {experts} experts x (gate+up {2 * inter}x{hidden}, down {hidden}x{inter}), top-{top_k}, "
+          f"{args.layers} weight copies in turn; us a call, graphed")  # fmt: skip
+    rows = []
+    for proj, (n, k) in {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}.items():
+        cuda_gen = torch.Generator(device="cuda").manual_seed(1)
+        ws = [
+            (torch.randn(experts, n, k, generator=cuda_gen, device="cuda") * 0.02).to(torch.bfloat16)
+            for _ in range(args.layers)
+        ]
+        qs = [fp8_blockwise.quantize(w) for w in ws]
+        for t in args.tokens:
+            offs = routed(t, experts, top_k, gen)
+            x = torch.randn(t * top_k, k, generator=gen).to(torch.bfloat16).cuda()
+            with torch.inference_mode():
+                tb = graphed_calls(
+                    [functools.partial(bf16_grouped_linear, x, w, offs) for w in ws], args.repeats
+                )
+                default = gluon_fp8_gemv.grouped_tiling(t * top_k, experts, n, k, 128, sms)
+                ref = bf16_grouped_linear(x, fp8_blockwise.dequantize(*qs[0]), offs).float()
+                best = None
+                line = []
+                for bm, warps, kw in [tuple(default[i] for i in (0, 4, 5))] + SWEEP_CONFIGS:
+                    cfg = (bm, 16 * warps, 128, 1, warps, kw)
+                    out = gluon_fp8_gemv.linear_grouped(
+                        x, *qs[0], offs, block_size=(128, 128), sms=sms, config=cfg
+                    )
+                    err = float((out.float() - ref).norm() / ref.norm())
+                    if not err < 1e-2:
+                        raise AssertionError(f"{proj} {t} tokens config {cfg}: relative error {err:.2e}")
+                    tf = graphed_calls(
+                        [functools.partial(gluon_fp8_gemv.linear_grouped, x, *q, offs, block_size=(128, 128),
+                                           sms=sms, config=cfg) for q in qs],
+                        args.repeats,
+                    )  # fmt: skip
+                    line.append(f"{bm}/{warps}/{kw} {tf * 1e6:.1f}")
+                    if best is None or tf < best[0]:
+                        best = (tf, (bm, warps, kw))
+                    if len(line) == 1:
+                        tdef = tf
+            print(f"{proj} {t:>3} tok: bf16 {tb * 1e6:.1f} | default " + " | ".join(line), flush=True)
+            rows.append((proj, t, tb, tdef, best))
+    device = torch.cuda.get_device_name()
+    print(f"\n{'metric':<58} {'ours':>9} {'baseline':>9} {'ratio':>6}  device")
+    for proj, t, tb, tdef, (tbest, cfg) in rows:
+        print(f"{f'{args.shape} {proj} us, {t} tok: fp8 default / bf16':<58} {tdef * 1e6:>9.1f} {tb * 1e6:>9.1f}"
+              f" {tb / tdef:>6.2f}  {device}")  # fmt: skip
+        print(f"{f'{args.shape} {proj} us, {t} tok: fp8 best {cfg} / bf16':<58} {tbest * 1e6:>9.1f} "
+              f"{tb * 1e6:>9.1f} {tb / tbest:>6.2f}  {device}")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true", help="the grouped FP8 kernel's tilings alone (see above)")
+    ap.add_argument("--shape", choices=sorted(SWEEP_SHAPES), default="a3b")
+    ap.add_argument("--layers", type=int, default=4, help="weight copies a sweep rotates through")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
+    if args.sweep:
+        print(
+            f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
+        )
+        return sweep(args, gen)
     device = torch.cuda.get_device_name()
     print(f"device {device}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
     bf16, fp8 = build(gen)

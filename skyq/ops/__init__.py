@@ -20,15 +20,17 @@ FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def install(model: nn.Module) -> list[str]:
     """skyq's ops in a transformers Qwen3-MoE model: its RMSNorm modules become `rmsnorm.RMSNorm`,
     its routers `router.TopKRouter` (each keeping its parameter object and name), and the modeling
-    module's rotary function `rotary.apply_rotary_pos_emb`. Returns the replaced module names.
-    Every model skyq builds, the trainer's and the engine's, goes through this."""
+    module's rotary function `rotary.apply_rotary_pos_emb`, and a model attending with `sdpa` attends
+    with `attention.sdpa_attention_forward` (decode without copying the KV cache). Returns the
+    replaced module names. Every model skyq builds, the trainer's and the engine's, goes through this."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm, Qwen3MoeTopKRouter
 
-    from skyq.ops import rotary
+    from skyq.ops import attention, rotary
     from skyq.ops.rmsnorm import RMSNorm
     from skyq.ops.router import TopKRouter
 
     rotary.install()
+    attention.install(model)
     replaced = []
     for name, module in list(model.named_modules()):
         if type(module) is Qwen3MoeRMSNorm:

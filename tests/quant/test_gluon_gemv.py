@@ -143,17 +143,23 @@ def test_uneven_k_fp32_activations_row_scales_and_prefetch_variants_compile():
             assert "ldmatrix" not in ptx and "mma.sync.aligned.m16n8k16" in ptx, kw
 
 
-@pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 16, 31, 64, 100])
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 9, 16, 17, 31, 33, 64, 100])
 @pytest.mark.parametrize(
-    ("n", "k"), [(5120, 2048), (2048, 4096), (12288, 2048), (2048, 6144), (512, 2048), (64, 128), (768, 2048)]
-)
+    ("n", "k"),
+    [(5120, 2048), (2048, 4096), (12288, 2048), (2048, 6144), (512, 2048), (64, 128), (768, 2048), (1536, 1024),
+     (1024, 384)],
+)  # fmt: skip
 def test_tiling_gives_launchable_configs(m, n, k):
     bm, bn, kc, split, warps, kwarps = g.tiling(m, n, k, 128, 132)
+    assert (bn, warps, kc) == (16, 1, 128)
+    steps = -(-k // kc)
+    if m > 16:  # row tiles of 8 (<= 32 rows) or 16, 4 K warps where there are >= 2 steps each
+        assert (bm, split) == ((8 if m <= 32 else 16), 1)
+        assert kwarps == max(w for w in (1, 2, 4) if w == 1 or steps >= 2 * w)
+        return
     top = min(64, max(8, 1 << (m - 1).bit_length()))
     split_batch = top == 16 and -(-n // 16) < 1.5 * 132  # 9-16 rows as two 8-row tiles
     assert bm == (8 if split_batch else top)
-    assert (bn, warps, kc) == (16, 1, 128)
-    steps = -(-k // kc)
     tiles = -(-n // bn) * -(-m // bm)
     assert kwarps in (1, 2, 4, 8, 16) and (kwarps == 1 or steps >= 2 * kwarps)
     if kwarps < 16 and steps >= 4 * kwarps:  # stopped by the warp count of the weight tiles

@@ -433,7 +433,18 @@ def tiling(m: int, n: int, k: int, block_k: int, sms: int) -> tuple[int, int, in
     6.8 -> 5.9 us (4 K warps), o 2048 x 4096 6.5 -> 5.8 (8), gate/up 12288 x 2048 10.5 -> 10.1 (2),
     against session 8's 64-row tiles on 4 warps split 4-16 ways, whose split fix-up (an atomic
     and a reload of the partials by the last program) cost ~1.7 us a call; at 16 rows o 7.5 -> 7.0
-    and down 6144 x 2048 9.3 -> 8.8 with two 8-row tiles."""
+    and down 6144 x 2048 9.3 -> 8.8 with two 8-row tiles.
+    More than 16 rows (small weights only, `triton_fp8_gemv.GLUON_SMALL_WEIGHT`): tiles of 8 rows (at
+    most 32 rows) or 16, each program re-reading its weight tile from L2, and 4 K warps where K has
+    >= 8 steps: the best or within 0.4 us of it in every cell of the session-15 sweep of 1536 x
+    1024, 1024 x 1024 and 2048 x 2048 at 24-64 rows, where the batch in one 32- or 64-row tile took
+    up to 1.7x as long."""
+    if m > 16:
+        steps = cdiv(k, min(128, block_k))
+        kwarps = 1
+        while kwarps < 4 and steps >= 4 * kwarps:
+            kwarps *= 2
+        return (8 if m <= 32 else 16), 16, min(128, block_k), 1, 1, kwarps
     bm = min(64, max(8, triton.next_power_of_2(m)))
     weight_tiles = cdiv(n, 16)
     if bm == 16 and weight_tiles < 1.5 * sms:
@@ -511,10 +522,11 @@ def grouped_tiling(
     rows: int, experts: int, n: int, k: int, block_k: int, sms: int
 ) -> tuple[int, int, int, int, int, int]:
     """(BM, BN, KC, split, warps, kwarps) of `linear_grouped` for `rows` routed rows over `experts`:
-    BM 8 or 16 by the mean rows an expert (a tile loops past it), 16 weight rows a warp, 128-column
-    steps, the K range on up to 4 warps while the active experts' tiles give fewer than ~7.5
+    BM 8 or 16 by the mean rows an expert (a tile loops past it; 16 above a mean of 6: on the H200 at
+    small_moe's mean of 8, 64 tokens, gate+up 26.8 -> 21.4 us, down equal; `benchmarks/moe_decode.py
+    --sweep`, session 15), 16 weight rows a warp, 128-column steps, the K range on up to 4 warps while the active experts' tiles give fewer than ~7.5
     warps an SM (the experts with rows are taken to be min(experts, rows))."""
-    bm = 8 if rows <= 8 * experts else 16
+    bm = 8 if rows <= 6 * experts else 16
     kc = min(128, block_k)
     tiles = cdiv(n, 16) * max(1, min(experts, rows))
     steps = cdiv(k, kc)

@@ -58,13 +58,25 @@ under the interpreter, or with an explicit `config`, `_gemv_kernel`. False: `_ge
 (the A/B in benchmarks/decode.py)."""
 
 GLUON_MAX_M = 16
-"""Batches of more rows go to `_gemv_kernel`: the Gluon kernel holds each warp's activation tile in
+"""Batches of more rows go to `_gemv_kernel` (but see `GLUON_SMALL_WEIGHT`): the Gluon kernel holds each warp's activation tile in
 registers (they grow with the rows), and on the H200 (benchmarks/decode.py --gluon, session 8) its
 best variant lost to `_gemv_kernel` at 32 and 64 rows in every fused shape (e.g. the fused q/k/v at
 64 rows 18.3 vs 13.9 us) while winning at 1-16 (5.9 vs 8.4 us at one row, session 9). Rechecked with
 its codes loaded evict-first (session 10): at 64 rows no Gluon variant beat it (q/k/v 13.8 us both), at 32
 rows the best won q/k/v and o by <= 0.5 us and lost down (the model with each cell's best: 1.05 vs 1.03x
 bf16 at 32 rows, 0.88 at 64)."""
+
+GLUON_SMALL_WEIGHT = 1 << 22
+"""Weights of at most this many elements take the Gluon kernel at up to `DECODE_ROWS` rows too, the
+rows in tiles of 8 or 16 that re-read the weight tile from L2 (`gluon_fp8_gemv.tiling`). Such a
+weight gives `_gemv_kernel`'s 64 x 64 tiles too few programs to fill the GPU (24 for small_moe's fused
+q/k/v, 1536 x 1024). On the H200 (`benchmarks/decode.py --only gluon-sweep --shapes ... --batches 24 32
+48 64`, session 15), us a call, Triton / Gluon at 32 and 64 rows: 1536 x 1024 6.4 / 3.8 and 9.5 / 4.8,
+1024 x 1024 6.4 / 3.3 and 9.4 / 4.1, 2048 x 2048 7.1 / 5.9 and 10.1 / 7.6 (bf16 4.7, 4.6, 6.2-6.4);
+from 5120 x 2048 (10.5M) up the two were within ~1 us or Triton won (12288 x 2048: 14.7 vs 14.7+)."""
+
+DECODE_ROWS = 64
+"""The most rows `GLUON_SMALL_WEIGHT` weights send to the Gluon kernel (the engine's decode batches)."""
 
 PDL = False
 """Opt-in programmatic dependent launch (CUDA devices of compute capability >= 9, Triton >= 3.3):
@@ -338,9 +350,12 @@ def launch_options(bm: int, bn: int, split_tiles: int) -> tuple[int, int]:
 
 
 def _gluon_applies(x: Tensor, q: Tensor, block_size: tuple[int, int]) -> bool:
-    """The Gluon kernel takes this launch (see `GLUON`): it reads q as int32 words of four codes."""
+    """The Gluon kernel takes this launch (see `GLUON`, `GLUON_SMALL_WEIGHT`): it reads q as int32
+    words of four codes."""
     return (
-        GLUON and _gluon is not None and x.device.type == "cuda" and x.numel() <= GLUON_MAX_M * x.shape[-1]
+        GLUON and _gluon is not None and x.device.type == "cuda"
+        and (x.numel() <= GLUON_MAX_M * x.shape[-1]
+             or (x.numel() <= DECODE_ROWS * x.shape[-1] and q.numel() <= GLUON_SMALL_WEIGHT))
         and _has_e4m3_cvt(x.device.index or 0)
         and _gluon.supports(block_size) and q.stride(1) == 1 and q.shape[1] % 4 == 0
         and q.stride(0) % 4 == 0 and q.storage_offset() % 4 == 0

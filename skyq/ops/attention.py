@@ -1,0 +1,88 @@
+"""Scaled-dot-product attention for transformers' models, without a copy of the KV cache at decode.
+
+With grouped-query attention (fewer key/value heads than query heads) transformers' `sdpa` function, in
+the releases the GPU image carries (5.17), expands every key and value head to its query heads whenever a
+mask is given (`repeat_kv`: a copy of the whole cache per layer and step), and the engine always gives
+one: a padded batch, a fixed-capacity cache. At decode the query is one token, so the query heads of a
+group can instead be that group's query rows: q [B, H, 1, D] becomes [B, Hkv, H / Hkv, D] against the
+cache's own [B, Hkv, T, D], a mask shared by the heads broadcast over the rows. Each head's attention
+is the same; nothing is copied. Later transformers releases do the same themselves (`pack_gqa`); this
+gives every release skyq supports that decode. On the H200 (0.31B MoE, batch 64, 64 cache positions)
+the copies were 87 us of a ~760 us step (docs/benchmarks.md, session 15).
+
+Everything else goes to transformers' own function: more than one query position (prefill, the
+trainer's and the engine's scoring), no mask (there transformers asks torch for `enable_gqa`, no copy
+either), position biases, soft caps, attention outputs. So the trainer's attention is transformers'
+bit for bit, as is the engine's scoring of whole sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+NAME = "skyq_sdpa"
+"""The attention implementation name `install` registers and sets on a model that uses `sdpa`."""
+
+
+def _packs(
+    module: nn.Module, query: Tensor, key: Tensor, attention_mask: Tensor | None, kwargs: dict
+) -> bool:
+    groups = getattr(module, "num_key_value_groups", 1)
+    return (
+        query.shape[2] == 1 and groups > 1 and attention_mask is not None and attention_mask.ndim == 4
+        and attention_mask.shape[1] in (1, query.shape[1]) and query.shape[1] == key.shape[1] * groups
+        and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
+        and not kwargs.get("output_attentions", False)
+    )  # fmt: skip
+
+
+def sdpa_attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """transformers' attention-function signature: query [B, H, Tq, D], key / value [B, Hkv, T, D],
+    mask [B, 1 or H, Tq, T] or None; returns ([B, Tq, H, D], None). One query position with a mask
+    and grouped heads: the heads of a group as its query rows (see the module docstring); otherwise
+    transformers' `sdpa_attention_forward`."""
+    if not _packs(module, query, key, attention_mask, kwargs):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward as stock
+
+        return stock(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    b, h, _, d = query.shape
+    hkv = key.shape[1]
+    q = query.reshape(b, hkv, h // hkv, d)
+    mask = attention_mask
+    if mask.shape[1] != 1:  # one mask row per head: the heads' rows of their group
+        mask = mask.reshape(mask.shape[0], hkv, h // hkv, mask.shape[-1])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=False
+    )
+    return out.reshape(out.shape[0], 1, h, value.shape[-1]), None
+
+
+def register() -> None:
+    """Make `NAME` an attention implementation transformers knows, with `sdpa`'s mask (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(NAME, sdpa_attention_forward)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def install(model: nn.Module) -> bool:
+    """A transformers model that attends with `sdpa` attends with `sdpa_attention_forward` instead;
+    returns whether it changed (other implementations, e.g. `eager` or flash, are left as they are)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    register()
+    model.set_attn_implementation(NAME)
+    return config._attn_implementation == NAME
