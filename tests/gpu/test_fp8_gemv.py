@@ -296,13 +296,13 @@ def test_decode_dispatches_to_the_gluon_kernel_where_it_applies(gen):
 
     q, s, x = _weight_and_input(gen, 512, 2048, (128, 128), 4)
     assert kern._gluon_applies(x, q, (128, 128))
-    assert not kern._gluon_applies(torch.zeros(kern.GLUON_MAX_M + 1, 2048, device=x.device), q, (128, 128))
     assert not kern._gluon_applies(x, q[:, :2046], (128, 128))  # rows not 4-byte aligned
     assert not kern._gluon_applies(x, q, (128, 32))
-    # more rows only for weights too small to fill the GPU with the Triton kernel's tiles
+    # more than GLUON_MAX_M rows only for weights too small to fill the GPU with the Triton kernel's tiles
     small, _, _ = _weight_and_input(gen, 1536, 1024, (128, 128), 1)
     big, _, _ = _weight_and_input(gen, 5120, 2048, (128, 128), 1)
-    for rows in (17, 24, 33, 64):
+    assert kern._gluon_applies(torch.zeros(kern.GLUON_MAX_M, 2048, device=x.device), big, (128, 128))
+    for rows in (kern.GLUON_MAX_M + 1, 24, 33, 64):
         assert kern._gluon_applies(torch.zeros(rows, 1024, device=x.device), small, (128, 128))
         assert not kern._gluon_applies(torch.zeros(rows, 2048, device=x.device), big, (128, 128))
     assert not kern._gluon_applies(torch.zeros(kern.DECODE_ROWS + 1, 1024, device=x.device), small, (128, 128))
