@@ -305,7 +305,9 @@ def test_decode_dispatches_to_the_gluon_kernel_where_it_applies(gen):
     for rows in (kern.GLUON_MAX_M + 1, 24, 33, 64):
         assert kern._gluon_applies(torch.zeros(rows, 1024, device=x.device), small, (128, 128))
         assert not kern._gluon_applies(torch.zeros(rows, 2048, device=x.device), big, (128, 128))
-    assert not kern._gluon_applies(torch.zeros(kern.DECODE_ROWS + 1, 1024, device=x.device), small, (128, 128))
+    assert not kern._gluon_applies(
+        torch.zeros(kern.DECODE_ROWS + 1, 1024, device=x.device), small, (128, 128)
+    )
     a = dispatch.fp8_weight_only_linear(x, q, s)
     kern.GLUON = False
     try:
