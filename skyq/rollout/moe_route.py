@@ -4,8 +4,8 @@
 expert's rows are contiguous for the grouped GEMMs. In torch that is a stable argsort, an arange, a
 searchsorted, a gather, a cast and a division, then an inverse-permutation scatter in the combine:
 a radix sort and ~8 small kernels a layer, more than the experts' GEMMs take at decode sizes
-(benchmarks/engine_decode.py --profile). `route` computes the same integers in one Triton program by
-counting: an entry's place is the number of entries with a smaller expert, or the same expert and a
+(benchmarks/engine_decode.py --profile). `route` computes the same integers in one Triton launch by
+counting (each program ranks 64 entries against all of them): an entry's place is the number of entries with a smaller expert, or the same expert and a
 smaller index; expert e's first row is the number of entries below e. Integers, so the result is the
 reference's exactly (tests/rollout/test_moe_route.py under the Triton interpreter, tests/gpu).
 """
@@ -20,8 +20,14 @@ from torch import Tensor
 from skyq.quant.kernels import dispatch
 
 KERNEL_MAX_ENTRIES = 512
-"""Routed rows (tokens x k) the one-program kernel takes (64 decode tokens x top-8); more take the
+"""Routed rows (tokens x k) the kernel takes (64 decode tokens x top-8); more take the
 reference (prefill)."""
+
+
+ROWS_PER_PROGRAM = 64
+"""Entries one program of the kernel ranks (each also bounds its share of the experts): the counting
+is quadratic: 256 entries in one program took ~5.4 us a layer on the H200 (batch 64, top-4; 21 us of
+the 577 us fp8 step of small_moe, benchmarks/engine_decode.py --profile, session 15)."""
 
 
 class Route(NamedTuple):
@@ -66,9 +72,11 @@ def route(top_k_index: Tensor, num_experts: int) -> Route:
     order, position, token = (torch.empty(n, dtype=torch.int64, device=device) for _ in range(3))
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
     nb = max(16, triton.next_power_of_2(n))
-    route_kernel[(1,)](
+    eb = max(16, triton.next_power_of_2(num_experts + 1))
+    programs = max(1, nb // ROWS_PER_PROGRAM)  # a power of two
+    route_kernel[(programs,)](
         top_k_index, order, position, offsets, token, n, num_experts,
-        K=top_k_index.shape[-1], NB=nb, CHUNK=min(nb, 32), EB=max(16, triton.next_power_of_2(num_experts + 1)),
-        num_warps=8 if nb >= 256 else 4,
+        K=top_k_index.shape[-1], NB=nb, CHUNK=min(nb, 32), BI=nb // programs, BE=max(16, eb // programs),
+        num_warps=4,
     )  # fmt: skip
     return Route(order, position, offsets, token)

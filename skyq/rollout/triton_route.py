@@ -9,16 +9,18 @@ import triton.language as tl
 @triton.jit(do_not_specialize=["n", "E"])
 def route_kernel(
     idx_ptr, order_ptr, pos_ptr, off_ptr, tok_ptr, n, E,
-    K: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr, EB: tl.constexpr,
+    K: tl.constexpr, NB: tl.constexpr, CHUNK: tl.constexpr, BI: tl.constexpr, BE: tl.constexpr,
 ):  # fmt: skip
-    """One program. Entry i (expert idx[i]) goes to row rank(i) = #{j: idx[j] < idx[i] or (idx[j] ==
-    idx[i] and j < i)}; offsets[e] = #{j: idx[j] < e}, e in [0, E]."""
-    i = tl.arange(0, NB)
+    """Program p takes entries [p * BI, (p + 1) * BI) and experts [p * BE, (p + 1) * BE). Entry i
+    (expert idx[i]) goes to row rank(i) = #{j: idx[j] < idx[i] or (idx[j] == idx[i] and j < i)};
+    offsets[e] = #{j: idx[j] < e}, e in [0, E]. Each program reads all NB entries, CHUNK at a time."""
+    pid = tl.program_id(0)
+    i = pid * BI + tl.arange(0, BI)
     big = 2**62
     key_i = tl.load(idx_ptr + i, mask=i < n, other=big).to(tl.int64)
-    e = tl.arange(0, EB).to(tl.int64)
-    rank = tl.zeros([NB], dtype=tl.int32)
-    below = tl.zeros([EB], dtype=tl.int32)
+    e = (pid * BE + tl.arange(0, BE)).to(tl.int64)
+    rank = tl.zeros([BI], dtype=tl.int32)
+    below = tl.zeros([BE], dtype=tl.int32)
     for j0 in tl.static_range(0, NB, CHUNK):
         j = j0 + tl.arange(0, CHUNK)
         key_j = tl.load(idx_ptr + j, mask=j < n, other=big).to(tl.int64)
