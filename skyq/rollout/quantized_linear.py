@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from skyq.config.enums import Precision
+from skyq.ops.swiglu import is_silu, silu_mul
 from skyq.quant.kernels import dispatch
 from skyq.quant.layouts import Role
 from skyq.quant.strategies import QuantizationStrategy, WireSpec
@@ -218,7 +219,11 @@ class WireExperts(nn.ModuleList):
         else:
             gate = self._grouped(first.gate_proj, "gate_proj", xs, offsets, decode)
             up = self._grouped(first.up_proj, "up_proj", xs, offsets, decode)
-        down = self._grouped(first.down_proj, "down_proj", first.act_fn(gate) * up, offsets, decode)
+        if decode and is_silu(first.act_fn):  # one launch (prefill keeps the trainer's torch ops)
+            act = silu_mul(gate, up)
+        else:
+            act = first.act_fn(gate) * up
+        down = self._grouped(first.down_proj, "down_proj", act, offsets, decode)
         return combine(down, order, top_k_index, top_k_weights, hidden_states.dtype, position=position)
 
     def _grouped(self, linear: nn.Module, proj: str, x: Tensor, offsets: Tensor, decode: bool) -> Tensor:

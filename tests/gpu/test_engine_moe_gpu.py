@@ -51,10 +51,14 @@ def test_engine_scores_moe_decode_rows_through_grouped_launches(request, monkeyp
         owner, name = quantized_linear.dispatch, "fp8_grouped_weight_only_linear"
     grouped_fn = getattr(owner, name)
     monkeypatch.setattr(owner, name, lambda *a, **k: calls.append(1) or grouped_fn(*a, **k))
+    fused = []
+    silu_mul = quantized_linear.silu_mul
+    monkeypatch.setattr(quantized_linear, "silu_mul", lambda *a: fused.append(1) or silu_mul(*a))
     # gate and up share one launch where they share one stack (bf16 here; FP8 needs whole scale blocks)
     launches = sum(2 if "gate_up_proj" in m.stacked else 3 for m in experts)
     grouped = engine.score(ids, mask)
     assert len(calls) == launches
+    assert len(fused) == len(experts)  # silu(gate) * up in one launch a layer
     assert torch.equal(engine.score(ids, mask), grouped)
     for m in experts:
         m.stacked = {}
