@@ -72,8 +72,8 @@ rows in tiles of 8 or 16 that re-read the weight tile from L2 (`gluon_fp8_gemv.t
 weight gives `_gemv_kernel`'s 64 x 64 tiles too few programs to fill the GPU (24 for small_moe's fused
 q/k/v, 1536 x 1024). On the H200 (`benchmarks/decode.py --only gluon-sweep --shapes ... --batches 24 32
 48 64`, session 15), us a call, Triton / Gluon at 32 and 64 rows: 1536 x 1024 6.4 / 3.8 and 9.5 / 4.8,
-1024 x 1024 6.4 / 3.3 and 9.4 / 4.1, 2048 x 2048 7.1 / 5.9 and 10.1 / 7.6 (bf16 4.7, 4.6, 6.2-6.4);
-from 5120 x 2048 (10.5M) up the two were within ~1 us or Triton won (12288 x 2048: 14.7 vs 14.7+)."""
+1024 x 1024 6.4 / 3.3 and 9.4 / 4.2, 2048 x 2048 7.1 / 6.1 and 10.1 / 7.6 (bf16 4.7, 4.6, 6.2-6.4);
+from 5120 x 2048 (10.5M) up Triton won or the best Gluon variant (a tiling per cell) won by <= 1.9 us."""
 
 DECODE_ROWS = 64
 """The most rows `GLUON_SMALL_WEIGHT` weights send to the Gluon kernel (the engine's decode batches)."""
