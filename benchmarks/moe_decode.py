@@ -11,8 +11,8 @@ routed experts; the grouped path does not, so it is also shown replayed from a C
 
     python benchmarks/moe_decode.py [--tokens 1 4 16 64] [--repeats 20]
 
-`--sweep` times the grouped FP8 kernel alone (`gluon_fp8_gemv.linear_grouped`) at each tiling of
-`--configs` beside bf16's `torch._grouped_mm` on the same routed rows, per projection (the stacked
+`--sweep` times the grouped FP8 kernel alone (`gluon_fp8_gemv.linear_grouped`) at its default tiling
+and each of SWEEP_CONFIGS beside bf16's `torch._grouped_mm` on the same routed rows, per projection (the stacked
 gate+up, down), graphed over `--layers` copies of the weights in turn (the decode step reads each
 layer's experts once, so L2 holds none of them), for a model's expert shape:
 

@@ -5,8 +5,9 @@ expert's rows are contiguous for the grouped GEMMs. In torch that is a stable ar
 searchsorted, a gather, a cast and a division, then an inverse-permutation scatter in the combine:
 a radix sort and ~8 small kernels a layer, more than the experts' GEMMs take at decode sizes
 (benchmarks/engine_decode.py --profile). `route` computes the same integers in one Triton launch by
-counting (each program ranks 64 entries against all of them): an entry's place is the number of entries with a smaller expert, or the same expert and a
-smaller index; expert e's first row is the number of entries below e. Integers, so the result is the
+counting (each program ranks 64 entries against all of them): an entry's place is the number of
+entries with a smaller expert, or the same expert and a smaller index; expert e's first row is the
+number of entries below e. Integers, so the result is the
 reference's exactly (tests/rollout/test_moe_route.py under the Triton interpreter, tests/gpu).
 """
 

@@ -58,8 +58,8 @@ under the interpreter, or with an explicit `config`, `_gemv_kernel`. False: `_ge
 (the A/B in benchmarks/decode.py)."""
 
 GLUON_MAX_M = 16
-"""Batches of more rows go to `_gemv_kernel` (but see `GLUON_SMALL_WEIGHT`): the Gluon kernel holds each warp's activation tile in
-registers (they grow with the rows), and on the H200 (benchmarks/decode.py --gluon, session 8) its
+"""Batches of more rows go to `_gemv_kernel` (but see `GLUON_SMALL_WEIGHT`): the Gluon kernel holds
+each warp's activation tile in registers (they grow with the rows), and on the H200 (benchmarks/decode.py --gluon, session 8) its
 best variant lost to `_gemv_kernel` at 32 and 64 rows in every fused shape (e.g. the fused q/k/v at
 64 rows 18.3 vs 13.9 us) while winning at 1-16 (5.9 vs 8.4 us at one row, session 9). Rechecked with
 its codes loaded evict-first (session 10): at 64 rows no Gluon variant beat it (q/k/v 13.8 us both), at 32
