@@ -194,3 +194,26 @@ def test_non_finite_logits_fail_the_call_naming_the_step(engines, run_cfg, mode)
         engine.model.lm_head.weight[3] = float("inf")
     with pytest.raises(RuntimeError, match="non-finite logits at decode step 0"):
         engine.generate(prompts, n=2, max_new_tokens=3, seed=0, **SAMPLING)
+
+
+def test_static_decode_attends_over_the_grouped_cache_without_expanding_it(engines, run_cfg, monkeypatch):
+    """The fixed-capacity cache always comes with a mask; each one-token step's attention runs on the
+    key/value heads as cached, a group's query heads as its rows (`skyq.ops.attention`), never on a
+    cache expanded to every query head (transformers' `repeat_kv`)."""
+    _, static = engines("bf16")
+    config = static.model.config
+    groups = config.num_attention_heads // config.num_key_value_heads
+    assert groups > 1 and config._attn_implementation == "skyq_sdpa"
+    shapes = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(
+        torch.nn.functional, "scaled_dot_product_attention",
+        lambda q, k, v, *a, **kw: shapes.append((tuple(q.shape), tuple(k.shape))) or sdpa(q, k, v, *a, **kw),
+    )  # fmt: skip
+    prompts = [p.token_ids for p in build_task(run_cfg().task, seed=0).prompts(0, 2)]
+    static.generate(prompts[:1], n=3, max_new_tokens=4, seed=5, **SAMPLING)
+    prompt_len = len(prompts[0])
+    steps = [(q, k) for q, k in shapes if q[2] != prompt_len]  # the one-token steps (rows stop at eos)
+    assert steps and len(steps) % config.num_hidden_layers == 0
+    assert all(q[1:3] == (config.num_key_value_heads, groups) for q, k in steps)  # a group's heads as rows
+    assert all(k[1] == config.num_key_value_heads for _, k in shapes)  # no expanded cache anywhere
