@@ -77,12 +77,9 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, sdpa_mask)
 
 
-def install(model: nn.Module) -> bool:
-    """A transformers model that attends with `sdpa` attends with `sdpa_attention_forward` instead;
-    returns whether it changed (other implementations, e.g. `eager` or flash, are left as they are)."""
-    config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) != "sdpa":
-        return False
-    register()
-    model.set_attn_implementation(NAME)
-    return config._attn_implementation == NAME
+def install(model: nn.Module) -> None:
+    """A transformers model that attends with `sdpa` attends with `sdpa_attention_forward` instead
+    (other implementations, e.g. `eager` or flash, are left as they are)."""
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) == "sdpa":
+        register()
+        model.set_attn_implementation(NAME)

@@ -47,5 +47,5 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     from skyq.ops import triton_swiglu
 
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    triton_swiglu.launch(gate, up, out, exact_exp=gate.is_cuda)
+    triton_swiglu.launch(gate, up, out)
     return out

@@ -34,11 +34,12 @@ def silu_mul_kernel(g_ptr, u_ptr, y_ptr, W, sg, su, sy, BLOCK: tl.constexpr, EXA
     tl.store(y_ptr + r * sy + c, (a * u).to(y_ptr.dtype.element_ty), mask=ok)
 
 
-def launch(gate, up, out, *, exact_exp: bool) -> None:
-    """gate, up, out [R, I], unit stride along I."""
+def launch(gate, up, out) -> None:
+    """gate, up, out [R, I], unit stride along I; libdevice's exp on CUDA, `tl.exp` under the
+    interpreter (CPU tensors)."""
     r, i = gate.shape
     block = min(BLOCK, triton.next_power_of_2(i))
     silu_mul_kernel[(r, triton.cdiv(i, block))](
         gate, up, out, i, gate.stride(0), up.stride(0), out.stride(0), BLOCK=block,
-        EXACT_EXP=exact_exp and libdevice is not None, num_warps=4 if block >= 512 else 1,
+        EXACT_EXP=gate.is_cuda and libdevice is not None, num_warps=4 if block >= 512 else 1,
     )  # fmt: skip

@@ -439,17 +439,17 @@ def tiling(m: int, n: int, k: int, block_k: int, sms: int) -> tuple[int, int, in
     >= 8 steps: the best or within 0.4 us of it in every cell of the session-15 sweep of 1536 x
     1024, 1024 x 1024 and 2048 x 2048 at 24-64 rows, where the batch in one 32- or 64-row tile took
     up to 1.7x as long."""
+    kc = min(128, block_k)
     if m > 16:
-        steps = cdiv(k, min(128, block_k))
+        steps = cdiv(k, kc)
         kwarps = 1
         while kwarps < 4 and steps >= 4 * kwarps:
             kwarps *= 2
-        return (8 if m <= 32 else 16), 16, min(128, block_k), 1, 1, kwarps
+        return (8 if m <= 32 else 16), 16, kc, 1, 1, kwarps
     bm = min(64, max(8, triton.next_power_of_2(m)))
     weight_tiles = cdiv(n, 16)
     if bm == 16 and weight_tiles < 1.5 * sms:
         bm = 8
-    kc = min(128, block_k)
     tiles = weight_tiles * cdiv(m, bm)
     steps = cdiv(k, kc)
     kwarps = 1

@@ -76,7 +76,8 @@ q/k/v, 1536 x 1024). On the H200 (`benchmarks/decode.py --only gluon-sweep --sha
 from 5120 x 2048 (10.5M) up Triton won or the best Gluon variant (a tiling per cell) won by <= 1.9 us."""
 
 DECODE_ROWS = 64
-"""The most rows `GLUON_SMALL_WEIGHT` weights send to the Gluon kernel (the engine's decode batches)."""
+"""The most rows `GLUON_SMALL_WEIGHT` weights send to the Gluon kernel: the engine's decode batches
+(`skyq.rollout.quantized_linear.DECODE_MAX_ROWS`, which this kernel layer does not import)."""
 
 PDL = False
 """Opt-in programmatic dependent launch (CUDA devices of compute capability >= 9, Triton >= 3.3):
