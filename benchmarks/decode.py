@@ -15,6 +15,7 @@ overhead is equal and small. tokens/s = batch / step time; medians over repeats 
     python benchmarks/decode.py [--layers 8] [--repeats 15] [--fused]
     python benchmarks/decode.py --gluon --fused [--no-sweep]   # + the Triton kernel beside, Gluon sweep
     python benchmarks/decode.py --only gluon-sweep --shapes 1536x1024 --batches 32 64   # one sweep, any shapes
+    python benchmarks/decode.py --only large --batches 64 128 256 512 1024   # dense linears past 64 rows
 """
 
 from __future__ import annotations
@@ -189,6 +190,42 @@ def per_shape(gen: torch.Generator, batches: list[int]) -> None:
             print(f"{label:>22} {m:>3} {tb * 1e6:8.1f} {tf * 1e6:8.1f} {2 * n * k / tb / 1e12:9.2f} "
                   f"{fp8_bytes / tf / 1e12:9.2f} {tb / tf:7.2f}", flush=True)  # fmt: skip
         del ws, qs
+
+
+LARGE_SHAPES = {"small_moe q/k/v 1536x1024": (1536, 1024), "small_moe o 1024x1024": (1024, 1024),
+                "a3b q/k/v 5120x2048": (5120, 2048), "a3b o 2048x4096": (2048, 4096)}  # fmt: skip
+
+
+def large(gen: torch.Generator, batches: list[int]) -> None:
+    """A dense linear at decode batches past 64 rows: bf16, the FP8 weight-only kernel, and the FP8
+    weight dequantized then multiplied (the engine's path above `DECODE_MAX_ROWS`), graphed over
+    rotating weight copies; shapes of the engine's attention projections."""
+    print("\nus per call: bf16 | fp8 weight-only kernel | fp8 dequantized + bf16 GEMM")
+    device = torch.cuda.get_device_name()
+    rows = []
+    with torch.inference_mode(), dispatch.deferred_finite_checks(max_pending=1 << 30):
+        for label, (n, k) in LARGE_SHAPES.items():
+            ws, qs = rotated(n, k, gen)
+            for m in batches:
+                x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+                tb = time_per_call([lambda w=w, x=x: torch.matmul(x, w.T) for w in ws])
+                tk = time_per_call(
+                    [lambda q=q, s=s, x=x: dispatch.fp8_weight_only_linear(x, q, s) for q, s in qs]
+                )
+                td = time_per_call(
+                    [lambda q=q, s=s, x=x: torch.matmul(x, dispatch.dequantize_fp8_blockwise(q, s).T) for q, s in qs]
+                )  # fmt: skip
+                print(
+                    f"{label:>26} {m:>5} rows: {tb * 1e6:7.1f} | {tk * 1e6:7.1f} | {td * 1e6:7.1f}",
+                    flush=True,
+                )
+                rows.append((label, m, tb, tk, td))
+            del ws, qs
+    print(f"\n{'metric':<58} {'ours':>9} {'baseline':>9} {'ratio':>6}  device")
+    for label, m, tb, tk, td in rows:
+        for name, ours in (("kernel", tk), ("dequantized", td)):
+            print(f"{f'{label} us, {m} rows: fp8 {name} / bf16':<58} {ours * 1e6:>9.1f} {tb * 1e6:>9.1f}"
+                  f" {tb / ours:>6.2f}  {device}")  # fmt: skip
 
 
 SWEEP_SHAPES = {"q 4096x2048": (4096, 2048), "k/v 512x2048": (512, 2048), "o 2048x4096": (2048, 4096),
@@ -492,7 +529,9 @@ def main() -> None:
         help="model with the Triton kernel beside (same run), Gluon sweep, model with the sweep's best",
     )
     ap.add_argument("--cc-only", action="store_true", help="sweep only the CUDA-core kernel (batches <= 4)")
-    ap.add_argument("--only", choices=["model", "per-shape", "sweep", "gluon-sweep", "floor"], default=None)
+    ap.add_argument(
+        "--only", choices=["model", "per-shape", "sweep", "gluon-sweep", "floor", "large"], default=None
+    )
     ap.add_argument(
         "--shapes", nargs="+", default=None, metavar="NxK",
         help="sweeps: these weight shapes instead (e.g. small_moe's fused q/k/v and o: 1536x1024 1024x1024)",
@@ -520,6 +559,9 @@ def main() -> None:
         return
     if args.only == "floor":
         per_call_floor(gen)
+        return
+    if args.only == "large":
+        large(gen, args.batches)
         return
     if args.only in ("sweep", "gluon-sweep"):
         shapes = FUSED_SWEEP_SHAPES if args.fused else SWEEP_SHAPES

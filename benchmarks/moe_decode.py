@@ -17,6 +17,13 @@ gate+up, down), graphed over `--layers` copies of the weights in turn (the decod
 layer's experts once, so L2 holds none of them), for a model's expert shape:
 
     python benchmarks/moe_decode.py --sweep [--shape a3b|small_moe] [--tokens 1 8 16 32 64]
+
+`--large` times the paths of a large decode step (more tokens than `DECODE_MAX_ROWS`), per projection,
+graphed over `--layers` weight copies like the sweep: bf16's `torch._grouped_mm`, the grouped FP8 kernel
+at its default tiling, and each FP8 stack dequantized then `torch._grouped_mm` (what every step above
+64 tokens did before session 16), for both model shapes:
+
+    python benchmarks/moe_decode.py --large [--tokens 64 128 256 512 1024]
 """
 
 from __future__ import annotations
@@ -124,12 +131,7 @@ def sweep(args, gen: torch.Generator) -> None:
           f"{args.layers} weight copies in turn; us a call, graphed")  # fmt: skip
     rows = []
     for proj, (n, k) in {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}.items():
-        cuda_gen = torch.Generator(device="cuda").manual_seed(1)
-        ws = [
-            (torch.randn(experts, n, k, generator=cuda_gen, device="cuda") * 0.02).to(torch.bfloat16)
-            for _ in range(args.layers)
-        ]
-        qs = [fp8_blockwise.quantize(w) for w in ws]
+        ws, qs = _stacks(experts, n, k, args.layers)
         for t in args.tokens:
             offs = routed(t, experts, top_k, gen)
             x = torch.randn(t * top_k, k, generator=gen).to(torch.bfloat16).cuda()
@@ -170,6 +172,63 @@ def sweep(args, gen: torch.Generator) -> None:
               f"{tb * 1e6:>9.1f} {tb / tbest:>6.2f}  {device}")  # fmt: skip
 
 
+def _stacks(experts: int, n: int, k: int, layers: int) -> tuple[list[Tensor], list[tuple[Tensor, Tensor]]]:
+    """`layers` random bf16 [E, N, K] expert stacks on the GPU and their FP8 blockwise quantization."""
+    from skyq.quant import fp8_blockwise
+
+    cuda_gen = torch.Generator(device="cuda").manual_seed(1)
+    ws = [
+        (torch.randn(experts, n, k, generator=cuda_gen, device="cuda") * 0.02).to(torch.bfloat16)
+        for _ in range(layers)
+    ]
+    return ws, [fp8_blockwise.quantize(w) for w in ws]
+
+
+def large(args, gen: torch.Generator) -> None:
+    from skyq.quant.kernels import dispatch, gluon_fp8_gemv
+    from skyq.quant.kernels.triton_fp8_gemv import sm_count
+    from skyq.rollout.quantized_linear import bf16_grouped_linear
+
+    sms = sm_count(torch.device("cuda"))
+    device = torch.cuda.get_device_name()
+
+    def dequantized(x, q, s, offs):
+        return bf16_grouped_linear(x, dispatch.dequantize_fp8_blockwise(q, s), offs)
+
+    print(f"{args.layers} weight copies in turn; us a call, graphed")
+    rows = []
+    with torch.inference_mode(), dispatch.deferred_finite_checks(max_pending=1 << 30):
+        for shape in ("small_moe", "a3b"):
+            hidden, inter, experts, top_k = SWEEP_SHAPES[shape]
+            for proj, (n, k) in {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}.items():
+                ws, qs = _stacks(experts, n, k, args.layers)
+                for t in args.tokens:
+                    offs = routed(t, experts, top_k, gen)
+                    x = torch.randn(t * top_k, k, generator=gen).to(torch.bfloat16).cuda()
+                    tb = graphed_calls(
+                        [functools.partial(bf16_grouped_linear, x, w, offs) for w in ws], args.repeats
+                    )
+                    tk = graphed_calls(
+                        [functools.partial(gluon_fp8_gemv.linear_grouped, x, *q, offs, block_size=(128, 128), sms=sms)
+                         for q in qs], args.repeats,
+                    )  # fmt: skip
+                    td = graphed_calls(
+                        [functools.partial(dequantized, x, *q, offs) for q in qs], args.repeats
+                    )
+                    bm = gluon_fp8_gemv.grouped_tiling(t * top_k, experts, n, k, 128, sms)[0]
+                    print(f"{shape} {proj} {t:>5} tok ({t * top_k / experts:.0f} rows an expert, BM {bm}): bf16 "
+                          f"{tb * 1e6:.1f} | fp8 kernel {tk * 1e6:.1f} | fp8 dequantized {td * 1e6:.1f}", flush=True)  # fmt: skip
+                    rows.append((shape, proj, t, tb, tk, td))
+                del ws, qs
+    print(f"\n{'metric':<58} {'ours':>9} {'baseline':>9} {'ratio':>6}  device")
+    for shape, proj, t, tb, tk, td in rows:
+        for label, ours, base in (
+            (f"{shape} {proj} us, {t} tok: fp8 kernel / bf16", tk, tb),
+            (f"{shape} {proj} us, {t} tok: fp8 kernel / fp8 dequantized", tk, td),
+        ):
+            print(f"{label:<58} {ours * 1e6:>9.1f} {base * 1e6:>9.1f} {base / ours:>6.2f}  {device}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64])
@@ -177,8 +236,14 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="the grouped FP8 kernel's tilings alone (see above)")
     ap.add_argument("--shape", choices=sorted(SWEEP_SHAPES), default="a3b")
     ap.add_argument("--layers", type=int, default=4, help="weight copies a sweep rotates through")
+    ap.add_argument("--large", action="store_true", help="the paths of a large decode step (see above)")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
+    if args.large:
+        print(
+            f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"
+        )
+        return large(args, gen)
     if args.sweep:
         print(
             f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"

@@ -29,10 +29,13 @@ stays valid across weight updates (`load_weights` copies into the same tensors).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor, nn
 
 from skyq.quant.kernels import _common
+from skyq.rollout.quantized_linear import decode_step
 
 CAPACITY_STEP = 64
 """Cache capacities are multiples of this many positions (prompt + new tokens rounded up)."""
@@ -60,8 +63,10 @@ def cache_capacity(positions: int) -> int:
 
 
 def _last_logits(model: nn.Module, cache_kwarg: str, cache, ids: Tensor) -> Tensor:
-    """[B, V] logits of the last position of `ids` [B, T], the cache extended by T positions."""
-    out = model(input_ids=ids, **{cache_kwarg: cache}, use_cache=True, logits_to_keep=1)
+    """[B, V] logits of the last position of `ids` [B, T], the cache extended by T positions. A
+    one-token step runs inside `decode_step` (the engine's decode paths at any batch)."""
+    with decode_step() if ids.shape[1] == 1 else contextlib.nullcontext():
+        out = model(input_ids=ids, **{cache_kwarg: cache}, use_cache=True, logits_to_keep=1)
     return out.logits[:, -1]
 
 

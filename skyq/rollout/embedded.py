@@ -41,6 +41,7 @@ from skyq.rollout.quantized_linear import (
     SharedInput,
     WireExperts,
     WireLinear,
+    decode_step,
     plain_linear,
     rows_stackable,
 )
@@ -402,7 +403,9 @@ class EmbeddedEngine:
         probe = torch.empty((rows, self.model.config.hidden_size), dtype=torch.bfloat16, device=self.device)
         if Precision(self.precision_cfg.name) is Precision.fp8_blockwise and not dispatch.uses_kernel(probe):
             return False
-        return all(m.capturable(probe) for m in self.model.modules() if isinstance(m, WireExperts))
+        top_k = self.model.config.num_experts_per_tok
+        with decode_step():  # what the step's forward will see
+            return all(m.capturable(probe, top_k) for m in self.model.modules() if isinstance(m, WireExperts))
 
     def _sample_rows(
         self,

@@ -13,8 +13,10 @@ HF tensor (`experts.{e}.{gate,up,down}_proj`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +33,46 @@ from skyq.rollout.moe_route import route
 TensorFn = Callable[[Tensor], Tensor]
 
 DECODE_MAX_ROWS = 64
-"""Largest row count (tokens in one forward) sent to the FP8 weight-only decode kernel."""
+"""Largest row count (tokens in one forward) sent to the FP8 weight-only decode kernel in any forward
+(a dense linear's limit in every forward: above it, on the H200, its dequantize + GEMM and the
+kernel were both ~0.5x bf16, the kernel ahead only at 128 rows of the larger shapes)."""
+
+GROUPED_DECODE_MAX_MEAN_ROWS = 64
+"""In a decode step (`decode_step`), the grouped FP8 weight-only kernel takes the routed experts while
+they hold at most this many rows each on average (above: each stack dequantized, one grouped GEMM).
+On the H200 (`benchmarks/moe_decode.py --large`, session 16) the kernel beat dequantize + grouped GEMM
+at every mean up to 64 rows (Qwen3-30B-A3B's experts at 1024 tokens, top-8: gate+up 512 vs 651 us),
+and lost above it (small_moe's at 128 rows each: 132 vs 110 us)."""
+
+_DECODE_STEP: ContextVar[bool] = ContextVar("skyq_decode_step", default=False)
+
+
+@contextlib.contextmanager
+def decode_step() -> Iterator[None]:
+    """Mark the forwards inside as the engine's one-token decode steps (each row one new token; the
+    decoders wrap every such step, its graph capture included). Their outputs need not carry the
+    trainer's bits (the engine's scoring and prefill do), so the experts and the shared q/k/v
+    projections compute from their stacks at any batch: no copy of a gate+up stack's halves, FP8
+    experts through the grouped weight-only kernel (`GROUPED_DECODE_MAX_MEAN_ROWS`) instead of
+    dequantizing every expert each step. Without it, a batch above `DECODE_MAX_ROWS` rows took the
+    prefill path every step: on the H200 at 128 rows of two Qwen3-30B-A3B-shaped layers, 1.9 ms a
+    step copying bf16 stacks and 1.2 ms more dequantizing FP8 ones."""
+    token = _DECODE_STEP.set(True)
+    try:
+        yield
+    finally:
+        _DECODE_STEP.reset(token)
+
+
+def in_decode_step() -> bool:
+    """Whether the current forward is inside `decode_step`."""
+    return _DECODE_STEP.get()
+
+
+def _decode_sized(x: Tensor) -> bool:
+    """x's rows (all but its last dim) take the decode paths: at most `DECODE_MAX_ROWS`, or a
+    decode step's."""
+    return x.numel() // max(x.shape[-1], 1) <= DECODE_MAX_ROWS or in_decode_step()
 
 
 class WireLinear(nn.Module):
@@ -159,7 +200,7 @@ class WireExperts(nn.ModuleList):
         return out
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        if self._grouped_applies(hidden_states):
+        if self._grouped_applies(hidden_states, top_k_index.shape[-1]):
             return self._grouped_forward(hidden_states, top_k_index, top_k_weights)
         out = torch.zeros_like(hidden_states)
         for expert in torch.unique(top_k_index).tolist():
@@ -168,23 +209,31 @@ class WireExperts(nn.ModuleList):
             out.index_add_(0, token_idx, expert_out.to(out.dtype))
         return out
 
-    def _grouped_applies(self, x: Tensor) -> bool:
+    def _fp8_kernel_takes(self, tokens: int, top_k: int) -> bool:
+        """FP8 stacks whose `tokens` x `top_k` routed rows go to the grouped weight-only kernel: up
+        to `DECODE_MAX_ROWS` tokens in any forward; in a decode step (`decode_step`) while the
+        experts hold at most `GROUPED_DECODE_MAX_MEAN_ROWS` rows each on average."""
+        return self.stacked["gate_proj"][1] is not None and (
+            tokens <= DECODE_MAX_ROWS
+            or (in_decode_step() and tokens * top_k <= GROUPED_DECODE_MAX_MEAN_ROWS * len(self))
+        )
+
+    def _grouped_applies(self, x: Tensor, top_k: int) -> bool:
         """Stacked experts on CUDA, bf16 tokens: FP8 decode sizes take the grouped weight-only
         kernel; everything else (bf16 experts, FP8 prefill) `torch._grouped_mm`, which needs sm_90+."""
         if not (self.stacked and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] > 0):
             return False
-        fp8_decode = self.stacked["gate_proj"][1] is not None and x.shape[0] <= DECODE_MAX_ROWS
-        if not fp8_decode and not _bf16_grouped_mm_on(x.device):
+        if not self._fp8_kernel_takes(x.shape[0], top_k) and not _bf16_grouped_mm_on(x.device):
             return False
         return all(self._stack_is_live(p) for p in self.PROJECTIONS)
 
-    def capturable(self, x: Tensor) -> bool:
-        """A forward of x's shape launches without a host sync (so a CUDA graph can capture it): the
-        grouped path applies and, for FP8 decode sizes, the grouped kernel takes every projection
-        (elsewhere the per-expert form reads the offsets on the host)."""
-        if not self._grouped_applies(x):
+    def capturable(self, x: Tensor, top_k: int) -> bool:
+        """A forward of x's shape, `top_k` experts a token, launches without a host sync (so a CUDA
+        graph can capture it): the grouped path applies and, where the FP8 grouped kernel is meant
+        to, it takes every projection (elsewhere the per-expert form reads the offsets on the host)."""
+        if not self._grouped_applies(x, top_k):
             return False
-        if self.stacked["gate_proj"][1] is None or x.shape[0] > DECODE_MAX_ROWS:
+        if not self._fp8_kernel_takes(x.shape[0], top_k):
             return True
         from skyq.quant.kernels import triton_fp8_gemv
 
@@ -208,25 +257,30 @@ class WireExperts(nn.ModuleList):
         """The loop's result from rows sorted by expert: each projection one grouped launch, then each
         token's expert outputs added in ascending expert order in the output dtype, as the loop's
         `index_add_` calls do (`moe_combine.combine`: one launch on CUDA)."""
-        t = top_k_index.shape[0]
+        t, k = top_k_index.shape
         # rows by expert, then token (the loop's row order); expert e's rows: no host sync
         order, position, offsets, token = route(top_k_index, len(self))
         first = self[0]
         xs = hidden_states[token]
-        decode = t <= DECODE_MAX_ROWS
+        decode = t <= DECODE_MAX_ROWS or in_decode_step()
+        kernel = self._fp8_kernel_takes(t, k)
         if decode and "gate_up_proj" in self.stacked:  # one launch (and one activation quantization)
-            gate, up = self._grouped(first.gate_proj, "gate_up_proj", xs, offsets, decode).chunk(2, dim=-1)
+            gate, up = self._grouped(first.gate_proj, "gate_up_proj", xs, offsets, decode, kernel).chunk(
+                2, dim=-1
+            )
         else:
-            gate = self._grouped(first.gate_proj, "gate_proj", xs, offsets, decode)
-            up = self._grouped(first.up_proj, "up_proj", xs, offsets, decode)
+            gate = self._grouped(first.gate_proj, "gate_proj", xs, offsets, decode, kernel)
+            up = self._grouped(first.up_proj, "up_proj", xs, offsets, decode, kernel)
         if decode and is_silu(first.act_fn):  # one launch (prefill keeps the trainer's torch ops)
             act = silu_mul(gate, up)
         else:
             act = first.act_fn(gate) * up
-        down = self._grouped(first.down_proj, "down_proj", act, offsets, decode)
+        down = self._grouped(first.down_proj, "down_proj", act, offsets, decode, kernel)
         return combine(down, order, top_k_index, top_k_weights, hidden_states.dtype, position=position)
 
-    def _grouped(self, linear: nn.Module, proj: str, x: Tensor, offsets: Tensor, decode: bool) -> Tensor:
+    def _grouped(
+        self, linear: nn.Module, proj: str, x: Tensor, offsets: Tensor, decode: bool, kernel: bool
+    ) -> Tensor:
         q, s = self.stacked[proj]
         if not decode:
             # prefill / scoring: each projection's own GEMM, as the trainer's experts compute it (a
@@ -236,7 +290,9 @@ class WireExperts(nn.ModuleList):
             return bf16_grouped_linear(x, q, offsets)
         if linear.activation is not None:
             x = linear.activation(x)
-        if not decode:  # prefill: the whole stack dequantized once, one grouped GEMM
+        if (
+            not kernel
+        ):  # prefill, or a decode step above the kernel's rows: the stack dequantized once, one GEMM
             name = linear.hf_name.replace(".experts.0.", ".experts.*.")
             w = dispatch.dequantize_fp8_blockwise(
                 q, s, block_size=linear.strategy.block(), dtype=x.dtype, name=name
@@ -373,11 +429,11 @@ class SharedInput:
             member.shared, member.slot = self, slot
 
     def applies(self, x: Tensor) -> bool:
-        """Decode-sized bf16 input on CUDA, every member still a view of the stack."""
+        """Decode-sized bf16 input on CUDA (`_decode_sized`), every member still a view of the stack."""
         return (
             x.is_cuda
             and x.dtype == torch.bfloat16
-            and x.numel() // max(x.shape[-1], 1) <= DECODE_MAX_ROWS
+            and _decode_sized(x)
             and all(
                 m.weight.data_ptr() == self.weight[a].data_ptr()
                 for m, a in zip(self.members, self.bounds, strict=False)
@@ -404,4 +460,9 @@ class SharedInput:
             return F.linear(x, self.weight)
         if lead.activation is not None:
             x = lead.activation(x)
+        if x.numel() // max(x.shape[-1], 1) > DECODE_MAX_ROWS:  # a large decode step: one dequantized stack
+            w = dispatch.dequantize_fp8_blockwise(
+                self.weight, self.scale, block_size=lead.strategy.block(), dtype=x.dtype, name=lead.hf_name
+            )
+            return F.linear(x, w)
         return dispatch.fp8_weight_only_linear(x, self.weight, self.scale, lead.strategy.block())

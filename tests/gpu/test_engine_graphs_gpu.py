@@ -103,17 +103,40 @@ def test_a_non_finite_activation_in_a_replay_raises_the_eager_error(request):
 
 
 @pytest.mark.parametrize("precision", ["fp8_blockwise", "bf16"])
-def test_batches_past_the_decode_rows_are_captured_too(request, precision):
-    """A step of more than DECODE_MAX_ROWS rows (dense FP8 weights dequantized in the step, the
-    experts' stacks dequantized into one grouped GEMM) has no host sync either: captured, replayed,
-    and equal to the static engine bit for bit."""
+def test_batches_past_the_decode_rows_are_captured_too(request, monkeypatch, precision):
+    """A step of more than DECODE_MAX_ROWS rows (dense FP8 weights dequantized in the step) has no
+    host sync either: captured, replayed, and equal to the static engine bit for bit. Its experts
+    take the decode paths (`quantized_linear.decode_step`): FP8 through the grouped weight-only
+    kernel, no expert stack dequantized in a step; bf16 on the stacks as they are, no copy."""
+    from skyq.rollout import quantized_linear as ql
+
     graph, static, _, cfg = _engines(request, precision)
     graph.eos_token_id = static.eos_token_id = -1  # every row decodes every step: replays happen
+    stacks = [
+        q for m in graph.model.modules() if isinstance(m, ql.WireExperts) for q, _ in m.stacked.values()
+    ]
+    kernel, dequantized, bf16 = [], [], []
+    real_kernel, real_dequant, real_bf16 = (
+        dispatch.fp8_grouped_weight_only_linear, dispatch.dequantize_fp8_blockwise, ql.bf16_grouped_linear
+    )  # fmt: skip
+    monkeypatch.setattr(dispatch, "fp8_grouped_weight_only_linear",
+                        lambda *a, **k: kernel.append(ql.in_decode_step()) or real_kernel(*a, **k))  # fmt: skip
+    monkeypatch.setattr(dispatch, "dequantize_fp8_blockwise",
+                        lambda *a, **k: dequantized.append((ql.in_decode_step(), k.get("name")))
+                        or real_dequant(*a, **k))  # fmt: skip
+    monkeypatch.setattr(ql, "bf16_grouped_linear",
+                        lambda x, w, o: bf16.append((ql.in_decode_step(), any(w is q for q in stacks)))
+                        or real_bf16(x, w, o))  # fmt: skip
     prompts = [p.token_ids for p in build_task(cfg.task, seed=0).prompts(0, 1)]
     a = graph.generate(prompts, n=80, max_new_tokens=4, seed=0, **SAMPLING)
-    assert a == static.generate(prompts, n=80, max_new_tokens=4, seed=0, **SAMPLING)
     ((key, decoder),) = graph._decoders.items()
     assert key[0] == 96 and decoder._graph is not None and decoder.replays > 0
+    assert not any(step and ".experts." in (name or "") for step, name in dequantized)
+    if precision == "fp8_blockwise":
+        assert kernel and all(kernel)  # the warm-up step and the capture
+    else:
+        assert any(step for step, _ in bf16) and all(stack for step, stack in bf16 if step)
+    assert a == static.generate(prompts, n=80, max_new_tokens=4, seed=0, **SAMPLING)
 
 
 @pytest.mark.parametrize("precision", ["mxfp8", "int4_qat"])

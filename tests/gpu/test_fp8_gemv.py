@@ -265,7 +265,17 @@ def test_the_gluon_kernel_is_the_bf16_weight_product(gen, n, k, block, m, config
     ("n", "k", "block"),
     [(1536, 2048, (128, 128)), (2048, 768, (128, 128)), (301, 1000, (128, 128)), (200, 512, (64, 128))],
 )
-@pytest.mark.parametrize("rows", [[1, 0, 3, 0, 0, 2, 1, 1], [0, 17, 5, 40, 0, 2, 0, 0], [64], [0, 0, 9, 0]])
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [1, 0, 3, 0, 0, 2, 1, 1],
+        [0, 17, 5, 40, 0, 2, 0, 0],
+        [64],
+        [0, 0, 9, 0],
+        [130, 33, 0, 97],
+        [40, 70, 31, 64, 50],
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_grouped_kernel_is_each_experts_bf16_weight_product(gen, n, k, block, rows, dtype):
     """`gluon_fp8_gemv.linear_grouped` (one launch over the experts, rows sorted by expert): each

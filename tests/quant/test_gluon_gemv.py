@@ -217,6 +217,8 @@ def test_the_k_groups_cover_every_column_once(k, kc, split, kwarps):
         ((8, 16, 128, 1, 1, 1), "bf16", True),
         ((16, 16, 128, 1, 1, 2), "bf16", False),
         ((8, 16, 128, 1, 1, 4), "fp32", True),
+        ((32, 16, 128, 1, 1, 1), "bf16", True),
+        ((32, 16, 128, 1, 1, 4), "bf16", False),
     ],
 )
 def test_the_grouped_kernel_is_the_decode_loop_per_expert_and_row_tile(config, x_dtype, even_k):
@@ -231,3 +233,15 @@ def test_the_grouped_kernel_is_the_decode_loop_per_expert_and_row_tile(config, x
     assert ptx.count(mma) == single.count(mma) > 0
     assert ptx.count("evict_first") == single.count("evict_first") > 0  # the code loads, masked or not
     assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "experts", "bm"),
+    [(1, 8, 128, 8), (64, 8, 128, 8), (128, 8, 128, 16), (192, 8, 128, 16), (256, 8, 128, 32), (1024, 8, 128, 32),
+     (64, 4, 32, 16), (128, 4, 32, 32), (512, 4, 32, 32)],
+)  # fmt: skip
+def test_grouped_tiling_row_tile_grows_with_the_rows_an_expert(tokens, top_k, experts, bm):
+    """The grouped kernel's row tile by the mean rows an expert (H200 sweeps, sessions 15 / 16):
+    8 up to a mean of 6, 16 up to 12, 32 above (the large decode steps)."""
+    got = g.grouped_tiling(tokens * top_k, experts, 1536, 2048, 128, 132)
+    assert got[0] == bm and got[1:4] == (16, 128, 1)

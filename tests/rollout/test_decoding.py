@@ -217,3 +217,31 @@ def test_static_decode_attends_over_the_grouped_cache_without_expanding_it(engin
     assert steps and len(steps) % config.num_hidden_layers == 0
     assert all(q[1:3] == (config.num_key_value_heads, groups) for q, k in steps)  # a group's heads as rows
     assert all(k[1] == config.num_key_value_heads for _, k in shapes)  # no expanded cache anywhere
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "static"])
+def test_one_token_steps_run_as_decode_steps_and_prefill_and_scoring_do_not(engines, run_cfg, mode):
+    """Every one-token forward of the decode loop runs inside `quantized_linear.decode_step` (the
+    decode paths at any batch); the prompt's prefill and `score` (teacher-forced, the trainer's bits)
+    run outside it."""
+    from skyq.rollout.quantized_linear import WireExperts, in_decode_step
+
+    dynamic, static = engines("fp8_blockwise")
+    engine = dynamic if mode == "dynamic" else static
+    seen = []
+    experts = next(m for m in engine.model.modules() if isinstance(m, WireExperts))
+    handle = experts.register_forward_pre_hook(
+        lambda _m, args: seen.append((args[0].shape[0], in_decode_step()))
+    )
+    try:
+        prompts = [p.token_ids for p in build_task(run_cfg().task, seed=0).prompts(0, 1)]
+        engine.generate(prompts, n=3, max_new_tokens=4, seed=5, **SAMPLING)
+        prefill, *steps = seen
+        assert prefill == (3 * len(prompts[0]), False)
+        assert steps and all(step for _, step in steps) and {rows for rows, _ in steps} == {3}
+        seen.clear()
+        ids = torch.tensor([prompts[0]])
+        engine.score(ids, torch.ones_like(ids))
+        assert seen == [(len(prompts[0]), False)]
+    finally:
+        handle.remove()

@@ -241,3 +241,88 @@ def test_bf16_experts_stack_their_weights_and_the_grouped_forward_is_the_loop(mo
         assert torch.equal(experts._grouped_forward(hidden, index, weights), loop)
     grouped = experts._grouped_forward(hidden, index, weights).float()
     assert float((grouped - loop.float()).norm() / loop.float().norm()) < 1e-2
+
+
+def _spy(monkeypatch, name: str, calls: list, module=quantized_linear.dispatch):
+    real = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        calls.append(args[1])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+
+
+def test_a_large_decode_step_takes_the_grouped_kernel_on_the_stacks(monkeypatch):
+    """In a decode step (`decode_step`) of more tokens than `DECODE_MAX_ROWS`, FP8 experts holding at
+    most `GROUPED_DECODE_MAX_MEAN_ROWS` rows each on average go through the grouped weight-only kernel
+    (CPU form here) on the stacks themselves: one call for gate+up, one for down, no dequantized
+    weight; the result is the loop's within bf16 rounding. Outside a step the same forward is a
+    prefill (three dequantized stacks)."""
+    gen = torch.Generator().manual_seed(21)
+    experts = _experts(gen)
+    assert experts.stack()
+    tokens = quantized_linear.DECODE_MAX_ROWS + 8
+    assert tokens * 3 <= quantized_linear.GROUPED_DECODE_MAX_MEAN_ROWS * E
+    hidden, index, weights = _routing(gen, tokens)
+    loop = experts(hidden, index, weights).float()
+    kernel, dequantized = [], []
+    _spy(monkeypatch, "fp8_grouped_weight_only_linear", kernel)
+    _spy(monkeypatch, "dequantize_fp8_blockwise", dequantized, module=quantized_linear.dispatch)
+    with quantized_linear.decode_step():
+        assert quantized_linear.in_decode_step()
+        step = experts._grouped_forward(hidden, index, weights).float()
+    assert not quantized_linear.in_decode_step()
+    assert [q is experts.stacked[p][0] for q, p in zip(kernel, ("gate_up_proj", "down_proj"), strict=True)] == [
+        True, True
+    ]  # fmt: skip
+    assert dequantized == []
+    assert float((step - loop).norm() / loop.norm()) < 1e-2
+    kernel.clear()
+    experts._grouped_forward(hidden, index, weights)
+    assert kernel == [] and len(dequantized) == 3
+
+
+def test_a_decode_step_above_the_kernels_rows_dequantizes_each_stack_once(monkeypatch):
+    """A decode step whose experts average more than `GROUPED_DECODE_MAX_MEAN_ROWS` rows: each stack
+    (the gate+up one as it is, no copy of its halves) dequantized once into one grouped GEMM."""
+    gen = torch.Generator().manual_seed(22)
+    experts = _experts(gen)
+    assert experts.stack()
+    monkeypatch.setattr(quantized_linear, "GROUPED_DECODE_MAX_MEAN_ROWS", 4)
+    hidden, index, weights = _routing(gen, quantized_linear.DECODE_MAX_ROWS + 1)
+    loop = experts(hidden, index, weights).float()
+    kernel, dequantized = [], []
+    _spy(monkeypatch, "fp8_grouped_weight_only_linear", kernel)
+    real = dispatch.dequantize_fp8_blockwise
+    monkeypatch.setattr(quantized_linear.dispatch, "dequantize_fp8_blockwise",
+                        lambda q, *a, **k: dequantized.append(q) or real(q, *a, **k))  # fmt: skip
+    with quantized_linear.decode_step():
+        step = experts._grouped_forward(hidden, index, weights).float()
+    assert kernel == []
+    assert [q is experts.stacked[p][0] for q, p in zip(dequantized, ("gate_up_proj", "down_proj"), strict=True)] == [
+        True, True
+    ]  # fmt: skip
+    assert float((step - loop).norm() / loop.norm()) < 1e-2
+
+
+def test_a_large_bf16_decode_step_multiplies_the_stacks_without_copying_them(monkeypatch):
+    """bf16 experts in a decode step of more than `DECODE_MAX_ROWS` tokens: two grouped GEMMs on the
+    stacks as they are (the gate+up stack not copied apart, as a prefill does to keep the trainer's
+    bits: three GEMMs on contiguous copies)."""
+    gen = torch.Generator().manual_seed(23)
+    experts = _bf16_experts(gen)
+    assert experts.stack() and "gate_up_proj" in experts.stacked
+    hidden, index, weights = _routing(gen, quantized_linear.DECODE_MAX_ROWS + 5)
+    calls = []
+    _spy(monkeypatch, "bf16_grouped_linear", calls, module=quantized_linear)
+    with quantized_linear.decode_step():
+        step = experts._grouped_forward(hidden, index, weights)
+    assert [w is experts.stacked[p][0] for w, p in zip(calls, ("gate_up_proj", "down_proj"), strict=True)] == [
+        True, True
+    ]  # fmt: skip
+    calls.clear()
+    prefill = experts._grouped_forward(hidden, index, weights)
+    assert len(calls) == 3 and all(w.is_contiguous() for w in calls)
+    assert calls[0].data_ptr() != experts.stacked["gate_up_proj"][0].data_ptr()  # a copy of the gate half
+    assert float((step.float() - prefill.float()).norm() / prefill.float().norm()) < 1e-2

@@ -522,12 +522,14 @@ def grouped_tiling(
     rows: int, experts: int, n: int, k: int, block_k: int, sms: int
 ) -> tuple[int, int, int, int, int, int]:
     """(BM, BN, KC, split, warps, kwarps) of `linear_grouped` for `rows` routed rows over `experts`:
-    BM 8 or 16 by the mean rows an expert (a tile loops past it; 16 above a mean of 6: on the H200 at
-    small_moe's mean of 8, 64 tokens, gate+up 26.8 -> 21.4 us, down equal; `benchmarks/moe_decode.py
-    --sweep`, session 15), 16 weight rows a warp, 128-column steps, the K range on up to 4 warps
-    while the active experts' tiles give fewer than ~7.5 warps an SM (the experts with rows are
-    taken to be min(experts, rows))."""
-    bm = 8 if rows <= 6 * experts else 16
+    BM 8, 16 or 32 by the mean rows an expert (a tile loops past it; 16 above a mean of 6: on the
+    H200 at small_moe's mean of 8, 64 tokens, gate+up 26.8 -> 21.4 us, down equal; `benchmarks/
+    moe_decode.py --sweep`, session 15; 32 above a mean of 12, for the large decode steps: small_moe
+    at a mean of 16, gate+up 33.5 -> 29.1 us, down 21.7 -> 16.9; Qwen3-30B-A3B's at 64, gate+up 606
+    -> 512; `moe_decode.py --large`, session 16), 16 weight rows a warp, 128-column steps, the K
+    range on up to 4 warps while the active experts' tiles give fewer than ~7.5 warps an SM (the
+    experts with rows are taken to be min(experts, rows))."""
+    bm = 8 if rows <= 6 * experts else 16 if rows <= 12 * experts else 32
     kc = min(128, block_k)
     tiles = cdiv(n, 16) * max(1, min(experts, rows))
     steps = cdiv(k, kc)
