@@ -20,9 +20,11 @@ from torch import Tensor
 
 from skyq.quant.kernels import dispatch
 
-KERNEL_MAX_ENTRIES = 512
-"""Routed rows (tokens x k) the kernel takes (64 decode tokens x top-8); more take the
-reference (prefill)."""
+KERNEL_MAX_ENTRIES = 8192
+"""Routed rows (tokens x k) the kernel takes (a decode step of 1024 tokens x top-8); more take the
+reference (prefill). On the H200 the reference (a radix sort and ~8 small kernels) took ~28 us a
+layer at 1024 entries (small_moe's decode step at batch 256; benchmarks/engine_decode.py --profile,
+session 16)."""
 
 
 ROWS_PER_PROGRAM = 64

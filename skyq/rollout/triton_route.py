@@ -21,7 +21,7 @@ def route_kernel(
     e = (pid * BE + tl.arange(0, BE)).to(tl.int64)
     rank = tl.zeros([BI], dtype=tl.int32)
     below = tl.zeros([BE], dtype=tl.int32)
-    for j0 in tl.static_range(0, NB, CHUNK):
+    for j0 in tl.range(0, NB, CHUNK):
         j = j0 + tl.arange(0, CHUNK)
         key_j = tl.load(idx_ptr + j, mask=j < n, other=big).to(tl.int64)
         before = (key_j[None, :] < key_i[:, None]) | (

@@ -15,7 +15,10 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("t,k,experts", [*CASES, (KERNEL_MAX_ENTRIES // 8, 8, 256), (1, 8, 384)])
+@pytest.mark.parametrize(
+    "t,k,experts",
+    [*CASES, (KERNEL_MAX_ENTRIES // 8, 8, 256), (1, 8, 384), (64, 8, 256), (256, 4, 32), (1000, 8, 128)],
+)
 def test_kernel_gives_the_reference_integers(gen, t, k, experts):
     idx = routing(gen, t, k, experts).cuda()
     assert check_route(route(idx, experts), route_reference(idx, experts))

@@ -1,7 +1,7 @@
 """Where the grouped experts put each routed row (`skyq.rollout.moe_route`), on the CPU.
 
 The reference is checked against its definition (rows by expert, then flat index; offsets bound
-each expert's rows; position inverts order). The one-program Triton kernel must give the same
+each expert's rows; position inverts order). The Triton kernel must give the same
 integers: checked under the Triton interpreter (where Triton is importable; the set-up installs it)
 and on the H200 (tests/gpu/test_moe_route_gpu.py).
 """
@@ -20,7 +20,16 @@ from skyq.rollout.moe_route import route, route_reference
 from tests.interpreter_run import kernels_on_cpu, report, run_under_interpreter, seeded_generator
 
 ROOT = Path(__file__).resolve().parents[2]
-CASES = [(1, 4, 32), (7, 8, 128), (64, 8, 128), (64, 4, 32), (5, 1, 3), (13, 2, 4), (100, 5, 16)]
+CASES = [
+    (1, 4, 32),
+    (7, 8, 128),
+    (64, 8, 128),
+    (64, 4, 32),
+    (5, 1, 3),
+    (13, 2, 4),
+    (100, 5, 16),
+    (130, 8, 64),
+]
 
 
 def routing(gen: torch.Generator, t: int, k: int, experts: int) -> torch.Tensor:
