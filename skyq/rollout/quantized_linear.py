@@ -290,9 +290,8 @@ class WireExperts(nn.ModuleList):
             return bf16_grouped_linear(x, q, offsets)
         if linear.activation is not None:
             x = linear.activation(x)
-        if (
-            not kernel
-        ):  # prefill, or a decode step above the kernel's rows: the stack dequantized once, one GEMM
+        # prefill, or a decode step above the kernel's rows: the stack dequantized once, one grouped GEMM
+        if not kernel:
             name = linear.hf_name.replace(".experts.0.", ".experts.*.")
             w = dispatch.dequantize_fp8_blockwise(
                 q, s, block_size=linear.strategy.block(), dtype=x.dtype, name=name
