@@ -122,28 +122,16 @@ def routed_experts_forward(
     """Qwen3-MoE expert mixing: each token through its top-k experts, weighted by the router, summed.
 
     `gate_up(e, x)` returns expert e's [gate | up] projections of rows x, `down(e, h)` its output.
-    The rows are sorted by expert once (`moe_route.route`: one launch on CUDA) and read on the host
-    once; each expert's rows are the ones `torch.where(top_k_index == e)` gives, in its order, and
-    the outputs are added in ascending expert order, so the result and its gradients are the
-    per-expert loop's bit for bit, without its host sync per expert.
     """
-    from skyq.rollout.moe_route import route
-
-    n = top_k_index.numel()
-    order, _, offsets, token = route(top_k_index, num_experts)
-    bounds = offsets.tolist()  # the one host sync
-    if bounds[-1] != n:  # entries at or past expert num_experts sort past offsets[num_experts]
+    if top_k_index.numel() and int(top_k_index.max()) >= num_experts:
         raise ValueError(
             f"router chose expert {int(top_k_index.max())} of a layer with {num_experts} experts"
         )
-    weights = top_k_weights.reshape(-1)
     out = torch.zeros_like(hidden_states)
-    for expert, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
-        if hi == lo:
-            continue
-        token_idx = token[lo:hi]
+    for expert in torch.unique(top_k_index).tolist():
+        token_idx, k_pos = torch.where(top_k_index == expert)
         gate, up = gate_up(expert, hidden_states[token_idx]).chunk(2, dim=-1)
-        expert_out = down(expert, act_fn(gate) * up) * weights[order[lo:hi], None]
+        expert_out = down(expert, act_fn(gate) * up) * top_k_weights[token_idx, k_pos, None]
         out.index_add_(0, token_idx, expert_out.to(out.dtype))
     return out
 
