@@ -19,7 +19,14 @@ pytestmark = [
 ]
 
 
-def test_fp8_trainer_scores_exactly_what_the_engine_computes_on_the_gpu(base_overrides):
+def test_fp8_trainer_scores_exactly_what_the_engine_computes_on_the_gpu(base_overrides, monkeypatch):
+    """...its routed experts as grouped GEMMs (`ActivationQuantExperts.grouped_forward`), as the
+    engine's prefill computes them."""
+    from skyq.trainer.native.precision import ActivationQuantExperts
+
+    grouped = []
+    real = ActivationQuantExperts.grouped_forward
+    monkeypatch.setattr(ActivationQuantExperts, "grouped_forward", lambda *a: grouped.append(1) or real(*a))
     overrides = [*base_overrides, "topology=1gpu", "precision=fp8_blockwise"]
     cfg, _ = compose_config(overrides)
     pair = _pair(overrides)
@@ -31,5 +38,5 @@ def test_fp8_trainer_scores_exactly_what_the_engine_computes_on_the_gpu(base_ove
         trainer, engine, mask = _score_both_sides(pair, cfg)
     finally:
         pair.shutdown()
-    assert mask.sum() > 0
+    assert mask.sum() > 0 and grouped
     assert torch.equal(trainer[mask].cpu(), engine[mask].cpu())

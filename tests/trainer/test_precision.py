@@ -141,3 +141,49 @@ def test_activation_codes_come_from_the_bf16_activation(make_trainer, precision)
         reference = F.linear(_act_reference(precision, engine_x.float()), weight.float())
         for x in (below, above):
             torch.testing.assert_close(project(x), reference, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("precision", ["fp8_blockwise", "mxfp8"])
+def test_grouped_experts_forward_is_the_loop_in_value_and_gradient(make_trainer, precision):
+    """The trainer's grouped experts (`ActivationQuantExperts.grouped_forward`: the GPU's path, two
+    grouped GEMMs over the rows sorted by expert) against the per-expert loop on the same bf16
+    inputs and weights (CPU `torch._grouped_mm` here): equal bit for bit in the output and in the
+    gradients of the input, the router weights and both expert stacks (on the H200,
+    tests/launch/test_local_pair_gpu.py checks the trainer's log-probs against the engine's bit for
+    bit). An expert past the layer is refused."""
+    trainer = make_trainer(precision)
+    module = next(m for m in trainer.model.modules() if isinstance(m, ActivationQuantExperts))
+    gen = torch.Generator().manual_seed(4)
+    tokens, k, experts = 29, module_top_k(trainer), module.num_experts
+    hidden_size = module.gate_up_proj.shape[-1]
+    index = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
+    results = []
+    for grouped in (True, False):
+        hidden = torch.randn(tokens, hidden_size, generator=torch.Generator().manual_seed(5)).to(
+            torch.bfloat16
+        )
+        weights = torch.softmax(torch.randn(tokens, k, generator=torch.Generator().manual_seed(6)), -1)
+        hidden, weights = hidden.requires_grad_(), weights.to(torch.bfloat16).requires_grad_()
+        gu = torch.nn.Parameter(module.gate_up_proj.detach().to(torch.bfloat16))
+        dn = torch.nn.Parameter(module.down_proj.detach().to(torch.bfloat16))
+        module.gate_up_proj, module.down_proj = gu, dn
+        fn = module.grouped_forward if grouped else super(ActivationQuantExperts, module).forward
+        out = fn(hidden, index, weights)
+        out.float().square().sum().backward()
+        results.append(
+            [
+                out.detach().float(),
+                hidden.grad.float(),
+                weights.grad.float(),
+                gu.grad.float(),
+                dn.grad.float(),
+            ]
+        )
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match=f"router chose expert {experts} of a layer with {experts} experts"):
+        module.grouped_forward(hidden, torch.full_like(index, experts), weights)
+
+
+def module_top_k(trainer) -> int:
+    return trainer.model.config.num_experts_per_tok
