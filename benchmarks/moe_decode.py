@@ -120,10 +120,10 @@ def graphed_calls(fns, repeats: int) -> float:
 
 
 def sweep(args, gen: torch.Generator) -> None:
+    from skyq.ops.grouped_mm import bf16_grouped_linear
     from skyq.quant import fp8_blockwise
     from skyq.quant.kernels import gluon_fp8_gemv
     from skyq.quant.kernels.triton_fp8_gemv import sm_count
-    from skyq.rollout.quantized_linear import bf16_grouped_linear
 
     hidden, inter, experts, top_k = SWEEP_SHAPES[args.shape]
     sms = sm_count(torch.device("cuda"))
@@ -185,9 +185,9 @@ def _stacks(experts: int, n: int, k: int, layers: int) -> tuple[list[Tensor], li
 
 
 def large(args, gen: torch.Generator) -> None:
+    from skyq.ops.grouped_mm import bf16_grouped_linear
     from skyq.quant.kernels import dispatch, gluon_fp8_gemv
     from skyq.quant.kernels.triton_fp8_gemv import sm_count
-    from skyq.rollout.quantized_linear import bf16_grouped_linear
 
     sms = sm_count(torch.device("cuda"))
     device = torch.cuda.get_device_name()

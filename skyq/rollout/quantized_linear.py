@@ -14,7 +14,6 @@ HF tensor (`experts.{e}.{gate,up,down}_proj`).
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 
@@ -23,12 +22,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from skyq.config.enums import Precision
+from skyq.ops.grouped_mm import bf16_grouped_linear, bf16_grouped_mm_on
+from skyq.ops.moe_combine import combine
+from skyq.ops.moe_route import route
 from skyq.ops.swiglu import is_silu, silu_mul
 from skyq.quant.kernels import dispatch
 from skyq.quant.layouts import Role
 from skyq.quant.strategies import QuantizationStrategy, WireSpec
-from skyq.rollout.moe_combine import combine
-from skyq.rollout.moe_route import route
 
 TensorFn = Callable[[Tensor], Tensor]
 
@@ -223,7 +223,7 @@ class WireExperts(nn.ModuleList):
         kernel; everything else (bf16 experts, FP8 prefill) `torch._grouped_mm`, which needs sm_90+."""
         if not (self.stacked and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] > 0):
             return False
-        if not self._fp8_kernel_takes(x.shape[0], top_k) and not _bf16_grouped_mm_on(x.device):
+        if not self._fp8_kernel_takes(x.shape[0], top_k) and not bf16_grouped_mm_on(x.device):
             return False
         return all(self._stack_is_live(p) for p in self.PROJECTIONS)
 
@@ -373,18 +373,6 @@ def _stacked_leaves(fp8: bool) -> tuple[tuple[str, ...], str]:
     """What `WireExperts.stack` stacks of each expert linear, and where the module keeps it: FP8 wire
     buffers (codes and scales), or a bf16 `nn.Linear`'s weight parameter."""
     return (("weight", "weight_scale_inv"), "_buffers") if fp8 else (("weight",), "_parameters")
-
-
-def bf16_grouped_linear(x: Tensor, w: Tensor, offsets: Tensor) -> Tensor:
-    """x [T, K] (rows sorted by expert, expert e's rows offsets[e]:offsets[e + 1]) @ w[e]^T for
-    w [E, N, K]: `torch._grouped_mm` (one launch, no host sync)."""
-    return torch._grouped_mm(x.contiguous(), w.transpose(-2, -1), offs=offsets[1:])
-
-
-@functools.cache
-def _bf16_grouped_mm_on(device: torch.device) -> bool:
-    """torch._grouped_mm's bf16 CUDA kernel needs compute capability >= 9.0."""
-    return hasattr(torch, "_grouped_mm") and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 class PlainLinear(nn.Linear):

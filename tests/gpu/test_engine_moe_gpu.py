@@ -92,8 +92,8 @@ def test_engine_prefill_runs_the_experts_as_grouped_gemms(request, monkeypatch, 
 def test_combine_kernel_is_the_ordered_bf16_sum_bit_for_bit(t, k, experts, h):
     """The one-launch recombination of routed rows equals the torch reference (k gathers and k bf16
     adds in ascending expert order) bit for bit on the GPU."""
-    from skyq.rollout.moe_combine import combine, combine_reference
-    from tests.rollout.test_moe_combine import routed_rows
+    from skyq.ops.moe_combine import combine, combine_reference
+    from tests.ops.test_moe_combine import routed_rows
 
     gen = torch.Generator().manual_seed(t * 1000 + k)
     down, order, idx, w = (a.cuda() for a in routed_rows(gen, t, k, experts, h, torch.bfloat16))

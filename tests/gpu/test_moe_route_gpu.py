@@ -1,4 +1,4 @@
-"""The grouped experts' routing kernel on a GPU (`skyq.rollout.moe_route`): the reference's integers
+"""The grouped experts' routing kernel on a GPU (`skyq.ops.moe_route`): the reference's integers
 exactly, up to the kernel's row limit, and replayable from a CUDA graph."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyq.rollout.moe_route import KERNEL_MAX_ENTRIES, route, route_reference
-from tests.rollout.test_moe_route import CASES, check_route, routing
+from skyq.ops.moe_route import KERNEL_MAX_ENTRIES, route, route_reference
+from tests.ops.test_moe_route import CASES, check_route, routing
 
 pytestmark = [
     pytest.mark.gpu,

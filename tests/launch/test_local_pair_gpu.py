@@ -20,8 +20,9 @@ pytestmark = [
 
 
 def test_fp8_trainer_scores_exactly_what_the_engine_computes_on_the_gpu(base_overrides, monkeypatch):
-    """...its routed experts as grouped GEMMs (`ActivationQuantExperts.grouped_forward`), as the
-    engine's prefill computes them."""
+    """The trainer runs its routed experts as grouped GEMMs on the GPU
+    (`ActivationQuantExperts.grouped_forward`, the engine prefill's formulation) and still scores
+    the engine's bits."""
     from skyq.trainer.native.precision import ActivationQuantExperts
 
     grouped = []

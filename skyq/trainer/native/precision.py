@@ -35,6 +35,9 @@ from torch import Tensor, nn
 
 from skyq.config.enums import Precision
 from skyq.config.schema import ModelConfig, PrecisionConfig
+from skyq.ops.grouped_mm import bf16_grouped_linear, bf16_grouped_mm_on
+from skyq.ops.moe_combine import combine_reference
+from skyq.ops.moe_route import route
 from skyq.quant.fake_quant import activation_fake_quant
 from skyq.quant.layouts import ModelQuantizationLayout
 from skyq.quant.strategies import QuantizationStrategy
@@ -173,12 +176,10 @@ class ActivationQuantExperts(_QuantizedExperts):
         return F.linear(self.activation(engine_precision_input(x)), weight.to(x.dtype))
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
-        from skyq.rollout.quantized_linear import _bf16_grouped_mm_on
-
         if (
             hidden_states.is_cuda
             and hidden_states.dtype == torch.bfloat16
-            and _bf16_grouped_mm_on(hidden_states.device)
+            and bf16_grouped_mm_on(hidden_states.device)
         ):
             return self.grouped_forward(hidden_states, top_k_index, top_k_weights)
         return super().forward(hidden_states, top_k_index, top_k_weights)
@@ -189,21 +190,15 @@ class ActivationQuantExperts(_QuantizedExperts):
         rows quantized the same way (the activation quantizer is per row), and each token's expert
         outputs added in ascending expert order as the loop adds them (`combine_reference`,
         differentiable). One host sync a layer (the expert-range check)."""
-        from skyq.rollout.moe_combine import combine_reference
-        from skyq.rollout.moe_route import route
-
         if top_k_index.numel() and int(top_k_index.max()) >= self.num_experts:
             raise ValueError(
                 f"router chose expert {int(top_k_index.max())} of a layer with {self.num_experts} experts"
             )
         order, _, offsets, token = route(top_k_index, self.num_experts)
-        offs = offsets[1:]
         x = self.activation(engine_precision_input(hidden_states[token]))
-        gate, up = torch._grouped_mm(x, self.gate_up_proj.to(x.dtype).transpose(-2, -1), offs=offs).chunk(
-            2, dim=-1
-        )
+        gate, up = bf16_grouped_linear(x, self.gate_up_proj.to(x.dtype), offsets).chunk(2, dim=-1)
         h = self.activation(engine_precision_input(self.act_fn(gate) * up))
-        down = torch._grouped_mm(h, self.down_proj.to(h.dtype).transpose(-2, -1), offs=offs)
+        down = bf16_grouped_linear(h, self.down_proj.to(h.dtype), offsets)
         return combine_reference(down, order, top_k_index, top_k_weights, hidden_states.dtype)
 
 

@@ -8,7 +8,7 @@ a radix sort and ~8 small kernels a layer, more than the experts' GEMMs take at 
 counting (each program ranks 64 entries against all of them): an entry's place is the number of
 entries with a smaller expert, or the same expert and a smaller index; expert e's first row is the
 number of entries below e. Integers, so the result is the
-reference's exactly (tests/rollout/test_moe_route.py under the Triton interpreter, tests/gpu).
+reference's exactly (tests/ops/test_moe_route.py under the Triton interpreter, tests/gpu).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def route(top_k_index: Tensor, num_experts: int) -> Route:
         return route_reference(top_k_index, num_experts)
     import triton
 
-    from skyq.rollout.triton_route import route_kernel
+    from skyq.ops.triton_route import route_kernel
 
     device = top_k_index.device
     order, position, token = (torch.empty(n, dtype=torch.int64, device=device) for _ in range(3))

@@ -9,7 +9,7 @@ takes one token's slice of the hidden size, finds the token's k rows in the sort
 positions ascend with the expert id, since the rows were sorted by expert), and for each, in that
 order, rounds `row * weight` to the output dtype and adds it to the accumulator with the same
 rounding as a bf16 tensor add (fp32 sum, one rounding). The result equals the reference's bit for
-bit (tests/rollout/test_moe_combine.py under the Triton interpreter, tests/gpu on the H200).
+bit (tests/ops/test_moe_combine.py under the Triton interpreter, tests/gpu on the H200).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from skyq.ops.moe_route import inverse_permutation
 from skyq.quant.kernels import dispatch
-from skyq.rollout.moe_route import inverse_permutation
 
 HIDDEN_TILE = 256
 """Hidden columns a program adds (one token's rows, k loads of this many values each)."""
@@ -57,7 +57,7 @@ def combine(
         return combine_reference(down, order, top_k_index, top_k_weights, dtype)
     import triton
 
-    from skyq.rollout.triton_combine import combine_kernel
+    from skyq.ops.triton_combine import combine_kernel
 
     t, k = top_k_index.shape
     h = down.shape[-1]

@@ -1,4 +1,4 @@
-"""Adding each token's routed expert outputs (`skyq.rollout.moe_combine`), on the CPU.
+"""Adding each token's routed expert outputs (`skyq.ops.moe_combine`), on the CPU.
 
 The reference is the grouped experts' former torch code, itself tested against the per-expert loop
 (tests/rollout/test_grouped_experts.py). The one-launch Triton kernel is checked against it bit for
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from skyq.rollout.moe_combine import combine, combine_reference
+from skyq.ops.moe_combine import combine, combine_reference
 from tests.interpreter_run import kernels_on_cpu, report, run_under_interpreter, seeded_generator
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,7 +56,7 @@ def test_combine_kernel_matches_the_reference_under_the_triton_interpreter():
 
 
 def _interpreter_main() -> None:
-    from skyq.rollout import moe_combine
+    from skyq.ops import moe_combine
 
     kernels_on_cpu()
     gen = seeded_generator()

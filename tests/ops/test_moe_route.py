@@ -1,4 +1,4 @@
-"""Where the grouped experts put each routed row (`skyq.rollout.moe_route`), on the CPU.
+"""Where the grouped experts put each routed row (`skyq.ops.moe_route`), on the CPU.
 
 The reference is checked against its definition (rows by expert, then flat index; offsets bound
 each expert's rows; position inverts order). The Triton kernel must give the same
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from skyq.rollout import moe_route
-from skyq.rollout.moe_route import route, route_reference
+from skyq.ops import moe_route
+from skyq.ops.moe_route import route, route_reference
 from tests.interpreter_run import kernels_on_cpu, report, run_under_interpreter, seeded_generator
 
 ROOT = Path(__file__).resolve().parents[2]
