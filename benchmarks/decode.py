@@ -172,6 +172,12 @@ def per_call_floor(gen: torch.Generator) -> None:
         del ws, qs
 
 
+def bf16_and_fp8_per_call(x: torch.Tensor, ws: list, qs: list) -> tuple[float, float]:
+    """Seconds per call of x @ w^T over the weight copies: bf16 `torch.matmul`, FP8 weight-only kernel."""
+    tb = time_per_call([lambda w=w: torch.matmul(x, w.T) for w in ws])
+    return tb, time_per_call([lambda q=q, s=s: dispatch.fp8_weight_only_linear(x, q, s) for q, s in qs])
+
+
 def per_shape(gen: torch.Generator, batches: list[int]) -> None:
     """Each projection alone: bf16 torch.matmul vs the FP8 kernel, achieved weight-read TB/s."""
     print("\nper projection, graphed over rotating weight copies (us per call; weight-read TB/s)")
@@ -182,10 +188,7 @@ def per_shape(gen: torch.Generator, batches: list[int]) -> None:
         ws, qs = rotated(n, k, gen)
         for m in batches:
             x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
-            tb = time_per_call([lambda w=w, x=x: torch.matmul(x, w.T) for w in ws])
-            tf = time_per_call(
-                [lambda q=q, s=s, x=x: dispatch.fp8_weight_only_linear(x, q, s) for q, s in qs]
-            )
+            tb, tf = bf16_and_fp8_per_call(x, ws, qs)
             fp8_bytes = n * k + qs[0][1].numel() * 4
             print(f"{label:>22} {m:>3} {tb * 1e6:8.1f} {tf * 1e6:8.1f} {2 * n * k / tb / 1e12:9.2f} "
                   f"{fp8_bytes / tf / 1e12:9.2f} {tb / tf:7.2f}", flush=True)  # fmt: skip
@@ -208,10 +211,7 @@ def large(gen: torch.Generator, batches: list[int]) -> None:
             ws, qs = rotated(n, k, gen)
             for m in batches:
                 x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
-                tb = time_per_call([lambda w=w, x=x: torch.matmul(x, w.T) for w in ws])
-                tk = time_per_call(
-                    [lambda q=q, s=s, x=x: dispatch.fp8_weight_only_linear(x, q, s) for q, s in qs]
-                )
+                tb, tk = bf16_and_fp8_per_call(x, ws, qs)
                 td = time_per_call(
                     [lambda q=q, s=s, x=x: torch.matmul(x, dispatch.dequantize_fp8_blockwise(q, s).T) for q, s in qs]
                 )  # fmt: skip
