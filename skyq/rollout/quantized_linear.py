@@ -69,10 +69,14 @@ def in_decode_step() -> bool:
     return _DECODE_STEP.get()
 
 
+def _rows(x: Tensor) -> int:
+    """x's rows: the product of all but its last dim."""
+    return x.numel() // max(x.shape[-1], 1)
+
+
 def _decode_sized(x: Tensor) -> bool:
-    """x's rows (all but its last dim) take the decode paths: at most `DECODE_MAX_ROWS`, or a
-    decode step's."""
-    return x.numel() // max(x.shape[-1], 1) <= DECODE_MAX_ROWS or in_decode_step()
+    """x's rows take the decode paths: at most `DECODE_MAX_ROWS`, or a decode step's."""
+    return _rows(x) <= DECODE_MAX_ROWS or in_decode_step()
 
 
 class WireLinear(nn.Module):
@@ -124,7 +128,7 @@ class WireLinear(nn.Module):
             x.is_cuda
             and x.dtype == torch.bfloat16
             and self.strategy.precision is Precision.fp8_blockwise
-            and x.numel() // max(x.shape[-1], 1) <= DECODE_MAX_ROWS
+            and _rows(x) <= DECODE_MAX_ROWS
         )
 
     def extra_repr(self) -> str:
@@ -262,7 +266,7 @@ class WireExperts(nn.ModuleList):
         order, position, offsets, token = route(top_k_index, len(self))
         first = self[0]
         xs = hidden_states[token]
-        decode = t <= DECODE_MAX_ROWS or in_decode_step()
+        decode = _decode_sized(hidden_states)
         kernel = self._fp8_kernel_takes(t, k)
         if decode and "gate_up_proj" in self.stacked:  # one launch (and one activation quantization)
             gate, up = self._grouped(first.gate_proj, "gate_up_proj", xs, offsets, decode, kernel).chunk(
@@ -447,7 +451,7 @@ class SharedInput:
             return F.linear(x, self.weight)
         if lead.activation is not None:
             x = lead.activation(x)
-        if x.numel() // max(x.shape[-1], 1) > DECODE_MAX_ROWS:  # a large decode step: one dequantized stack
+        if _rows(x) > DECODE_MAX_ROWS:  # a large decode step: one dequantized stack
             w = dispatch.dequantize_fp8_blockwise(
                 self.weight, self.scale, block_size=lead.strategy.block(), dtype=x.dtype, name=lead.hf_name
             )
