@@ -79,12 +79,14 @@ def policy_loss(
     kl_coef: float,
     ref_logp: Tensor | None = None,
     loss_normalizer: float | None = None,
+    with_metrics: bool = True,
 ) -> tuple[Tensor, dict[str, float]]:
     """Clipped PPO objective (asymmetric clip, DAPO's clip-higher) with IS correction and k3 KL.
 
     `advantages` is [B] (one per sequence) or [B, T]. `loss_normalizer` is the token count the mean
     divides by (the whole batch's, when this call sees one micro-batch of it); default mask.sum().
-    Returns the loss and float metrics (means over the masked tokens of this call).
+    Returns the loss and float metrics (means over the masked tokens of this call); without
+    `with_metrics` the metrics are {} and nothing is read back to the host (a micro-batch's loss).
     """
     mask = mask.to(logp.dtype)
     adv = advantages[:, None] if advantages.ndim == 1 else advantages
@@ -98,6 +100,14 @@ def policy_loss(
     )
     pg_loss = masked_mean(token_loss * weights, mask, loss_normalizer)
     loss = pg_loss
+    if kl_coef > 0:
+        if ref_logp is None:
+            raise ValueError("algorithm.kl_coef > 0 needs ref_logp (log-probs of the reference model)")
+        log_ratio = ref_logp.detach() - logp
+        kl = masked_mean(torch.exp(log_ratio) - log_ratio - 1.0, mask, loss_normalizer)
+        loss = loss + kl_coef * kl
+    if not with_metrics:
+        return loss, {}
     with torch.no_grad():
         raw_ratio = torch.exp(old_logp - rollout_logp)
         metrics = {
@@ -112,11 +122,6 @@ def policy_loss(
             "is_masked_frac": float(masked_mean((weights == 0).to(mask.dtype), mask)),
         }
     if kl_coef > 0:
-        if ref_logp is None:
-            raise ValueError("algorithm.kl_coef > 0 needs ref_logp (log-probs of the reference model)")
-        log_ratio = ref_logp.detach() - logp
-        kl = masked_mean(torch.exp(log_ratio) - log_ratio - 1.0, mask, loss_normalizer)
-        loss = loss + kl_coef * kl
         metrics["kl"] = float(kl.detach())
     metrics["loss"] = float(loss.detach())
     return loss, metrics

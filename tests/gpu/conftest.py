@@ -9,6 +9,7 @@ import secrets
 
 import pytest
 import torch
+from native_fixtures import make_trainer, run_cfg, tiny_checkpoint  # noqa: F401 (trainer fixtures)
 
 
 @pytest.fixture

@@ -5,9 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from skyq.quant.kernels import dispatch
 from skyq.rl.batch import FinishReason, Sample, collate
+from skyq.rl.grpo import policy_loss
 from skyq.trainer.native.model import load_model
-from skyq.trainer.native.trainer import TrainerStateError
+from skyq.trainer.native.precision import _StraightThrough
+from skyq.trainer.native.trainer import TrainerStateError, token_logprobs
 
 
 def _batch(seed: int = 0, rows: int = 16):
@@ -98,6 +101,71 @@ def test_micro_batching_does_not_change_the_gradient(make_trainer):
     assert ma["grad_norm"] == pytest.approx(mb["grad_norm"], rel=1e-5)
     for (name, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters()):
         torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def _fp32_effective_weights(trainer) -> dict[str, torch.Tensor]:
+    """Every master rounded to bf16 and fake-quantized, held in fp32 with a straight-through
+    gradient: what the forward computed on (cast to the compute dtype) before the step quantized
+    once and in the compute dtype."""
+    out = {}
+    for name, master in trainer.model.named_parameters():
+        with torch.no_grad():
+            value = trainer.strategy.fake_quant_param(
+                name, master.detach().to(torch.bfloat16), layout=trainer.layout, model_cfg=trainer.model_cfg
+            ).float()
+        out[name] = _StraightThrough.apply(master, value)
+    return out
+
+
+def _per_micro_batch_gradients(trainer, batch) -> dict[str, torch.Tensor]:
+    """The master gradients of a step computed the straightforward way: every micro-batch forward on
+    freshly computed fp32 effective weights cast to the compute dtype, each backward straight through
+    them to the master."""
+    trainer.model.train()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    num_tokens = float(batch.response_mask.sum())
+    with dispatch.deferred_finite_checks():
+        for start in range(0, len(batch), trainer.micro_batch_size):
+            micro = batch.slice(start, start + trainer.micro_batch_size)
+            forward = trainer._forward(_fp32_effective_weights(trainer))
+            logp = token_logprobs(forward, micro.input_ids, micro.attention_mask, temperature=trainer.temperature)
+            ref = None
+            if trainer.ref_params is not None:
+                with torch.no_grad():
+                    ref = token_logprobs(trainer._forward(trainer.ref_params), micro.input_ids,
+                                         micro.attention_mask, temperature=trainer.temperature)  # fmt: skip
+            loss, _ = policy_loss(
+                logp, logp.detach(), micro.rollout_logprobs, micro.advantages, micro.response_mask,
+                ref_logp=ref, loss_normalizer=num_tokens, **trainer._loss_kwargs(),
+            )  # fmt: skip
+            loss.backward()
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return grads
+
+
+@pytest.mark.parametrize(
+    ("precision", "compute", "kl_coef", "micro"),
+    [("fp8_blockwise", torch.float32, 0.0, 3), ("fp8_blockwise", torch.bfloat16, 0.1, 3),
+     ("fp8_blockwise", torch.bfloat16, 0.0, 16), ("int4_qat", torch.bfloat16, 0.0, 3),
+     ("mxfp8", torch.bfloat16, 0.0, 5), ("bf16", torch.float32, 0.0, 3), ("bf16", torch.bfloat16, 0.0, 16)],
+)  # fmt: skip
+def test_weights_quantized_once_a_step_give_the_per_micro_batch_gradients_bit_for_bit(
+    make_trainer, precision, compute, kl_coef, micro
+):
+    """The step computes the effective (fake-quantized) weights once, in the compute dtype, and
+    sums the micro-batches' gradients in fp32 on detached leaves (one micro-batch: backward straight
+    through): every master gradient equals, bit for bit, the per-micro-batch backward through
+    freshly quantized fp32 weights cast to the compute dtype."""
+    trainer = make_trainer(precision, micro_batch_size=micro, kl_coef=kl_coef)
+    trainer.compute_dtype = compute
+    batch = _batch(seed=4)
+    want = _per_micro_batch_gradients(trainer, batch)
+    trainer.optimizer.step = lambda: None  # keep the weights: compare the gradients of this step
+    trainer.optimizer_cfg.grad_clip = float("inf")
+    trainer.train_step(batch)
+    for name, p in trainer.model.named_parameters():
+        assert p.grad is not None and torch.equal(p.grad, want[name]), name
 
 
 def test_kl_term_uses_the_starting_policy_as_reference(make_trainer):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -358,6 +358,18 @@ def check_finite_deferred(t: Tensor, name: str) -> None:
     scope.add(
         torch.isfinite(t.sum(dtype=torch.float32)).logical_not(), lambda: check_finite(t, name), strict=False
     )
+
+
+def check_flag_deferred(flag: Tensor, validate: Callable[[], None]) -> None:
+    """Run `validate` (which must raise) when the device-side boolean `flag` is set: read now, or,
+    on a CUDA tensor inside `deferred_finite_checks`, recorded and read with the scope's other
+    flags (one host sync for all). For a guard whose failure leaves nothing out of bounds, so the
+    work queued before the scope's read is harmless."""
+    if flag.is_cuda:
+        _common.raise_if_flagged(flag, validate)
+    elif bool(flag):
+        validate()
+        raise AssertionError("a check's flag was set but its validation passed")
 
 
 def check_finite_stack_deferred(stack: Tensor, names: Sequence[str]) -> None:

@@ -39,6 +39,7 @@ from skyq.ops.grouped_mm import bf16_grouped_linear, bf16_grouped_mm_on
 from skyq.ops.moe_combine import combine_reference
 from skyq.ops.moe_route import route
 from skyq.quant.fake_quant import activation_fake_quant
+from skyq.quant.kernels import dispatch
 from skyq.quant.layouts import ModelQuantizationLayout
 from skyq.quant.strategies import QuantizationStrategy
 
@@ -46,20 +47,23 @@ TensorFn = Callable[[Tensor], Tensor]
 
 
 class _StraightThrough(torch.autograd.Function):
-    """Forward: `value`; backward: the incoming gradient goes to `master` unchanged.
+    """Forward: `value` (itself, no copy); backward: the incoming gradient goes to `master`
+    unchanged, in the master's dtype.
 
     This is the quantizer's straight-through estimator, applied to the bf16 rounding and the
-    fake-quant together and kept in the master's dtype: a gradient through `.to(bfloat16)` would
-    itself be rounded to bf16 (and differ with the micro-batch split).
+    fake-quant together. The gradient is cast to the master's dtype here, exactly; the caller sums
+    the micro-batches' gradients in that dtype (a sum through `.to(bfloat16)` would be rounded to
+    bf16 and differ with the micro-batch split).
     """
 
     @staticmethod
     def forward(ctx, master: Tensor, value: Tensor) -> Tensor:
-        return value.clone()
+        ctx.master_dtype = master.dtype
+        return value
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        return grad, None
+        return grad.to(ctx.master_dtype), None
 
 
 def effective_parameters(
@@ -68,15 +72,17 @@ def effective_parameters(
     strategy: QuantizationStrategy,
     layout: ModelQuantizationLayout,
     model_cfg: ModelConfig,
+    dtype: torch.dtype | None = None,
 ) -> dict[str, Tensor]:
     """{trainer name: the value the forward uses}: the master rounded to bf16 and fake-quantized
-    where the strategy quantizes it, in the master's dtype (exact: bf16 values are fp32 values),
-    with a straight-through gradient to the master."""
+    where the strategy quantizes it, in `dtype` (default the master's; exact either way, bf16
+    values are fp32 values), with a straight-through gradient to the master in the master's dtype."""
     out = {}
     for name, master in params.items():
         with torch.no_grad():
             sent = master.detach().to(torch.bfloat16)
-            value = strategy.fake_quant_param(name, sent, layout=layout, model_cfg=model_cfg).to(master.dtype)
+            value = strategy.fake_quant_param(name, sent, layout=layout, model_cfg=model_cfg)
+            value = value.to(dtype or master.dtype)
         out[name] = _StraightThrough.apply(master, value)
     return out
 
@@ -112,6 +118,22 @@ class ActivationQuantLinear(nn.Module):
         return F.linear(self.activation(engine_precision_input(x)), self.weight.to(x.dtype))
 
 
+def check_expert_range(top_k_index: Tensor, num_experts: int) -> None:
+    """Raise if the router chose an expert the layer does not have. On CUDA inside
+    `dispatch.deferred_finite_checks` the device flag is read with the scope's others (before the
+    trainer's optimizer step), not synced here: an out-of-range index only leaves its rows out of the
+    sorted experts' ranges (`moe_route.route`), nothing is read or written out of bounds."""
+    if not top_k_index.numel():
+        return
+
+    def validate() -> None:
+        top = int(top_k_index.max())
+        if top >= num_experts:
+            raise ValueError(f"router chose expert {top} of a layer with {num_experts} experts")
+
+    dispatch.check_flag_deferred(top_k_index.max() >= num_experts, validate)
+
+
 def routed_experts_forward(
     hidden_states: Tensor,
     top_k_index: Tensor,
@@ -126,10 +148,7 @@ def routed_experts_forward(
 
     `gate_up(e, x)` returns expert e's [gate | up] projections of rows x, `down(e, h)` its output.
     """
-    if top_k_index.numel() and int(top_k_index.max()) >= num_experts:
-        raise ValueError(
-            f"router chose expert {int(top_k_index.max())} of a layer with {num_experts} experts"
-        )
+    check_expert_range(top_k_index, num_experts)
     out = torch.zeros_like(hidden_states)
     for expert in torch.unique(top_k_index).tolist():
         token_idx, k_pos = torch.where(top_k_index == expert)
@@ -189,11 +208,9 @@ class ActivationQuantExperts(_QuantizedExperts):
         engine's prefill formulation, instead of ~12 launches and a host sync per expert: the same
         rows quantized the same way (the activation quantizer is per row), and each token's expert
         outputs added in ascending expert order as the loop adds them (`combine_reference`,
-        differentiable). One host sync a layer (the expert-range check)."""
-        if top_k_index.numel() and int(top_k_index.max()) >= self.num_experts:
-            raise ValueError(
-                f"router chose expert {int(top_k_index.max())} of a layer with {self.num_experts} experts"
-            )
+        differentiable). No host sync: inside `deferred_finite_checks` (the trainer's steps and
+        scoring) the expert-range check is read with the quantizers' flags."""
+        check_expert_range(top_k_index, self.num_experts)
         order, _, offsets, token = route(top_k_index, self.num_experts)
         x = self.activation(engine_precision_input(hidden_states[token]))
         gate, up = bf16_grouped_linear(x, self.gate_up_proj.to(x.dtype), offsets).chunk(2, dim=-1)

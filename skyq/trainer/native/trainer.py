@@ -202,6 +202,7 @@ class NativeTrainer:
             strategy=self.strategy,
             layout=self.layout,
             model_cfg=self.model_cfg,
+            dtype=self.compute_dtype,
         )
 
     # compute ------------------------------------------------------------------------------------
@@ -244,28 +245,57 @@ class NativeTrainer:
     def _accumulate_gradients(
         self, batch: RolloutBatch, num_tokens: float, old_rows: list[Tensor], ref_rows: list[Tensor]
     ) -> None:
-        """Forward + backward of every micro-batch of `batch`; appends their log-probs to the lists."""
-        for start in range(0, len(batch), self.micro_batch_size):
+        """Forward + backward of every micro-batch of `batch`; appends their log-probs (on the
+        device) to the lists.
+
+        The effective weights (bf16 rounding and fake quant of every master weight, in the compute
+        dtype) are computed once for the step. One micro-batch backpropagates through them to the
+        master. Several read them as detached leaves: each micro-batch's gradients are summed in the
+        master's dtype (fp32), and the sums become the master's gradients, as the straight-through
+        estimator passes them (`precision._StraightThrough`). Bit for bit the gradients of a
+        backward per micro-batch through freshly quantized weights (the same fp32 sums in the same
+        order), without quantizing every weight again per micro-batch."""
+        effective = self.effective_parameters()
+        starts = range(0, len(batch), self.micro_batch_size)
+        masters = dict(self.model.named_parameters())
+        names = [name for name, value in effective.items() if value.requires_grad]
+        leaves = effective
+        if len(starts) > 1:
+            leaves = {name: value.detach().requires_grad_(value.requires_grad) for name, value in effective.items()}
+        sums: list[Tensor | None] = [None] * len(names)
+        forward = self._forward(leaves)
+        for start in starts:
             micro = batch.slice(start, start + self.micro_batch_size)
             ids, attn = micro.input_ids.to(self.device), micro.attention_mask.to(self.device)
-            # Fake-quant is recomputed per micro-batch: each backward frees the graph it belongs to.
-            logp = token_logprobs(
-                self._forward(self.effective_parameters()), ids, attn, temperature=self.temperature
-            )
+            logp = token_logprobs(forward, ids, attn, temperature=self.temperature)
             ref_logp = None
             if self.ref_params is not None:
                 with torch.no_grad():
                     ref_logp = token_logprobs(
                         self._forward(self.ref_params), ids, attn, temperature=self.temperature
                     )
-                ref_rows.append(ref_logp.cpu())
+                ref_rows.append(ref_logp)
             loss, _ = policy_loss(
                 logp, logp.detach(), micro.rollout_logprobs.to(self.device), micro.advantages.to(self.device),
                 micro.response_mask.to(self.device), ref_logp=ref_logp, loss_normalizer=num_tokens,
-                **self._loss_kwargs(),
+                with_metrics=False, **self._loss_kwargs(),
             )  # fmt: skip
-            loss.backward()
-            old_rows.append(logp.detach().cpu())
+            old_rows.append(logp.detach())
+            if leaves is effective:
+                loss.backward()
+                continue
+            grads = torch.autograd.grad(loss, [leaves[n] for n in names], allow_unused=True)
+            for i, (name, grad) in enumerate(zip(names, grads, strict=True)):
+                if grad is None:
+                    continue
+                if sums[i] is None:
+                    sums[i] = grad.to(masters[name].dtype, copy=True)
+                else:
+                    sums[i].add_(grad)
+        for name, total in zip(names, sums, strict=True):
+            if total is not None:
+                master = masters[name]
+                master.grad = total if master.grad is None else master.grad + total
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         """One GRPO update on `batch`: accumulate over micro-batches, clip, AdamW step.
@@ -289,10 +319,10 @@ class NativeTrainer:
             group["lr"] = lr
         self.optimizer.step()
         self.step += 1
-        old_logp = torch.cat(old_rows)
+        old_logp = torch.cat(old_rows).cpu()
         _, metrics = policy_loss(
             old_logp, old_logp, batch.rollout_logprobs, batch.advantages, batch.response_mask,
-            ref_logp=torch.cat(ref_rows) if ref_rows else None, **self._loss_kwargs(),
+            ref_logp=torch.cat(ref_rows).cpu() if ref_rows else None, **self._loss_kwargs(),
         )  # fmt: skip
         metrics.update(mismatch_metrics(old_logp, batch.rollout_logprobs, batch.response_mask))
         metrics.update(
