@@ -128,7 +128,9 @@ def _per_micro_batch_gradients(trainer, batch) -> dict[str, torch.Tensor]:
         for start in range(0, len(batch), trainer.micro_batch_size):
             micro = batch.slice(start, start + trainer.micro_batch_size)
             forward = trainer._forward(_fp32_effective_weights(trainer))
-            logp = token_logprobs(forward, micro.input_ids, micro.attention_mask, temperature=trainer.temperature)
+            logp = token_logprobs(
+                forward, micro.input_ids, micro.attention_mask, temperature=trainer.temperature
+            )
             ref = None
             if trainer.ref_params is not None:
                 with torch.no_grad():

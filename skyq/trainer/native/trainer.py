@@ -261,7 +261,9 @@ class NativeTrainer:
         names = [name for name, value in effective.items() if value.requires_grad]
         leaves = effective
         if len(starts) > 1:
-            leaves = {name: value.detach().requires_grad_(value.requires_grad) for name, value in effective.items()}
+            leaves = {
+                name: value.detach().requires_grad_(value.requires_grad) for name, value in effective.items()
+            }
         sums: list[Tensor | None] = [None] * len(names)
         forward = self._forward(leaves)
         for start in starts:
