@@ -64,6 +64,12 @@ def profile_step(trainer, batch, label: str, top: int) -> None:
     print(f"  host ops by self CPU time (of {sum(h[0] for h in host) / 1e3:.1f} ms):")
     for us, count, key in host[:top]:
         print(f"  {us / 1e3:8.2f} ms  {count:6d} x  {key[:100]}")
+    print("  aten ops by calls:")
+    calls = sorted(
+        ((e.count, e.self_cpu_time_total, e.key) for e in events if e.key.startswith("aten::")), reverse=True
+    )
+    for count, us, key in calls[:top]:
+        print(f"  {count:6d} x  {us / 1e3:8.2f} ms  {key[:100]}")
 
 
 def main() -> None:

@@ -17,7 +17,13 @@ import pytest
 import torch
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
 
-from skyq.ops.rmsnorm import RMSNorm, _RMSNormFn, rms_norm, rms_norm_reference
+from skyq.ops.rmsnorm import (
+    RMSNorm,
+    _rms_norm_backward_reference,
+    _RMSNormFn,
+    rms_norm,
+    rms_norm_reference,
+)
 from tests.interpreter_run import kernels_on_cpu, report, run_under_interpreter, seeded_generator
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,7 +62,7 @@ def test_backward_is_the_gradient_of_the_formula(need):
         fn(x, w).backward(dy)
         return x.grad, w.grad
 
-    ours = grads(lambda x, w: _RMSNormFn.apply(x, w, 1e-6, rms_norm_reference))
+    ours = grads(lambda x, w: _RMSNormFn.apply(x, w, 1e-6, rms_norm_reference, _rms_norm_backward_reference))
     want = grads(lambda x, w: rms_norm_reference(x, w, 1e-6))
     for got, ref, needed in zip(ours, want, need, strict=True):
         assert (got is None) == (not needed)
@@ -93,6 +99,36 @@ def check_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> li
     return failures
 
 
+def check_backward(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, eps: float = 1e-6) -> list[str]:
+    """The backward kernel's (dx, dw) against autograd of the formula (`_rms_norm_backward_reference`),
+    within a few steps of x's (dx) and the weight's (dw) precision of each row's magnitude (dx) and of
+    the summed magnitudes (dw); dx alone when dw is not needed. Used by the interpreter check here and
+    the GPU test."""
+    from skyq.ops.rmsnorm import _rms_norm_backward_triton
+
+    failures = []
+    label = f"{tuple(x.shape)} {x.dtype} w {weight.dtype}"
+    rdx, rdw = _rms_norm_backward_reference(x, weight, dy, eps, True, True)
+    dx, dw = _rms_norm_backward_triton(x, weight, dy, eps, True, True)
+    if dx.dtype != x.dtype or dw.dtype != weight.dtype or dx.shape != x.shape or dw.shape != weight.shape:
+        return [f"{label}: dx {dx.dtype} {tuple(dx.shape)}, dw {dw.dtype} {tuple(dw.shape)}"]
+    scale = rdx.double().abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    err = ((dx.double() - rdx.double()).abs() / scale).max().item()
+    if err > 8 * torch.finfo(x.dtype).eps:
+        failures.append(f"{label}: dx error {err:.3g} of each row's largest")
+    xf = x.double()
+    h = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype).double()
+    mag = (dy.double() * h).abs().reshape(-1, x.shape[-1]).sum(0).clamp_min(1e-30)
+    tol = 8 * max(torch.finfo(weight.dtype).eps, torch.finfo(dy.dtype).eps)
+    err = ((dw.double() - rdw.double()).abs() / mag).max().item()
+    if err > tol:
+        failures.append(f"{label}: dw error {err:.3g} of the summed magnitudes")
+    only_dx, none = _rms_norm_backward_triton(x, weight, dy, eps, True, False)
+    if none is not None or not torch.equal(only_dx, dx):
+        failures.append(f"{label}: dx without dw differs")
+    return failures
+
+
 def _interpreter_main() -> None:
     kernels_on_cpu()
     gen = seeded_generator()
@@ -106,6 +142,8 @@ def _interpreter_main() -> None:
         # the public function takes the kernel here (dispatch says so) and is a plain tensor op
         if not torch.equal(rms_norm(x.to(x_dtype), weight, 1e-6), rms_norm(x.to(x_dtype), weight, 1e-6)):
             failures.append(f"{shape}: not deterministic")
+        dy = torch.randn(shape, generator=gen).to(torch.promote_types(x_dtype, w_dtype))
+        failures += check_backward(x.to(x_dtype), weight, dy)
     report("rms_norm", failures)
 
 
