@@ -36,6 +36,7 @@ def test_fp8_trainer_scores_exactly_what_the_engine_computes_on_the_gpu(base_ove
             norms = [m for m in model.modules() if "RMSNorm" in type(m).__name__]
             assert norms and all(type(m) is RMSNorm for m in norms)
             assert next(model.parameters()).is_cuda
+        assert pair.trainer.trainer.optimizer.defaults["fused"]  # one fused AdamW pass on the GPU
         trainer, engine, mask = _score_both_sides(pair, cfg)
     finally:
         pair.shutdown()

@@ -126,12 +126,16 @@ class NativeTrainer:
             if algorithm_cfg.kl_coef > 0
             else None
         )
+        # On a GPU the fused kernel: one pass over weights, gradients and moments instead of the
+        # ~15 multi-tensor passes of the foreach default (6.3 ms of device time a step for small_moe's
+        # 0.31B fp32 masters on the H200, at the end of a step the host then waits for).
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=algorithm_cfg.lr,
             betas=(optimizer_cfg.adam_beta1, optimizer_cfg.adam_beta2),
             eps=optimizer_cfg.adam_eps,
             weight_decay=optimizer_cfg.weight_decay,
+            fused=self.device.type == "cuda",
         )
         self.step = 0
 
