@@ -118,11 +118,14 @@ def check_backward(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, eps:
         failures.append(f"{label}: dx error {err:.3g} of each row's largest")
     xf = x.double()
     h = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype).double()
-    mag = (dy.double() * h).abs().reshape(-1, x.shape[-1]).sum(0).clamp_min(1e-30)
-    tol = 8 * max(torch.finfo(weight.dtype).eps, torch.finfo(dy.dtype).eps)
-    err = ((dw.double() - rdw.double()).abs() / mag).max().item()
-    if err > tol:
-        failures.append(f"{label}: dw error {err:.3g} of the summed magnitudes")
+    terms = (dy.double() * h).abs().reshape(-1, x.shape[-1])
+    # fp32 sums in another order, and a normalized value x r may round to the neighbouring value of
+    # x's dtype on one side (r from another sum order and rsqrt): a few such terms a column
+    bound = 8 * max(torch.finfo(weight.dtype).eps, torch.finfo(dy.dtype).eps) * terms.sum(0)
+    bound += 4 * torch.finfo(x.dtype).eps * terms.amax(0)
+    excess = ((dw.double() - rdw.double()).abs() - bound).max().item()
+    if excess > 0:
+        failures.append(f"{label}: dw error above its bound by {excess:.3g}")
     only_dx, none = _rms_norm_backward_triton(x, weight, dy, eps, True, False)
     if none is not None or not torch.equal(only_dx, dx):
         failures.append(f"{label}: dx without dw differs")
