@@ -259,14 +259,16 @@ class NativeTrainer:
         estimator passes them (`precision._StraightThrough`). Bit for bit the gradients of a
         backward per micro-batch through freshly quantized weights (the same fp32 sums in the same
         order), without quantizing every weight again per micro-batch."""
-        effective = self.effective_parameters()
         starts = range(0, len(batch), self.micro_batch_size)
+        several = len(starts) > 1
         masters = dict(self.model.named_parameters())
-        names = [name for name, value in effective.items() if value.requires_grad]
+        names = [name for name, master in masters.items() if master.requires_grad]
+        with torch.set_grad_enabled(not several):  # several: no graph to the masters (set below)
+            effective = self.effective_parameters()
         leaves = effective
-        if len(starts) > 1:
+        if several:
             leaves = {
-                name: value.detach().requires_grad_(value.requires_grad) for name, value in effective.items()
+                name: value.requires_grad_(masters[name].requires_grad) for name, value in effective.items()
             }
         sums: list[Tensor | None] = [None] * len(names)
         forward = self._forward(leaves)
