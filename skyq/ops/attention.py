@@ -14,15 +14,44 @@ Everything else goes to transformers' own function: more than one query position
 trainer's and the engine's scoring), no mask (there transformers asks torch for `enable_gqa`, no copy
 either), position biases, soft caps, attention outputs. So the trainer's attention is transformers'
 bit for bit, as is the engine's scoring of whole sequences.
+
+On a GPU those calls keep torch's cuDNN attention out of the backends torch may pick
+(`MULTI_POSITION_BACKENDS`). torch 2.11 on sm90 tries cuDNN first where its constraints hold (the FP8
+recipes' attention inputs do), and cuDNN builds an execution plan for every new (batch, length) it sees:
+on the H200 a GRPO step of the one-GPU FP8 run at a sequence length it had not trained on took 1.8-2.6 s
+instead of ~0.06 s, and the first scoring call at that length up to 1.4 s more, while torch's
+memory-efficient kernel needs no plan (0.09-0.10 s for the same first step) and trained as fast at 7,
+1024 and 4096 tokens (docs/benchmarks.md, session 18). An RL
+batch's padded length changes from step to step, so every step would pay it. The trainer and the
+engine's prefill and scoring all come through here, so both sides still run the same kernel. The
+one-token decode keeps cuDNN: its shapes are fixed per captured decoder (padded batch, rounded cache
+capacity), so it builds each plan once.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 NAME = "skyq_sdpa"
 """The attention implementation name `install` registers and sets on a model that uses `sdpa`."""
+
+MULTI_POSITION_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+"""The backends torch may choose from for attention over more than one query position on a GPU, in its
+own order of preference: no cuDNN, whose per-shape plans cost seconds at every new sequence length (see
+the module docstring). Flash takes the unmasked calls, the memory-efficient kernel the masked ones."""
+
+
+def multi_position_backends(device: torch.device):
+    """The context the multi-position attention runs in: on CUDA, torch's SDPA backends restricted to
+    `MULTI_POSITION_BACKENDS` for the call (its backward runs the kernel its forward chose); elsewhere
+    nothing changes."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel(list(MULTI_POSITION_BACKENDS))
 
 
 def _packs(
@@ -55,7 +84,8 @@ def sdpa_attention_forward(
     if not _packs(module, query, key, attention_mask, kwargs):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward as stock
 
-        return stock(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+        with multi_position_backends(query.device):
+            return stock(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     b, h, _, d = query.shape
     hkv = key.shape[1]
     q = query.reshape(b, hkv, h // hkv, d)

@@ -72,3 +72,53 @@ def test_replays_from_a_cuda_graph(gen):
     mask[:, :, :, 40:] = False
     graph.replay()
     assert torch.equal(out, attention.sdpa_attention_forward(module, q, k, v, mask)[0])
+
+
+@pytest.mark.parametrize("t", [7, 33, 130])
+def test_multi_position_attention_never_runs_cudnn(gen, t):
+    """A masked bf16 prompt / training call laid out as transformers lays it out (q, k, v transposed
+    views of [B, T, H, D], a boolean [B, 1, T, T] causal + padding mask), forward and backward: no cuDNN
+    attention op or kernel runs (cuDNN builds a plan per new shape, seconds at every new sequence
+    length), and output and gradients are as close to the float64 attention's as transformers' own
+    call with torch's default backends."""
+    from torch.profiler import ProfilerActivity, profile
+
+    b, h, hkv, d = 4, 16, 4, 64
+    inputs = [
+        torch.randn(b, t, n, d, generator=gen).to(torch.bfloat16).cuda().transpose(1, 2)
+        for n in (h, hkv, hkv)
+    ]
+    lengths = torch.tensor([t, t - 1, max(1, t // 2), 1], device="cuda")
+    keep = torch.arange(t, device="cuda")[None, :] < lengths[:, None]
+    mask = torch.ones(t, t, dtype=torch.bool, device="cuda").tril()[None, None] & keep[:, None, None, :]
+    mask = mask | torch.eye(t, dtype=torch.bool, device="cuda")  # a padded query row attends to itself
+    module = _Attn(h // hkv)
+    module.is_causal = True
+
+    def run(forward):
+        q, k, v = (x.detach().requires_grad_() for x in inputs)
+        out, _ = forward(module, q, k, v, mask, scaling=d**-0.5)
+        out.float().square().sum().backward()
+        return out.double(), [x.grad.double() for x in (q, k, v)]
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        ours = run(attention.sdpa_attention_forward)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    assert not [n for n in names if "cudnn" in n.lower()], "multi-position attention ran cuDNN"
+    assert [n for n in names if "efficient_attention" in n], sorted(set(names))[:50]
+    stock = run(sdpa_attention.sdpa_attention_forward)
+    groups = h // hkv
+    q64, k64, v64 = (x.double().requires_grad_() for x in inputs)
+    scores = (q64 @ sdpa_attention.repeat_kv(k64, groups).transpose(-1, -2)) * d**-0.5
+    exact = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ sdpa_attention.repeat_kv(v64, groups)
+    exact = exact.transpose(1, 2)
+    exact.float().square().sum().backward()
+    for got, ref, want in zip(
+        [ours[0], *ours[1]],
+        [stock[0], *stock[1]],
+        [exact.detach(), q64.grad, k64.grad, v64.grad],
+        strict=True,
+    ):
+        err, err_stock = (got - want).abs().max(), (ref - want).abs().max()
+        assert err <= 2 * err_stock + 1e-3, (float(err), float(err_stock))

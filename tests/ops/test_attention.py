@@ -91,6 +91,53 @@ def test_everything_else_is_transformers_own_function(case):
     assert torch.equal(ours[0], stock[0])
 
 
+_FLAGS = {
+    "cudnn": torch.backends.cuda.cudnn_sdp_enabled,
+    "flash": torch.backends.cuda.flash_sdp_enabled,
+    "efficient": torch.backends.cuda.mem_efficient_sdp_enabled,
+    "math": torch.backends.cuda.math_sdp_enabled,
+}
+
+
+def _backend_flags() -> dict[str, bool]:
+    return {name: flag() for name, flag in _FLAGS.items()}
+
+
+def test_multi_position_backends_leave_cudnn_out_on_cuda_only():
+    """torch's SDPA backend switches are process-wide flags, readable without a GPU: inside the
+    context for a CUDA device cuDNN is off and flash / memory-efficient / math stay on; on leaving,
+    the flags are what they were; for a CPU device nothing is touched."""
+    before = _backend_flags()
+    assert before["cudnn"], "torch's default enables cuDNN attention; the test needs it on to see it go"
+    with attention.multi_position_backends(torch.device("cuda")):
+        inside = _backend_flags()
+    assert inside == {"cudnn": False, "flash": True, "efficient": True, "math": True}
+    assert _backend_flags() == before
+    with attention.multi_position_backends(torch.device("cpu")):
+        assert _backend_flags() == before
+
+
+@pytest.mark.parametrize("queries", [1, 11])
+def test_only_multi_position_calls_run_in_the_restricted_backends(monkeypatch, queries):
+    """The prompt / scoring / training path (more than one query position) runs inside
+    `multi_position_backends(query.device)`; the packed one-token decode does not (its shapes are
+    fixed per captured decoder, so cuDNN's plans are built once there)."""
+    entered = []
+    real = attention.multi_position_backends
+
+    def recording(device):
+        entered.append(device)
+        return real(device)
+
+    monkeypatch.setattr(attention, "multi_position_backends", recording)
+    q, k, v, mask = _inputs()
+    if queries > 1:
+        q = torch.randn(3, 8, queries, 16, generator=torch.Generator().manual_seed(2))
+        mask = torch.ones(3, 1, queries, 11, dtype=torch.bool).tril()
+    attention.sdpa_attention_forward(_Attn(4), q, k, v, mask, scaling=0.25)
+    assert entered == ([q.device] if queries > 1 else [])
+
+
 def test_install_sets_the_models_built_by_skyq_and_leaves_other_implementations():
     cfg = to_object(compose([]))
     for model in (
