@@ -7,10 +7,14 @@ trainer.micro_batch_size a micro-batch). Then `NativeTrainer.train_step` runs on
 repeatedly, the precisions interleaved, and its wall time (host and device, synchronized) is
 reported as medians with the spread. `--profile` adds, per precision, one profiled step: device
 time per kernel, the step's device busy time against its wall time, and the host ops that took
-the most CPU time.
+the most CPU time. `--new-lengths N` then times, per precision, the first step at each of N sequence
+lengths the process has not seen (the batch right-padded by 1..N positions, masked out), and a
+second step at that length: what a run pays when its padded length changes (RL batches' lengths do,
+step to step), e.g. per-shape kernel plans or compilations.
 
     python benchmarks/train_step.py --device cuda                      # small_moe, bf16 vs fp8_blockwise
     python benchmarks/train_step.py --device cuda --profile --repeats 5
+    python benchmarks/train_step.py --device cuda --new-lengths 4      # + first steps at new lengths
     python benchmarks/train_step.py --model tiny_moe --device cpu      # anywhere
 
 Needs hydra/omegaconf (the configs are composed); on a bare GPU box see docs/gpu_box.md.
@@ -25,6 +29,8 @@ import time
 import torch
 from mismatch import build_pair, sample_sequences
 
+from skyq.rl.batch import RolloutBatch
+
 
 def sync() -> None:
     if torch.cuda.is_available():
@@ -37,6 +43,18 @@ def timed_step(trainer, batch) -> float:
     trainer.train_step(batch)
     sync()
     return time.perf_counter() - t0
+
+
+def right_padded(batch: RolloutBatch, extra: int) -> RolloutBatch:
+    """`batch` with `extra` more positions on the right, masked out of attention and loss (their
+    tokens repeat each row's last one): the same sequences at a longer padded length."""
+
+    def pad(t, value):
+        return torch.nn.functional.pad(t, (0, extra), value=value)
+
+    ids = torch.cat([batch.input_ids, batch.input_ids[:, -1:].expand(-1, extra)], dim=1)
+    return RolloutBatch(ids, pad(batch.attention_mask, 0), pad(batch.response_mask, 0.0),
+                        pad(batch.rollout_logprobs, 0.0), batch.advantages, batch.rewards)  # fmt: skip
 
 
 def profile_step(trainer, batch, label: str, top: int) -> None:
@@ -80,6 +98,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument(
+        "--new-lengths",
+        type=int,
+        default=0,
+        metavar="N",
+        help="time the first step at N sequence lengths not seen before (1..N positions longer)",
+    )
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides for every precision")
     args = ap.parse_args()
     topology = "1gpu" if args.device == "cuda" else "cpu"
@@ -108,12 +133,24 @@ def main() -> None:
     if args.profile:
         for p, (_, trainer, batch) in sides.items():
             profile_step(trainer, batch, p, args.top)
+    new_lengths = {}
+    for p, (_, trainer, batch) in sides.items():
+        for extra in range(1, args.new_lengths + 1):
+            longer = right_padded(batch, extra)
+            new_lengths.setdefault(p, []).append((timed_step(trainer, longer), timed_step(trainer, longer)))
+        if args.new_lengths:
+            print(f"{p}: first / second step at lengths +1..+{args.new_lengths}, ms: "
+                  + ", ".join(f"{a * 1e3:.0f} / {b * 1e3:.0f}" for a, b in new_lengths[p]))  # fmt: skip
     base = statistics.median(times[args.precisions[0]])
     print(f"\n{'metric':<40} {'ours ms':>9} {'baseline ms':>12} {'ratio':>6}  device")
     for p, ts in times.items():
         med = statistics.median(ts)
         print(f"{f'train step {p} [{min(ts) * 1e3:.0f}-{max(ts) * 1e3:.0f} ms]':<40} {med * 1e3:9.1f} "
               f"{base * 1e3:12.1f} {base / med:6.2f}  {device_name}")  # fmt: skip
+    for p, pairs in new_lengths.items():  # baseline: the same step at a length already seen
+        first, again = statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs)
+        print(f"{f'first step at a new length {p}':<40} {first * 1e3:9.1f} {again * 1e3:12.1f} "
+              f"{again / first:6.2f}  {device_name}")  # fmt: skip
     for pair, _, _ in sides.values():
         pair.shutdown()
 
