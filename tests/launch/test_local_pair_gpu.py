@@ -1,5 +1,5 @@
 """`topology=1gpu` on a GPU: the trainer and the engine in one process on the device. With FP8
-blockwise weights the trainer's log-probs of sampled sequences equal the engine's teacher-forced
+blockwise or bf16 weights the trainer's log-probs of sampled sequences equal the engine's teacher-forced
 ones bit for bit, as on the CPU (test_local_pair.py): every op before a quantizer, skyq's RMSNorm
 included, computes the same bits on both sides."""
 
@@ -19,16 +19,18 @@ pytestmark = [
 ]
 
 
-def test_fp8_trainer_scores_exactly_what_the_engine_computes_on_the_gpu(base_overrides, monkeypatch):
-    """The trainer runs its routed experts as grouped GEMMs on the GPU
-    (`ActivationQuantExperts.grouped_forward`, the engine prefill's formulation) and still scores
-    the engine's bits."""
-    from skyq.trainer.native.precision import ActivationQuantExperts
+@pytest.mark.parametrize("precision", ["fp8_blockwise", "bf16"])
+def test_trainer_scores_exactly_what_the_engine_computes_on_the_gpu(base_overrides, monkeypatch, precision):
+    """The trainer runs its routed experts as grouped GEMMs on the GPU (`grouped_forward`, the
+    engine prefill's formulation: FP8's `ActivationQuantExperts`, and bf16's `RoutedExperts` in place
+    of transformers' own experts) and scores the engine's bits."""
+    from skyq.trainer.native.precision import ActivationQuantExperts, RoutedExperts
 
+    experts = ActivationQuantExperts if precision == "fp8_blockwise" else RoutedExperts
     grouped = []
-    real = ActivationQuantExperts.grouped_forward
-    monkeypatch.setattr(ActivationQuantExperts, "grouped_forward", lambda *a: grouped.append(1) or real(*a))
-    overrides = [*base_overrides, "topology=1gpu", "precision=fp8_blockwise"]
+    real = experts.grouped_forward
+    monkeypatch.setattr(experts, "grouped_forward", lambda *a: grouped.append(1) or real(*a))
+    overrides = [*base_overrides, "topology=1gpu", f"precision={precision}"]
     cfg, _ = compose_config(overrides)
     pair = _pair(overrides)
     try:

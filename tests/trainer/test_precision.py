@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,7 +11,13 @@ from native_fixtures import PRECISIONS
 
 from skyq.quant import fp8_blockwise, mxfp8
 from skyq.quant.layouts import Role
-from skyq.trainer.native.precision import ActivationQuantExperts, ActivationQuantLinear
+from skyq.trainer.native.precision import (
+    ActivationQuantExperts,
+    ActivationQuantLinear,
+    RoutedExperts,
+    _QuantizedExperts,
+    route_experts,
+)
 from skyq.trainer.native.trainer import token_logprobs
 
 
@@ -143,16 +151,22 @@ def test_activation_codes_come_from_the_bf16_activation(make_trainer, precision)
             torch.testing.assert_close(project(x), reference, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("precision", ["fp8_blockwise", "mxfp8"])
+@pytest.mark.parametrize("precision", ["fp8_blockwise", "mxfp8", "bf16"])
 def test_grouped_experts_forward_is_the_loop_in_value_and_gradient(make_trainer, precision):
-    """The trainer's grouped experts (`ActivationQuantExperts.grouped_forward`: the GPU's path, two
-    grouped GEMMs over the rows sorted by expert) against the per-expert loop on the same bf16
-    inputs and weights (CPU `torch._grouped_mm` here): equal bit for bit in the output and in the
-    gradients of the input, the router weights and both expert stacks (on the H200,
-    tests/launch/test_local_pair_gpu.py checks the trainer's log-probs against the engine's bit for
-    bit). An expert past the layer is refused."""
+    """The trainer's grouped experts (`grouped_forward`: the GPU's path, two grouped GEMMs over the
+    rows sorted by expert) against the per-expert loop on the same bf16 inputs and weights (CPU
+    `torch._grouped_mm` here): equal bit for bit in the output and in the gradients of the input, the
+    router weights and both expert stacks (on the H200, tests/launch/test_local_pair_gpu.py checks the
+    trainer's log-probs against the engine's bit for bit). FP8 / MXFP8: `ActivationQuantExperts`;
+    bf16: `RoutedExperts`, which a GPU trainer puts in place of transformers' experts
+    (`route_experts`; on this CPU trainer done here by hand). An expert past the layer is refused."""
     trainer = make_trainer(precision)
-    module = next(m for m in trainer.model.modules() if isinstance(m, ActivationQuantExperts))
+    if precision == "bf16":
+        assert trainer.routed_experts == []  # a CPU trainer keeps transformers' experts
+        assert route_experts(trainer.model)
+    module = next(
+        m for m in trainer.model.modules() if isinstance(m, (ActivationQuantExperts, RoutedExperts))
+    )
     gen = torch.Generator().manual_seed(4)
     tokens, k, experts = 29, module_top_k(trainer), module.num_experts
     hidden_size = module.gate_up_proj.shape[-1]
@@ -167,7 +181,8 @@ def test_grouped_experts_forward_is_the_loop_in_value_and_gradient(make_trainer,
         gu = torch.nn.Parameter(module.gate_up_proj.detach().to(torch.bfloat16))
         dn = torch.nn.Parameter(module.down_proj.detach().to(torch.bfloat16))
         module.gate_up_proj, module.down_proj = gu, dn
-        fn = module.grouped_forward if grouped else super(ActivationQuantExperts, module).forward
+        loop = functools.partial(_QuantizedExperts.forward, module)  # the per-expert loop
+        fn = module.grouped_forward if grouped else loop
         out = fn(hidden, index, weights)
         out.float().square().sum().backward()
         results.append(
@@ -183,6 +198,32 @@ def test_grouped_experts_forward_is_the_loop_in_value_and_gradient(make_trainer,
         assert torch.equal(got, want)
     with pytest.raises(ValueError, match=f"router chose expert {experts} of a layer with {experts} experts"):
         module.grouped_forward(hidden, torch.full_like(index, experts), weights)
+
+
+def test_route_experts_takes_transformers_experts_only_and_keeps_their_parameters(make_trainer):
+    """`route_experts` puts a `RoutedExperts` in place of every fused experts module still
+    transformers' own, each holding the very same parameters under the same names (the optimizer,
+    the layout and the sync see no change); on the CPU it computes what transformers' module computes,
+    and it leaves the FP8 trainer's activation-quantized experts alone."""
+    trainer = make_trainer("bf16")
+    stock = {n: m for n, m in trainer.model.named_modules() if type(m).__name__.endswith("Experts")}
+    params = dict(trainer.model.named_parameters())
+    assert stock and route_experts(trainer.model) == list(stock)
+    after = dict(trainer.model.named_parameters())
+    assert list(after) == list(params) and all(after[n] is params[n] for n in params)
+    gen = torch.Generator().manual_seed(7)
+    for name, old in stock.items():
+        new = trainer.model.get_submodule(name)
+        assert isinstance(new, RoutedExperts) and new.gate_up_proj is old.gate_up_proj
+        hidden = torch.randn(13, old.gate_up_proj.shape[-1], generator=gen)
+        index = torch.stack([torch.randperm(old.num_experts, generator=gen)[:2] for _ in range(13)])
+        weights = torch.softmax(torch.randn(13, 2, generator=gen), -1)
+        with torch.no_grad():
+            torch.testing.assert_close(new(hidden, index, weights), old(hidden, index, weights))
+    assert route_experts(trainer.model) == []  # nothing left to take
+    fp8 = make_trainer("fp8_blockwise")
+    assert route_experts(fp8.model) == []
+    assert any(isinstance(m, ActivationQuantExperts) for m in fp8.model.modules())
 
 
 def module_top_k(trainer) -> int:

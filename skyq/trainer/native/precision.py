@@ -183,16 +183,16 @@ class _QuantizedExperts(nn.Module, ABC):
         )  # fmt: skip
 
 
-class ActivationQuantExperts(_QuantizedExperts):
-    """Fused routed experts whose gate_up and down inputs, rounded to bf16, are fake-quantized per
-    token row. On a GPU with bf16 grouped GEMMs (sm_90+), bf16 compute: `grouped_forward`."""
+class _RoutedExperts(_QuantizedExperts):
+    """Fused routed experts computed as the engine computes them: on a GPU with bf16 grouped GEMMs
+    (sm_90+) and bf16 compute, `grouped_forward`; elsewhere the per-expert loop. Each projection's
+    input goes through `_input` first."""
 
-    def __init__(self, experts: nn.Module, activation: TensorFn) -> None:
-        super().__init__(experts)
-        self.activation = activation
+    def _input(self, x: Tensor) -> Tensor:
+        return x
 
     def _linear(self, x: Tensor, weight: Tensor) -> Tensor:
-        return F.linear(self.activation(engine_precision_input(x)), weight.to(x.dtype))
+        return F.linear(self._input(x), weight.to(x.dtype))
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         if (
@@ -205,18 +205,59 @@ class ActivationQuantExperts(_QuantizedExperts):
 
     def grouped_forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         """The experts as two grouped GEMMs over the rows sorted by expert (`moe_route.route`), the
-        engine's prefill formulation, instead of ~12 launches and a host sync per expert: the same
-        rows quantized the same way (the activation quantizer is per row), and each token's expert
-        outputs added in ascending expert order as the loop adds them (`combine_reference`,
-        differentiable). No host sync: inside `deferred_finite_checks` (the trainer's steps and
-        scoring) the expert-range check is read with the quantizers' flags."""
+        engine prefill's formulation, instead of ~12 launches and a host sync per expert: the same
+        rows through `_input` the same way (it is per row), and each token's expert outputs added in
+        ascending expert order as the loop adds them (`combine_reference`, differentiable). No host
+        sync: inside `deferred_finite_checks` (the trainer's steps and scoring) the expert-range
+        check is read with the quantizers' flags."""
         check_expert_range(top_k_index, self.num_experts)
         order, _, offsets, token = route(top_k_index, self.num_experts)
-        x = self.activation(engine_precision_input(hidden_states[token]))
+        x = self._input(hidden_states[token])
         gate, up = bf16_grouped_linear(x, self.gate_up_proj.to(x.dtype), offsets).chunk(2, dim=-1)
-        h = self.activation(engine_precision_input(self.act_fn(gate) * up))
+        h = self._input(self.act_fn(gate) * up)
         down = bf16_grouped_linear(h, self.down_proj.to(h.dtype), offsets)
         return combine_reference(down, order, top_k_index, top_k_weights, hidden_states.dtype)
+
+
+class ActivationQuantExperts(_RoutedExperts):
+    """Fused routed experts whose gate_up and down inputs, rounded to bf16, are fake-quantized per
+    token row. On a GPU with bf16 grouped GEMMs (sm_90+), bf16 compute: `grouped_forward`."""
+
+    def __init__(self, experts: nn.Module, activation: TensorFn) -> None:
+        super().__init__(experts)
+        self.activation = activation
+
+    def _input(self, x: Tensor) -> Tensor:
+        return self.activation(engine_precision_input(x))
+
+
+class RoutedExperts(_RoutedExperts):
+    """Fused routed experts of a precision that quantizes no activation (bf16, INT4 QAT), on a GPU
+    with bf16 grouped GEMMs and bf16 compute (`route_experts`): the engine prefill's formulation, so
+    bf16 log-probs are the engine's bits, as FP8's are. transformers' own experts (its `grouped_mm`
+    implementation by default) sort and sum the rows another way: on the H200 the bf16 trainer's
+    log-probs differed from the engine's scoring by up to 0.02 nats on the one-GPU run's batch."""
+
+
+def _replace_modules(model: nn.Module, replacements: list[tuple[str, nn.Module]]) -> list[str]:
+    """Put each replacement in its named module's place; returns the names."""
+    for name, replacement in replacements:
+        parent_name, _, child = name.rpartition(".")
+        model.get_submodule(parent_name).register_module(child, replacement)
+    return [name for name, _ in replacements]
+
+
+def route_experts(model: nn.Module) -> list[str]:
+    """Rewrite, in place, the fused experts modules still transformers' own (those no activation
+    quantizer took) as `RoutedExperts`, parameters under the same names. For a trainer on a GPU with
+    bf16 grouped GEMMs and bf16 compute, where the engine runs its experts grouped; returns the
+    rewritten module names."""
+    replacements = [
+        (name, RoutedExperts(module))
+        for name, module in model.named_modules()
+        if is_fused_experts(module) and not isinstance(module, _QuantizedExperts)
+    ]
+    return _replace_modules(model, replacements)
 
 
 class Fp8GemmLinear(nn.Module):
@@ -302,7 +343,4 @@ def quantize_activations(
                 replacements.append((name, Fp8GemmExperts(module, emulate=bool(fp8_gemm))))
             else:
                 replacements.append((name, ActivationQuantExperts(module, activation)))
-    for name, replacement in replacements:
-        parent_name, _, child = name.rpartition(".")
-        model.get_submodule(parent_name).register_module(child, replacement)
-    return [name for name, _ in replacements]
+    return _replace_modules(model, replacements)

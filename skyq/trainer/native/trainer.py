@@ -18,6 +18,7 @@ from torch import Tensor
 
 from skyq.config.enums import ComputeDtype, Fp8Gemm, ISCorrection
 from skyq.config.schema import AlgorithmConfig, ModelConfig, OptimizerConfig, PrecisionConfig
+from skyq.ops.grouped_mm import bf16_grouped_mm_on
 from skyq.quant.kernels import dispatch
 from skyq.quant.layouts import experts as expert_layout
 from skyq.quant.layouts import get_layout
@@ -26,7 +27,7 @@ from skyq.rl.batch import RolloutBatch
 from skyq.rl.grpo import mismatch_metrics, policy_loss
 from skyq.sync.sender import WeightItem
 from skyq.trainer.native.model import load_model, write_hf_checkpoint
-from skyq.trainer.native.precision import effective_parameters, quantize_activations
+from skyq.trainer.native.precision import effective_parameters, quantize_activations, route_experts
 
 
 def resolve_fp8_gemm(mode: Fp8Gemm, device: torch.device) -> bool | None:
@@ -118,6 +119,15 @@ class NativeTrainer:
         """None: fake quant; False: cuBLAS blockwise FP8 GEMMs; True: their fp32 emulation."""
         self.activation_quantized = quantize_activations(
             self.model, precision_cfg=precision_cfg, quantizes=self._quantizes, fp8_gemm=self.fp8_gemm
+        )
+        # On a GPU with bf16 grouped GEMMs the engine runs its experts grouped: so do the trainer's
+        # (those an activation quantizer did not take already), keeping bf16's log-probs its bits.
+        self.routed_experts = (
+            route_experts(self.model)
+            if self.device.type == "cuda"
+            and self.compute_dtype is torch.bfloat16
+            and bf16_grouped_mm_on(self.device)
+            else []
         )
         self._check_names_match_layout()
         # The KL reference is the policy the run started from: its effective weights, frozen.
