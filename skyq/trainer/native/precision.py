@@ -12,7 +12,9 @@ bf16 rounding of the fp32 activation (`engine_precision_input`), the operand a W
 the FP8 GEMM path below) quantizes; the dequantized activation and the matmul stay fp32. That
 part is a module rewrite: those `nn.Linear`s become `ActivationQuantLinear` and those fused expert
 modules `ActivationQuantExperts`, keeping their parameters under the same names. INT4 QAT is
-W4A16: no activation quantization. bf16 quantizes nothing.
+W4A16: no activation quantization. bf16 quantizes nothing. On a GPU with bf16 grouped GEMMs the fused
+experts those precisions leave as transformers' become `RoutedExperts` (`route_experts`): the engine's
+grouped formulation with nothing quantized, so the trainer's bf16 log-probs are the engine's bits too.
 
 FP8 GEMMs. With precision=fp8_blockwise (128 x 128 weight blocks, 1 x 128 activation tiles) and
 `trainer.fp8_gemm` active, the quantized linears run through `skyq.trainer.fp8_linear` instead:
