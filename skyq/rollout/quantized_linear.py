@@ -26,6 +26,7 @@ from skyq.ops.grouped_mm import bf16_grouped_linear, bf16_grouped_mm_on
 from skyq.ops.moe_combine import combine
 from skyq.ops.moe_route import route
 from skyq.ops.swiglu import is_silu, silu_mul
+from skyq.quant import int4
 from skyq.quant.kernels import dispatch
 from skyq.quant.layouts import Role
 from skyq.quant.strategies import QuantizationStrategy, WireSpec
@@ -158,24 +159,32 @@ class WireExperts(nn.ModuleList):
     expert without tokens reads nothing) instead of a Python loop over the routed experts with a
     host sync: FP8 blockwise experts at decode sizes through `dispatch.fp8_grouped_weight_only_linear`
     (codes and scales stacked), bf16 experts and FP8 prefill (each stack dequantized in one launch)
-    through `torch._grouped_mm` (compute capability >= 9)."""
+    through `torch._grouped_mm` (compute capability >= 9). INT4 experts (packed codes and scales
+    stacked) take the grouped path outside decode steps, each stack dequantized as the loop's
+    experts dequantize theirs: prefill and scoring then compute as the trainer's grouped experts do,
+    so INT4 scores carry the trainer's bits on a GPU too; a decode step keeps the loop, which
+    dequantizes only the experts its tokens chose."""
 
     PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
     def __init__(self, modules=None) -> None:
         super().__init__(modules)
         self.stacked: dict[str, tuple[Tensor, Tensor | None]] = {}
+        self.kind: str | None = None
+        """What `stack` stacked: "fp8" (codes, scales), "int4" (packed codes, scales) or "bf16"."""
 
     def stack(self) -> bool:
         """Put each projection's weight of all experts into one tensor (FP8: `weight` and
-        `weight_scale_inv`) and make the experts' tensors views of it (values kept; in-place weight
-        loads land in the stack). gate and up share one [E, 2I, K] stack where their rows allow it
-        (FP8: I a whole number of scale blocks), so one launch computes both. For FP8 blockwise
-        `WireLinear` experts or bias-free bf16 `nn.Linear` ones, of equal shapes; returns whether it
-        stacked. Call it once the module is on its device (a later move stacks again, see `_apply`)."""
+        `weight_scale_inv`; INT4: `weight_packed` and `weight_scale`) and make the experts' tensors
+        views of it (values kept; in-place weight loads land in the stack). gate and up share one
+        [E, 2I, K] stack where their rows allow it (FP8: I a whole number of scale blocks; not INT4),
+        so one launch computes both. For FP8 blockwise or symmetric INT4 `WireLinear` experts or
+        bias-free bf16 `nn.Linear` ones, of equal shapes; returns whether it stacked. Call it once
+        the module is on its device (a later move stacks again, see `_apply`)."""
         projs = [[getattr(expert, p) for expert in self] for p in self.PROJECTIONS]
         linears = [lin for ps in projs for lin in ps]
-        if not (linears and (all(map(_is_fp8, linears)) or all(map(_is_bf16_linear, linears)))):
+        kind = _kind(linears[0]) if linears else None
+        if kind is None or any(_kind(lin) != kind for lin in linears):
             return False
         gate, up, down = projs
         fused = [[g, u] for g, u in zip(gate, up, strict=True)]
@@ -191,7 +200,7 @@ class WireExperts(nn.ModuleList):
             width = gate[0].weight.shape[0]
             stacked["gate_proj"] = _row_slice(stacked["gate_up_proj"], 0, width, gate[0])
             stacked["up_proj"] = _row_slice(stacked["gate_up_proj"], width, 2 * width, gate[0])
-        self.stacked = stacked
+        self.stacked, self.kind = stacked, kind
         return True
 
     def _apply(self, fn, recurse=True):
@@ -199,7 +208,7 @@ class WireExperts(nn.ModuleList):
         would hold stale values)."""
         out = super()._apply(fn, recurse)
         if self.stacked:
-            self.stacked = {}
+            self.stacked, self.kind = {}, None
             self.stack()
         return out
 
@@ -217,15 +226,18 @@ class WireExperts(nn.ModuleList):
         """FP8 stacks whose `tokens` x `top_k` routed rows go to the grouped weight-only kernel: up
         to `DECODE_MAX_ROWS` tokens in any forward; in a decode step (`decode_step`) while the
         experts hold at most `GROUPED_DECODE_MAX_MEAN_ROWS` rows each on average."""
-        return self.stacked["gate_proj"][1] is not None and (
+        return self.kind == "fp8" and (
             tokens <= DECODE_MAX_ROWS
             or (in_decode_step() and tokens * top_k <= GROUPED_DECODE_MAX_MEAN_ROWS * len(self))
         )
 
     def _grouped_applies(self, x: Tensor, top_k: int) -> bool:
         """Stacked experts on CUDA, bf16 tokens: FP8 decode sizes take the grouped weight-only
-        kernel; everything else (bf16 experts, FP8 prefill) `torch._grouped_mm`, which needs sm_90+."""
+        kernel; everything else (bf16 experts, FP8 prefill, INT4 outside decode steps)
+        `torch._grouped_mm`, which needs sm_90+."""
         if not (self.stacked and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] > 0):
+            return False
+        if self.kind == "int4" and in_decode_step():
             return False
         if not self._fp8_kernel_takes(x.shape[0], top_k) and not bf16_grouped_mm_on(x.device):
             return False
@@ -250,7 +262,7 @@ class WireExperts(nn.ModuleList):
         """The first and last experts' tensors are still views of the stack (a move restacks, see
         `_apply`; anything else that replaced them since `stack` turns the grouped path off)."""
         q, s = self.stacked[proj]
-        leaves, store = _stacked_leaves(s is not None)
+        leaves, store = _stacked_leaves(self.kind)
         return all(
             getattr(getattr(self[e], proj), store)[leaf].data_ptr() == stack[e].data_ptr()
             for e in (0, len(self) - 1)
@@ -292,6 +304,13 @@ class WireExperts(nn.ModuleList):
             q, s = q.contiguous(), (s.contiguous() if s is not None else None)
         if s is None:
             return bf16_grouped_linear(x, q, offsets)
+        if self.kind == "int4":  # the stack dequantized as each expert's own forward dequantizes it
+            n, k = q.shape[-2], q.shape[-1] * int4.CODES_PER_WORD
+            name = linear.hf_name.replace(".experts.0.", ".experts.*.")
+            w = int4.dequantize_packed(
+                q, s, (n, k), group_size=linear.strategy.group_size, dtype=x.dtype, name=name
+            )
+            return bf16_grouped_linear(x, w, offsets)
         if linear.activation is not None:
             x = linear.activation(x)
         # prefill, or a decode step above the kernel's rows: the stack dequantized once, one grouped GEMM
@@ -308,6 +327,27 @@ def _is_fp8(lin: nn.Module) -> bool:
     return isinstance(lin, WireLinear) and lin.strategy.precision is Precision.fp8_blockwise
 
 
+INT4_LEAVES = ("weight_packed", "weight_scale", "weight_shape")
+"""A symmetric INT4 `WireLinear`'s wire buffers (an asymmetric one has `weight_zero_point` too)."""
+
+
+def _is_int4(lin: nn.Module) -> bool:
+    return (
+        isinstance(lin, WireLinear)
+        and lin.strategy.precision is Precision.int4_qat
+        and tuple(lin._buffers) == INT4_LEAVES
+    )
+
+
+def _kind(lin: nn.Module) -> str | None:
+    """How `WireExperts.stack` stacks this linear's weight: "fp8", "int4", "bf16", or None (it cannot)."""
+    if _is_fp8(lin):
+        return "fp8"
+    if _is_int4(lin):
+        return "int4"
+    return "bf16" if _is_bf16_linear(lin) else None
+
+
 def _is_bf16_linear(lin: nn.Module) -> bool:
     return isinstance(lin, nn.Linear) and lin.bias is None and lin.weight.dtype == torch.bfloat16
 
@@ -317,7 +357,7 @@ def rows_stackable(members: list[nn.Module]) -> bool:
     blockwise `WireLinear`s or all bias-free bf16 `nn.Linear`s of one input width and device; FP8 also
     every member but the last a whole number of scale-block rows (else the scale rows would not
     line up with the weight rows)."""
-    if not members:
+    if not members or not (all(_is_fp8(m) for m in members) or all(map(_is_bf16_linear, members))):
         return False
     first = members[0].weight
     if any(m.weight.shape[1:] != first.shape[1:] or m.weight.device != first.device for m in members):
@@ -332,7 +372,7 @@ def rows_stackable(members: list[nn.Module]) -> bool:
 
 def _grid_uniform(grid: list[list[nn.Module]]) -> bool:
     """Every unit's members have the first unit's stored shapes, dtypes and devices."""
-    leaves, store = _stacked_leaves(_is_fp8(grid[0][0]))
+    leaves, store = _stacked_leaves(_kind(grid[0][0]))
     return all(
         len({tuple((tuple(t.shape), t.dtype, t.device) for t in unit) for unit in tensors}) == 1
         for tensors in ([[getattr(lin, store)[leaf] for lin in unit] for unit in grid] for leaf in leaves)
@@ -345,8 +385,8 @@ def stack_rows(grid: list[list[nn.Module]]) -> tuple[Tensor, Tensor | None]:
     values kept, every member's tensor made a view of it (so in-place weight loads land in it).
     Returns (weight stack, scale stack or None for bf16). The grid must pass `_grid_uniform` (and,
     for more than one member, `rows_stackable`)."""
-    fp8 = _is_fp8(grid[0][0])
-    leaves, store = _stacked_leaves(fp8)
+    leaves, store = _stacked_leaves(_kind(grid[0][0]))
+    buffers = store == "_buffers"
     stacks = [
         torch.stack([torch.cat([getattr(lin, store)[leaf].detach() for lin in unit]) for unit in grid])
         for leaf in leaves
@@ -358,8 +398,10 @@ def stack_rows(grid: list[list[nn.Module]]) -> tuple[Tensor, Tensor | None]:
                 t = getattr(lin, store)[leaf]
                 view = stack[e, row : row + t.shape[0]]
                 row += t.shape[0]
-                getattr(lin, store)[leaf] = view if fp8 else nn.Parameter(view, requires_grad=t.requires_grad)
-    return stacks[0], (stacks[1] if fp8 else None)
+                getattr(lin, store)[leaf] = (
+                    view if buffers else nn.Parameter(view, requires_grad=t.requires_grad)
+                )
+    return stacks[0], (stacks[1] if buffers else None)
 
 
 def _row_slice(
@@ -373,10 +415,15 @@ def _row_slice(
     return q[:, lo:hi], s[:, lo // bn : -(-hi // bn)]
 
 
-def _stacked_leaves(fp8: bool) -> tuple[tuple[str, ...], str]:
-    """What `WireExperts.stack` stacks of each expert linear, and where the module keeps it: FP8 wire
-    buffers (codes and scales), or a bf16 `nn.Linear`'s weight parameter."""
-    return (("weight", "weight_scale_inv"), "_buffers") if fp8 else (("weight",), "_parameters")
+def _stacked_leaves(kind: str | None) -> tuple[tuple[str, ...], str]:
+    """What `WireExperts.stack` stacks of each expert linear of this `_kind`, and where the module
+    keeps it: FP8 or INT4 wire buffers (codes and scales; INT4's `weight_shape` stays each expert's),
+    or a bf16 `nn.Linear`'s weight parameter."""
+    if kind == "fp8":
+        return ("weight", "weight_scale_inv"), "_buffers"
+    if kind == "int4":
+        return INT4_LEAVES[:2], "_buffers"
+    return ("weight",), "_parameters"
 
 
 class PlainLinear(nn.Linear):

@@ -19,11 +19,12 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("precision", ["fp8_blockwise", "bf16"])
+@pytest.mark.parametrize("precision", ["fp8_blockwise", "bf16", "int4_qat"])
 def test_trainer_scores_exactly_what_the_engine_computes_on_the_gpu(base_overrides, monkeypatch, precision):
     """The trainer runs its routed experts as grouped GEMMs on the GPU (`grouped_forward`, the
-    engine prefill's formulation: FP8's `ActivationQuantExperts`, and bf16's `RoutedExperts` in place
-    of transformers' own experts) and scores the engine's bits."""
+    engine prefill's formulation: FP8's `ActivationQuantExperts`, and bf16's / INT4's `RoutedExperts`
+    in place of transformers' own experts; the engine's INT4 experts grouped outside decode steps)
+    and scores the engine's bits."""
     from skyq.trainer.native.precision import ActivationQuantExperts, RoutedExperts
 
     experts = ActivationQuantExperts if precision == "fp8_blockwise" else RoutedExperts

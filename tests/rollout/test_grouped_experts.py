@@ -326,3 +326,63 @@ def test_a_large_bf16_decode_step_multiplies_the_stacks_without_copying_them(mon
     assert len(calls) == 3 and all(w.is_contiguous() for w in calls)
     assert calls[0].data_ptr() != experts.stacked["gate_up_proj"][0].data_ptr()  # a copy of the gate half
     assert float((step.float() - prefill.float()).norm() / prefill.float().norm()) < 1e-2
+
+
+def test_int4_experts_stack_their_packed_codes_and_scales():
+    """Symmetric INT4 experts stack `weight_packed` and `weight_scale` per projection (gate and up
+    apart: no fused stack), each expert's buffers views of the stacks and in-place loads landing in
+    them; `weight_shape` stays each expert's own."""
+    gen = torch.Generator().manual_seed(21)
+    experts = _experts(gen, Precision.int4_qat)
+    before = {n: t.clone() for n, t in experts.state_dict().items()}
+    assert experts.stack() and experts.kind == "int4"
+    assert all(torch.equal(before[n], t) for n, t in experts.state_dict().items())
+    assert set(experts.stacked) == set(WireExperts.PROJECTIONS)
+    packed, scale = experts.stacked["up_proj"]
+    group = experts[0].up_proj.strategy.group_size
+    assert packed.shape == (E, INTER, H // 8) and packed.dtype == torch.int32
+    assert scale.shape == (E, INTER, H // group)
+    for e in range(E):
+        assert experts[e].up_proj.get_buffer("weight_packed").data_ptr() == packed[e].data_ptr()
+        assert experts[e].up_proj.get_buffer("weight_scale").data_ptr() == scale[e].data_ptr()
+    assert (
+        experts[1].up_proj.get_buffer("weight_shape").data_ptr()
+        != experts[2].up_proj.get_buffer("weight_shape").data_ptr()
+    )
+    experts[4].down_proj.get_buffer("weight_scale").fill_(0.5)
+    assert bool((experts.stacked["down_proj"][1][4] == 0.5).all())
+    assert all(experts._stack_is_live(p) for p in WireExperts.PROJECTIONS)
+    experts[0].gate_proj._buffers["weight_packed"] = experts[0].gate_proj._buffers["weight_packed"].clone()
+    assert not experts._stack_is_live("gate_proj")
+
+
+def test_int4_grouped_forward_dequantizes_each_stack_as_the_experts_do(monkeypatch):
+    """The INT4 grouped path: each stack dequantized in one call and one grouped GEMM a projection.
+    With each expert's own CPU GEMM on its rows of the dequantized stack standing in for
+    `torch._grouped_mm`, the result equals the per-expert loop bit for bit (so the stack's
+    dequantization is each expert's, bit for bit); with `torch._grouped_mm` itself (CPU here),
+    within bf16 rounding. An asymmetric INT4 linear (zero points) is not stacked."""
+    gen = torch.Generator().manual_seed(22)
+    experts = _experts(gen, Precision.int4_qat)
+    assert experts.stack()
+    hidden, index, weights = _routing(gen, quantized_linear.DECODE_MAX_ROWS + 5)
+    loop = experts(hidden, index, weights)  # on CPU the grouped path does not apply
+
+    def per_expert(x, w, offsets):
+        bounds = offsets.tolist()
+        out = x.new_zeros((x.shape[0], w.shape[1]))
+        for e, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+            if b > a:
+                out[a:b] = F.linear(x[a:b], w[e])
+        return out
+
+    with monkeypatch.context() as m:
+        m.setattr(quantized_linear, "bf16_grouped_linear", per_expert)
+        assert torch.equal(experts._grouped_forward(hidden, index, weights), loop)
+    grouped = experts._grouped_forward(hidden, index, weights).float()
+    assert float((grouped - loop.float()).norm() / loop.float().norm()) < 1e-2
+    asymmetric = _experts(gen, Precision.int4_qat)
+    asymmetric[0].gate_proj.register_buffer(
+        "weight_zero_point", torch.zeros(INTER // 8, H // 32, dtype=torch.int32)
+    )
+    assert not asymmetric.stack() and asymmetric.kind is None
