@@ -21,11 +21,11 @@ recipes' attention inputs do), and cuDNN builds an execution plan for every new 
 on the H200 a GRPO step of the one-GPU FP8 run at a sequence length it had not trained on took 1.8-2.6 s
 instead of ~0.06 s, and the first scoring call at that length up to 1.4 s more, while torch's
 memory-efficient kernel needs no plan (0.09-0.10 s for the same first step) and trained as fast at 7,
-1024 and 4096 tokens (docs/benchmarks.md, session 18). An RL
-batch's padded length changes from step to step, so every step would pay it. The trainer and the
-engine's prefill and scoring all come through here, so both sides still run the same kernel. The
-one-token decode keeps cuDNN: its shapes are fixed per captured decoder (padded batch, rounded cache
-capacity), so it builds each plan once.
+1024 and 4096 tokens (docs/benchmarks.md, session 18). An RL batch's padded length changes from step to
+step, so every step would pay it. The trainer and the engine's prefill and scoring all come through
+here, so both sides still run the same kernel. The one-token decode keeps cuDNN: its shapes are fixed
+per captured decoder (padded batch, rounded cache capacity), so it builds each plan once. torch's
+backend switches are process-wide, not per thread: skyq runs a process's attention on one thread.
 """
 
 from __future__ import annotations
