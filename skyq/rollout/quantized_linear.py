@@ -159,11 +159,12 @@ class WireExperts(nn.ModuleList):
     expert without tokens reads nothing) instead of a Python loop over the routed experts with a
     host sync: FP8 blockwise experts at decode sizes through `dispatch.fp8_grouped_weight_only_linear`
     (codes and scales stacked), bf16 experts and FP8 prefill (each stack dequantized in one launch)
-    through `torch._grouped_mm` (compute capability >= 9). INT4 experts (packed codes and scales
+    through `torch._grouped_mm` (compute capability >= 9). INT4 and MXFP8 experts (codes and scales
     stacked) take the grouped path outside decode steps, each stack dequantized as the loop's
-    experts dequantize theirs: prefill and scoring then compute as the trainer's grouped experts do,
-    so INT4 scores carry the trainer's bits on a GPU too; a decode step keeps the loop, which
-    dequantizes only the experts its tokens chose."""
+    experts dequantize theirs (MXFP8: the rows' activation quantization first, per row as theirs):
+    prefill and scoring then compute as the trainer's grouped experts do, so their scores carry the
+    trainer's bits on a GPU too; a decode step keeps the loop, which dequantizes only the experts its
+    tokens chose."""
 
     PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -171,16 +172,17 @@ class WireExperts(nn.ModuleList):
         super().__init__(modules)
         self.stacked: dict[str, tuple[Tensor, Tensor | None]] = {}
         self.kind: str | None = None
-        """What `stack` stacked: "fp8" (codes, scales), "int4" (packed codes, scales) or "bf16"."""
+        """What `stack` stacked (`_kind`): "fp8", "int4", "mxfp8" (codes and scales) or "bf16"."""
 
     def stack(self) -> bool:
         """Put each projection's weight of all experts into one tensor (FP8: `weight` and
-        `weight_scale_inv`; INT4: `weight_packed` and `weight_scale`) and make the experts' tensors
-        views of it (values kept; in-place weight loads land in the stack). gate and up share one
-        [E, 2I, K] stack where their rows allow it (FP8: I a whole number of scale blocks; not INT4),
-        so one launch computes both. For FP8 blockwise or symmetric INT4 `WireLinear` experts or
-        bias-free bf16 `nn.Linear` ones, of equal shapes; returns whether it stacked. Call it once
-        the module is on its device (a later move stacks again, see `_apply`)."""
+        `weight_scale_inv`; INT4: `weight_packed` and `weight_scale`; MXFP8: `weight` and
+        `weight_scale`) and make the experts' tensors views of it (values kept; in-place weight loads
+        land in the stack). gate and up share one [E, 2I, K] stack where their rows allow it (FP8: I
+        a whole number of scale blocks; not INT4 / MXFP8), so one launch computes both. For FP8
+        blockwise, symmetric INT4 or MXFP8 `WireLinear` experts or bias-free bf16 `nn.Linear` ones,
+        of equal shapes; returns whether it stacked. Call it once the module is on its device (a
+        later move stacks again, see `_apply`)."""
         projs = [[getattr(expert, p) for expert in self] for p in self.PROJECTIONS]
         linears = [lin for ps in projs for lin in ps]
         kind = _kind(linears[0]) if linears else None
@@ -233,11 +235,11 @@ class WireExperts(nn.ModuleList):
 
     def _grouped_applies(self, x: Tensor, top_k: int) -> bool:
         """Stacked experts on CUDA, bf16 tokens: FP8 decode sizes take the grouped weight-only
-        kernel; everything else (bf16 experts, FP8 prefill, INT4 outside decode steps)
+        kernel; everything else (bf16 experts, FP8 prefill, INT4 / MXFP8 outside decode steps)
         `torch._grouped_mm`, which needs sm_90+."""
         if not (self.stacked and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] > 0):
             return False
-        if self.kind == "int4" and in_decode_step():
+        if self.kind in DEQUANTIZED_KINDS and in_decode_step():
             return False
         if not self._fp8_kernel_takes(x.shape[0], top_k) and not bf16_grouped_mm_on(x.device):
             return False
@@ -304,13 +306,10 @@ class WireExperts(nn.ModuleList):
             q, s = q.contiguous(), (s.contiguous() if s is not None else None)
         if s is None:
             return bf16_grouped_linear(x, q, offsets)
-        if self.kind == "int4":  # the stack dequantized as each expert's own forward dequantizes it
-            n, k = q.shape[-2], q.shape[-1] * int4.CODES_PER_WORD
-            name = linear.hf_name.replace(".experts.0.", ".experts.*.")
-            w = int4.dequantize_packed(
-                q, s, (n, k), group_size=linear.strategy.group_size, dtype=x.dtype, name=name
-            )
-            return bf16_grouped_linear(x, w, offsets)
+        if self.kind in DEQUANTIZED_KINDS:  # the stack dequantized as each expert's forward does its own
+            if linear.activation is not None:
+                x = linear.activation(x)
+            return bf16_grouped_linear(x, _dequantized_stack(self.kind, linear, q, s, x.dtype), offsets)
         if linear.activation is not None:
             x = linear.activation(x)
         # prefill, or a decode step above the kernel's rows: the stack dequantized once, one grouped GEMM
@@ -339,13 +338,40 @@ def _is_int4(lin: nn.Module) -> bool:
     )
 
 
+MXFP8_LEAVES = ("weight", "weight_scale")
+"""An MXFP8 `WireLinear`'s wire buffers: e4m3 codes and ue8m0 scales, one per 32 columns."""
+
+DEQUANTIZED_KINDS = ("int4", "mxfp8")
+"""Stacks `WireExperts` dequantizes whole for a grouped GEMM, outside decode steps only."""
+
+
 def _kind(lin: nn.Module) -> str | None:
-    """How `WireExperts.stack` stacks this linear's weight: "fp8", "int4", "bf16", or None (it cannot)."""
+    """How `WireExperts.stack` stacks this linear's weight: "fp8", "int4", "mxfp8", "bf16", or None
+    (it cannot)."""
     if _is_fp8(lin):
         return "fp8"
     if _is_int4(lin):
         return "int4"
+    if (
+        isinstance(lin, WireLinear)
+        and lin.strategy.precision is Precision.mxfp8
+        and tuple(lin._buffers) == MXFP8_LEAVES
+    ):
+        return "mxfp8"
     return "bf16" if _is_bf16_linear(lin) else None
+
+
+def _dequantized_stack(kind: str, linear: WireLinear, q: Tensor, s: Tensor, dtype: torch.dtype) -> Tensor:
+    """An INT4 / MXFP8 stack [E, N, ...] dequantized to [E, N, K] by the function its experts'
+    own forwards dequantize with (`strategy.deserialize`), so each expert's slice is bit for bit
+    the weight its loop would multiply by; errors name the projection of every expert."""
+    name = linear.hf_name.replace(".experts.0.", ".experts.*.")
+    if kind == "int4":
+        n, k = q.shape[-2], q.shape[-1] * int4.CODES_PER_WORD
+        return int4.dequantize_packed(
+            q, s, (n, k), group_size=linear.strategy.group_size, dtype=dtype, name=name
+        )
+    return dispatch.dequantize_mxfp8(q, s, dtype=dtype, name=name)
 
 
 def _is_bf16_linear(lin: nn.Module) -> bool:
@@ -417,12 +443,14 @@ def _row_slice(
 
 def _stacked_leaves(kind: str | None) -> tuple[tuple[str, ...], str]:
     """What `WireExperts.stack` stacks of each expert linear of this `_kind`, and where the module
-    keeps it: FP8 or INT4 wire buffers (codes and scales; INT4's `weight_shape` stays each expert's),
-    or a bf16 `nn.Linear`'s weight parameter."""
+    keeps it: FP8, INT4 or MXFP8 wire buffers (codes and scales; INT4's `weight_shape` stays each
+    expert's), or a bf16 `nn.Linear`'s weight parameter."""
     if kind == "fp8":
         return ("weight", "weight_scale_inv"), "_buffers"
     if kind == "int4":
         return INT4_LEAVES[:2], "_buffers"
+    if kind == "mxfp8":
+        return MXFP8_LEAVES, "_buffers"
     return ("weight",), "_parameters"
 
 

@@ -19,19 +19,25 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("precision", ["fp8_blockwise", "bf16", "int4_qat"])
+@pytest.mark.parametrize("precision", ["fp8_blockwise", "bf16", "int4_qat", "mxfp8"])
 def test_trainer_scores_exactly_what_the_engine_computes_on_the_gpu(base_overrides, monkeypatch, precision):
     """The trainer runs its routed experts as grouped GEMMs on the GPU (`grouped_forward`, the
-    engine prefill's formulation: FP8's `ActivationQuantExperts`, and bf16's / INT4's `RoutedExperts`
-    in place of transformers' own experts; the engine's INT4 experts grouped outside decode steps)
-    and scores the engine's bits."""
+    engine prefill's formulation: FP8's and MXFP8's `ActivationQuantExperts`, and bf16's / INT4's
+    `RoutedExperts` in place of transformers' own experts; the engine's INT4 and MXFP8 experts grouped
+    outside decode steps) and scores the engine's bits."""
+    from skyq.rollout.quantized_linear import WireExperts
     from skyq.trainer.native.precision import ActivationQuantExperts, RoutedExperts
 
-    experts = ActivationQuantExperts if precision == "fp8_blockwise" else RoutedExperts
-    grouped = []
-    real = experts.grouped_forward
+    experts = ActivationQuantExperts if precision in ("fp8_blockwise", "mxfp8") else RoutedExperts
+    grouped, engine_grouped = [], []
+    real, real_engine = experts.grouped_forward, WireExperts._grouped_forward
     monkeypatch.setattr(experts, "grouped_forward", lambda *a: grouped.append(1) or real(*a))
+    monkeypatch.setattr(
+        WireExperts, "_grouped_forward", lambda *a: engine_grouped.append(1) or real_engine(*a)
+    )
     overrides = [*base_overrides, "topology=1gpu", f"precision={precision}"]
+    if precision == "mxfp8":
+        overrides.append("precision.emulate=true")  # MXFP8 GEMMs need sm_100; the H200 emulates them
     cfg, _ = compose_config(overrides)
     pair = _pair(overrides)
     try:
@@ -43,5 +49,5 @@ def test_trainer_scores_exactly_what_the_engine_computes_on_the_gpu(base_overrid
         trainer, engine, mask = _score_both_sides(pair, cfg)
     finally:
         pair.shutdown()
-    assert mask.sum() > 0 and grouped
+    assert mask.sum() > 0 and grouped and engine_grouped
     assert torch.equal(trainer[mask].cpu(), engine[mask].cpu())

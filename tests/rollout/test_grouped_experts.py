@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from skyq.config.enums import Precision
 from skyq.config.schema import PrecisionConfig
 from skyq.quant.errors import QuantizationError
+from skyq.quant.fake_quant import activation_fake_quant
 from skyq.quant.kernels import dispatch
 from skyq.quant.layouts import Role
 from skyq.quant.strategies import get_strategy
@@ -127,7 +128,9 @@ def test_a_move_stacks_the_experts_again():
 
 def test_stack_refuses_experts_it_cannot_group():
     gen = torch.Generator().manual_seed(1)
-    assert not _experts(gen, Precision.mxfp8).stack()
+    mixed = _experts(gen, Precision.mxfp8)
+    mixed[2].down_proj = _experts(gen)[2].down_proj  # one FP8 blockwise projection among MXFP8 ones
+    assert not mixed.stack() and mixed.kind is None
     assert not WireExperts([]).stack()
     experts = _experts(gen)
     experts[1].down_proj._buffers["weight"] = torch.zeros(H, INTER + 128, dtype=torch.float8_e4m3fn)
@@ -356,16 +359,23 @@ def test_int4_experts_stack_their_packed_codes_and_scales():
     assert not experts._stack_is_live("gate_proj")
 
 
-def test_int4_grouped_forward_dequantizes_each_stack_as_the_experts_do(monkeypatch):
-    """The INT4 grouped path: each stack dequantized in one call and one grouped GEMM a projection.
-    With each expert's own CPU GEMM on its rows of the dequantized stack standing in for
-    `torch._grouped_mm`, the result equals the per-expert loop bit for bit (so the stack's
-    dequantization is each expert's, bit for bit); with `torch._grouped_mm` itself (CPU here),
-    within bf16 rounding. An asymmetric INT4 linear (zero points) is not stacked."""
+@pytest.mark.parametrize("precision", [Precision.int4_qat, Precision.mxfp8])
+@pytest.mark.parametrize("tokens", [5, quantized_linear.DECODE_MAX_ROWS + 5])
+def test_dequantized_stacks_grouped_forward_is_the_loop(monkeypatch, precision, tokens):
+    """The INT4 / MXFP8 grouped path (outside decode steps): MXFP8's activation quantizer on the
+    sorted rows, each stack dequantized in one call, one grouped GEMM a projection. With each
+    expert's own CPU GEMM on its rows of the dequantized stack standing in for `torch._grouped_mm`,
+    the result equals the per-expert loop bit for bit (so the stack's dequantization and the rows'
+    quantization are each expert's, bit for bit); with `torch._grouped_mm` itself (CPU here), within
+    bf16 rounding."""
     gen = torch.Generator().manual_seed(22)
-    experts = _experts(gen, Precision.int4_qat)
-    assert experts.stack()
-    hidden, index, weights = _routing(gen, quantized_linear.DECODE_MAX_ROWS + 5)
+    experts = _experts(gen, precision)
+    activation = activation_fake_quant(PrecisionConfig(name=precision))  # the engine's (None for INT4)
+    for expert in experts:
+        for p in WireExperts.PROJECTIONS:
+            getattr(expert, p).activation = activation
+    assert experts.stack() and experts.kind == precision.value.split("_")[0]
+    hidden, index, weights = _routing(gen, tokens)
     loop = experts(hidden, index, weights)  # on CPU the grouped path does not apply
 
     def per_expert(x, w, offsets):
@@ -381,6 +391,10 @@ def test_int4_grouped_forward_dequantizes_each_stack_as_the_experts_do(monkeypat
         assert torch.equal(experts._grouped_forward(hidden, index, weights), loop)
     grouped = experts._grouped_forward(hidden, index, weights).float()
     assert float((grouped - loop.float()).norm() / loop.float().norm()) < 1e-2
+
+
+def test_an_asymmetric_int4_linear_is_not_stacked():
+    gen = torch.Generator().manual_seed(23)
     asymmetric = _experts(gen, Precision.int4_qat)
     asymmetric[0].gate_proj.register_buffer(
         "weight_zero_point", torch.zeros(INTER // 8, H // 32, dtype=torch.int32)
