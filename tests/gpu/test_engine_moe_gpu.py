@@ -67,11 +67,11 @@ def test_engine_scores_moe_decode_rows_through_grouped_launches(request, monkeyp
     assert float((grouped - loop).abs().max()) < 5e-2
 
 
-@pytest.mark.parametrize("precision", ["fp8_blockwise", "bf16"])
+@pytest.mark.parametrize("precision", ["fp8_blockwise", "bf16", "int4_qat", "mxfp8"])
 def test_engine_prefill_runs_the_experts_as_grouped_gemms(request, monkeypatch, precision):
     """A forward of more tokens than a decode (prefill, scoring) on the GPU also groups the experts:
-    bf16 stacks and FP8 stacks dequantized once go through torch._grouped_mm, no per-expert loop;
-    it scores as the loop does within bf16 rounding."""
+    bf16 stacks and FP8 / INT4 / MXFP8 stacks dequantized once go through torch._grouped_mm, no
+    per-expert loop; it scores as the loop does within bf16 rounding."""
     engine, cfg = _loaded_engine(request, precision)
     experts = [m for m in engine.model.modules() if isinstance(m, WireExperts)]
     ids = torch.randint(0, cfg.model.vocab_size, (4, 40), generator=torch.Generator().manual_seed(1))
