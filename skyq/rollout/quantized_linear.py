@@ -329,19 +329,13 @@ def _is_fp8(lin: nn.Module) -> bool:
 INT4_LEAVES = ("weight_packed", "weight_scale", "weight_shape")
 """A symmetric INT4 `WireLinear`'s wire buffers (an asymmetric one has `weight_zero_point` too)."""
 
-
-def _is_int4(lin: nn.Module) -> bool:
-    return (
-        isinstance(lin, WireLinear)
-        and lin.strategy.precision is Precision.int4_qat
-        and tuple(lin._buffers) == INT4_LEAVES
-    )
-
-
 MXFP8_LEAVES = ("weight", "weight_scale")
 """An MXFP8 `WireLinear`'s wire buffers: e4m3 codes and ue8m0 scales, one per 32 columns."""
 
-DEQUANTIZED_KINDS = ("int4", "mxfp8")
+_DEQUANTIZED_WIRE = {Precision.int4_qat: ("int4", INT4_LEAVES), Precision.mxfp8: ("mxfp8", MXFP8_LEAVES)}
+"""Per precision: the kind of stack `WireExperts` dequantizes whole, and the wire buffers it takes."""
+
+DEQUANTIZED_KINDS = tuple(kind for kind, _ in _DEQUANTIZED_WIRE.values())
 """Stacks `WireExperts` dequantizes whole for a grouped GEMM, outside decode steps only."""
 
 
@@ -350,14 +344,9 @@ def _kind(lin: nn.Module) -> str | None:
     (it cannot)."""
     if _is_fp8(lin):
         return "fp8"
-    if _is_int4(lin):
-        return "int4"
-    if (
-        isinstance(lin, WireLinear)
-        and lin.strategy.precision is Precision.mxfp8
-        and tuple(lin._buffers) == MXFP8_LEAVES
-    ):
-        return "mxfp8"
+    if isinstance(lin, WireLinear) and lin.strategy.precision in _DEQUANTIZED_WIRE:
+        kind, leaves = _DEQUANTIZED_WIRE[lin.strategy.precision]
+        return kind if tuple(lin._buffers) == leaves else None
     return "bf16" if _is_bf16_linear(lin) else None
 
 
@@ -383,17 +372,18 @@ def rows_stackable(members: list[nn.Module]) -> bool:
     blockwise `WireLinear`s or all bias-free bf16 `nn.Linear`s of one input width and device; FP8 also
     every member but the last a whole number of scale-block rows (else the scale rows would not
     line up with the weight rows)."""
-    if not members or not (all(_is_fp8(m) for m in members) or all(map(_is_bf16_linear, members))):
+    kinds = {_kind(m) for m in members}
+    if kinds not in ({"fp8"}, {"bf16"}):
         return False
     first = members[0].weight
     if any(m.weight.shape[1:] != first.shape[1:] or m.weight.device != first.device for m in members):
         return False
-    if all(_is_fp8(m) for m in members):
+    if kinds == {"fp8"}:
         bn = members[0].strategy.block()[0]
         return all(m.strategy.block() == members[0].strategy.block() for m in members) and all(
             m.weight.shape[0] % bn == 0 for m in members[:-1]
         )
-    return all(map(_is_bf16_linear, members))
+    return True
 
 
 def _grid_uniform(grid: list[list[nn.Module]]) -> bool:
@@ -448,7 +438,7 @@ def _stacked_leaves(kind: str | None) -> tuple[tuple[str, ...], str]:
     if kind == "fp8":
         return ("weight", "weight_scale_inv"), "_buffers"
     if kind == "int4":
-        return INT4_LEAVES[:2], "_buffers"
+        return INT4_LEAVES[:2], "_buffers"  # not weight_shape
     if kind == "mxfp8":
         return MXFP8_LEAVES, "_buffers"
     return ("weight",), "_parameters"
