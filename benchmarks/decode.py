@@ -200,10 +200,13 @@ LARGE_SHAPES = {"small_moe q/k/v 1536x1024": (1536, 1024), "small_moe o 1024x102
 
 
 def large(gen: torch.Generator, batches: list[int]) -> None:
-    """A dense linear at decode batches past 64 rows: bf16, the FP8 weight-only kernel, and the FP8
-    weight dequantized then multiplied (the engine's path above `DECODE_MAX_ROWS`), graphed over
-    rotating weight copies; shapes of the engine's attention projections."""
-    print("\nus per call: bf16 | fp8 weight-only kernel | fp8 dequantized + bf16 GEMM")
+    """A dense linear at decode batches past 64 rows: bf16, the FP8 weight-only kernel, the FP8
+    weight dequantized then multiplied (the engine's path above `DECODE_MAX_ROWS` before the FP8 x
+    FP8 kernel), and the FP8 x FP8 kernel with its input's 1 x 128 quantization in the call (the
+    engine's path now), graphed over rotating weight copies; the engine's attention projections."""
+    print(
+        "\nus per call: bf16 | fp8 weight-only kernel | fp8 dequantized + bf16 GEMM | fp8 x fp8 (+ act quant)"
+    )
     device = torch.cuda.get_device_name()
     rows = []
     with torch.inference_mode(), dispatch.deferred_finite_checks(max_pending=1 << 30):
@@ -215,15 +218,19 @@ def large(gen: torch.Generator, batches: list[int]) -> None:
                 td = time_per_call(
                     [lambda q=q, s=s, x=x: torch.matmul(x, dispatch.dequantize_fp8_blockwise(q, s).T) for q, s in qs]
                 )  # fmt: skip
+                tw = time_per_call(
+                    [lambda q=q, s=s, x=x: dispatch.fp8_w8a8_linear(*dispatch.quantize_fp8_activation(x), q, s)
+                     for q, s in qs]
+                )  # fmt: skip
                 print(
-                    f"{label:>26} {m:>5} rows: {tb * 1e6:7.1f} | {tk * 1e6:7.1f} | {td * 1e6:7.1f}",
+                    f"{label:>26} {m:>5} rows: {tb * 1e6:7.1f} | {tk * 1e6:7.1f} | {td * 1e6:7.1f} | {tw * 1e6:7.1f}",
                     flush=True,
                 )
-                rows.append((label, m, tb, tk, td))
+                rows.append((label, m, tb, tk, td, tw))
             del ws, qs
     print(f"\n{'metric':<58} {'ours':>9} {'baseline':>9} {'ratio':>6}  device")
-    for label, m, tb, tk, td in rows:
-        for name, ours in (("kernel", tk), ("dequantized", td)):
+    for label, m, tb, tk, td, tw in rows:
+        for name, ours in (("kernel", tk), ("dequantized", td), ("w8a8", tw)):
             print(f"{f'{label} us, {m} rows: fp8 {name} / bf16':<58} {ours * 1e6:>9.1f} {tb * 1e6:>9.1f}"
                   f" {tb / ours:>6.2f}  {device}")  # fmt: skip
 

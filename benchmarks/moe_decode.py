@@ -20,10 +20,12 @@ layer's experts once, so L2 holds none of them), for a model's expert shape:
 
 `--large` times the paths of a large decode step (more tokens than `DECODE_MAX_ROWS`), per projection,
 graphed over `--layers` weight copies like the sweep: bf16's `torch._grouped_mm`, the grouped FP8 kernel
-at its default tiling, and each FP8 stack dequantized then `torch._grouped_mm` (what every step above
-64 tokens did before session 16), for both model shapes:
+at its default tiling, each FP8 stack dequantized then `torch._grouped_mm` (what every step above
+64 tokens did before session 16), and the FP8 x FP8 kernel (`triton_fp8_w8a8`) with the routed rows'
+activation quantization (1 x 128 codes) in the call and without it, for both model shapes;
+`--w8a8-configs` also times each of W8A8_CONFIGS (codes quantized beforehand):
 
-    python benchmarks/moe_decode.py --large [--tokens 64 128 256 512 1024]
+    python benchmarks/moe_decode.py --large [--tokens 64 128 256 512 1024] [--w8a8-configs]
 """
 
 from __future__ import annotations
@@ -184,10 +186,19 @@ def _stacks(experts: int, n: int, k: int, layers: int) -> tuple[list[Tensor], li
     return ws, [fp8_blockwise.quantize(w) for w in ws]
 
 
+W8A8_CONFIGS = [  # (BM, BN, MT, warps, stages) of triton_fp8_w8a8
+    (16, 128, 1, 4, 3), (32, 128, 1, 4, 3), (64, 128, 1, 4, 3), (64, 128, 1, 8, 3), (128, 128, 1, 8, 3),
+    (32, 64, 1, 4, 3), (64, 64, 1, 4, 3), (64, 128, 1, 4, 4), (64, 128, 2, 4, 3), (128, 128, 1, 8, 4),
+]  # fmt: skip
+
+
 def large(args, gen: torch.Generator) -> None:
     from skyq.ops.grouped_mm import bf16_grouped_linear
-    from skyq.quant.kernels import dispatch, gluon_fp8_gemv
+    from skyq.quant.kernels import dispatch, gluon_fp8_gemv, triton_fp8_w8a8
     from skyq.quant.kernels.triton_fp8_gemv import sm_count
+
+    def w8a8(x, q, s, offs):
+        return dispatch.fp8_grouped_w8a8_linear(*dispatch.quantize_fp8_activation(x), q, s, offs)
 
     sms = sm_count(torch.device("cuda"))
     device = torch.cuda.get_device_name()
@@ -215,16 +226,45 @@ def large(args, gen: torch.Generator) -> None:
                     td = graphed_calls(
                         [functools.partial(dequantized, x, *q, offs) for q in qs], args.repeats
                     )
+                    tw = graphed_calls([functools.partial(w8a8, x, *q, offs) for q in qs], args.repeats)
+                    xq, xs = dispatch.quantize_fp8_activation(x)
+                    ref = dequantized(x, *qs[0], offs).float()
+                    err = float((w8a8(x, *qs[0], offs).float() - ref).norm() / ref.norm())
+                    if not err < 2e-2:
+                        raise AssertionError(f"{shape} {proj} {t} tokens: w8a8 relative error {err:.2e}")
+                    tw0 = graphed_calls(
+                        [functools.partial(dispatch.fp8_grouped_w8a8_linear, xq, xs, *q, offs) for q in qs],
+                        args.repeats,
+                    )
+                    sweep_line = ""
+                    if args.w8a8_configs:
+                        times = {
+                            cfg: graphed_calls(
+                                [
+                                    functools.partial(
+                                        triton_fp8_w8a8.linear_grouped, xq, xs, *q, offs, config=cfg
+                                    )
+                                    for q in qs
+                                ],
+                                args.repeats,
+                            )  # fmt: skip
+                            for cfg in W8A8_CONFIGS
+                        }
+                        best = min(times, key=times.get)
+                        sweep_line = " | " + " ".join(f"{c}:{v * 1e6:.1f}" for c, v in times.items())
+                        sweep_line += f" | best {best} {times[best] * 1e6:.1f}"
                     bm = gluon_fp8_gemv.grouped_tiling(t * top_k, experts, n, k, 128, sms)[0]
                     print(f"{shape} {proj} {t:>5} tok ({t * top_k / experts:.0f} rows an expert, BM {bm}): bf16 "
-                          f"{tb * 1e6:.1f} | fp8 kernel {tk * 1e6:.1f} | fp8 dequantized {td * 1e6:.1f}", flush=True)  # fmt: skip
-                    rows.append((shape, proj, t, tb, tk, td))
+                          f"{tb * 1e6:.1f} | fp8 kernel {tk * 1e6:.1f} | fp8 dequantized {td * 1e6:.1f} | w8a8 "
+                          f"{tw * 1e6:.1f} (codes given {tw0 * 1e6:.1f}, err {err:.1e}){sweep_line}", flush=True)  # fmt: skip
+                    rows.append((shape, proj, t, tb, tk, td, tw))
                 del ws, qs
     print(f"\n{'metric':<58} {'ours':>9} {'baseline':>9} {'ratio':>6}  device")
-    for shape, proj, t, tb, tk, td in rows:
+    for shape, proj, t, tb, tk, td, tw in rows:
         for label, ours, base in (
             (f"{shape} {proj} us, {t} tok: fp8 kernel / bf16", tk, tb),
             (f"{shape} {proj} us, {t} tok: fp8 kernel / fp8 dequantized", tk, td),
+            (f"{shape} {proj} us, {t} tok: fp8 w8a8 (+ act quant) / bf16", tw, tb),
         ):
             print(f"{label:<58} {ours * 1e6:>9.1f} {base * 1e6:>9.1f} {base / ours:>6.2f}  {device}")
 
@@ -237,6 +277,7 @@ def main() -> None:
     ap.add_argument("--shape", choices=sorted(SWEEP_SHAPES), default="a3b")
     ap.add_argument("--layers", type=int, default=4, help="weight copies a sweep rotates through")
     ap.add_argument("--large", action="store_true", help="the paths of a large decode step (see above)")
+    ap.add_argument("--w8a8-configs", action="store_true", help="with --large: each of W8A8_CONFIGS too")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     if args.large:

@@ -14,6 +14,7 @@ graph.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -82,14 +83,31 @@ def fake_quant_fp8_activation(
     return _FakeQuantFp8Blockwise.apply(x, (1, tile), pow2_scale, name)
 
 
+@dataclass(frozen=True)
+class Fp8ActivationQuant:
+    """An FP8 recipe's activation quantizer (1 x `tile` blocks along K): called, the fake-quantized
+    input (`fake_quant_fp8_activation`); `codes`, the e4m3 codes and scales those values dequantize
+    from, bit for bit (what the engine's FP8 x FP8 decode GEMM multiplies)."""
+
+    tile: int
+    pow2_scale: bool
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return fake_quant_fp8_activation(x, self.tile, self.pow2_scale)
+
+    def codes(self, x: Tensor, *, name: str = "activation") -> tuple[Tensor, Tensor]:
+        """(q e4m3 [..., M, K], scale_inv fp32 [..., M, ceil(K/tile)]) of x [..., M, K]."""
+        return dispatch.quantize_fp8_activation(x, tile=self.tile, pow2_scale=self.pow2_scale, name=name)
+
+
 def activation_fake_quant(precision_cfg: PrecisionConfig) -> Callable[[Tensor], Tensor] | None:
     """How a quantized linear's input is quantized, in the trainer and in the engine's W8A8 GEMM
-    alike: FP8 blockwise 1 x tile, MXFP8 1 x 32, or not at all (bf16, INT4 W4A16)."""
+    alike: FP8 blockwise 1 x tile (an `Fp8ActivationQuant`), MXFP8 1 x 32, or not at all (bf16,
+    INT4 W4A16)."""
     precision = Precision(precision_cfg.name)
     if precision is Precision.fp8_blockwise:
         pow2 = ScaleFormat(precision_cfg.scale_format) is ScaleFormat.ue8m0
-        tile = precision_cfg.activation_tile
-        return lambda x: fake_quant_fp8_activation(x, tile, pow2)
+        return Fp8ActivationQuant(precision_cfg.activation_tile, pow2)
     if precision is Precision.mxfp8:
         return fake_quant_mxfp8
     return None

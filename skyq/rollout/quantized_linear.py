@@ -27,6 +27,7 @@ from skyq.ops.moe_combine import combine
 from skyq.ops.moe_route import route
 from skyq.ops.swiglu import is_silu, silu_mul
 from skyq.quant import int4
+from skyq.quant.fake_quant import Fp8ActivationQuant
 from skyq.quant.kernels import dispatch
 from skyq.quant.layouts import Role
 from skyq.quant.strategies import QuantizationStrategy, WireSpec
@@ -44,6 +45,13 @@ they hold at most this many rows each on average (above: each stack dequantized,
 On the H200 (`benchmarks/moe_decode.py --large`, session 16) the kernel beat dequantize + grouped GEMM
 at every mean up to 64 rows (Qwen3-30B-A3B's experts at 1024 tokens, top-8: gate+up 512 vs 651 us),
 and lost above it (small_moe's at 128 rows each: 132 vs 110 us)."""
+
+W8A8_MIN_MEAN_ROWS = 16
+"""In a decode step, FP8 experts averaging more than this many rows each multiply FP8 activation
+codes by their FP8 weight codes on the FP8 tensor cores (`dispatch.fp8_grouped_w8a8_linear`), where
+the recipe quantizes activations in 1 x 128 tiles; dense FP8 linears do above `DECODE_MAX_ROWS` rows.
+Below it the grouped weight-only kernel is faster (it reads no activation scales and needs no
+activation codes)."""
 
 _DECODE_STEP: ContextVar[bool] = ContextVar("skyq_decode_step", default=False)
 
@@ -80,6 +88,34 @@ def _decode_sized(x: Tensor) -> bool:
     return _rows(x) <= DECODE_MAX_ROWS or in_decode_step()
 
 
+def w8a8_quantizer(linear: nn.Module, device: torch.device) -> Fp8ActivationQuant | None:
+    """The activation quantizer whose codes a decode step may multiply by this linear's FP8 weight
+    codes on `device` (`dispatch.fp8_w8a8_linear`): an FP8 blockwise `WireLinear` of 128 x 128 weight
+    blocks whose recipe quantizes its input in 1 x 128 tiles, on a GPU with e4m3 tensor cores."""
+    act = getattr(linear, "activation", None)
+    return (
+        act
+        if _is_fp8(linear)
+        and isinstance(act, Fp8ActivationQuant)
+        and act.tile == dispatch.W8A8_BLOCK[1]
+        and tuple(linear.strategy.block()) == dispatch.W8A8_BLOCK
+        and dispatch.w8a8_kernel_available(device)
+        else None
+    )
+
+
+def _w8a8_linear(quantizer: Fp8ActivationQuant, x: Tensor, q: Tensor, s: Tensor) -> Tensor:
+    """x [..., K] by an FP8 weight through its activation codes (`dispatch.fp8_w8a8_linear`)."""
+    xq, xs = quantizer.codes(x.reshape(-1, x.shape[-1]))
+    return dispatch.fp8_w8a8_linear(xq, xs, q, s, out_dtype=x.dtype).reshape(*x.shape[:-1], q.shape[0])
+
+
+def _large_decode_step(x: Tensor) -> bool:
+    """x is a decode step's bf16 CUDA input of more than `DECODE_MAX_ROWS` rows (the weight-only
+    kernel's limit for a dense linear)."""
+    return x.is_cuda and x.dtype == torch.bfloat16 and in_decode_step() and _rows(x) > DECODE_MAX_ROWS
+
+
 class WireLinear(nn.Module):
     """A bias-free linear whose weight lives as wire tensors; dequantized inside `forward`."""
 
@@ -112,6 +148,8 @@ class WireLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.shared is not None and (y := self.shared.output(self.slot, x)) is not None:
             return y
+        if _large_decode_step(x) and (quantizer := w8a8_quantizer(self, x.device)) is not None:
+            return _w8a8_linear(quantizer, x, self._buffers["weight"], self._buffers["weight_scale_inv"])
         if self.activation is not None:
             x = self.activation(x)
         if self._decodes_from_fp8(x):
@@ -224,24 +262,35 @@ class WireExperts(nn.ModuleList):
             out.index_add_(0, token_idx, expert_out.to(out.dtype))
         return out
 
-    def _fp8_kernel_takes(self, tokens: int, top_k: int) -> bool:
-        """FP8 stacks whose `tokens` x `top_k` routed rows go to the grouped weight-only kernel: up
-        to `DECODE_MAX_ROWS` tokens in any forward; in a decode step (`decode_step`) while the
-        experts hold at most `GROUPED_DECODE_MAX_MEAN_ROWS` rows each on average."""
-        return self.kind == "fp8" and (
-            tokens <= DECODE_MAX_ROWS
-            or (in_decode_step() and tokens * top_k <= GROUPED_DECODE_MAX_MEAN_ROWS * len(self))
-        )
+    def _fp8_path(self, x: Tensor, top_k: int) -> str | None:
+        """How FP8 stacks compute x's tokens' routed rows (None for other kinds): "w8a8" in a decode
+        step whose experts average more than `W8A8_MIN_MEAN_ROWS` rows each, where `w8a8_quantizer`
+        allows (activation codes by weight codes on the FP8 tensor cores); "kernel", the grouped
+        weight-only kernel, up to `DECODE_MAX_ROWS` tokens in any forward and in a decode step while
+        the experts average at most `GROUPED_DECODE_MAX_MEAN_ROWS` rows; else "dequantized" (each
+        stack dequantized once, one grouped GEMM)."""
+        if self.kind != "fp8":
+            return None
+        rows, step = x.shape[0] * top_k, in_decode_step()
+        if (
+            step
+            and rows > W8A8_MIN_MEAN_ROWS * len(self)
+            and all(w8a8_quantizer(getattr(self[0], p), x.device) for p in self.PROJECTIONS)
+        ):
+            return "w8a8"
+        if x.shape[0] <= DECODE_MAX_ROWS or (step and rows <= GROUPED_DECODE_MAX_MEAN_ROWS * len(self)):
+            return "kernel"
+        return "dequantized"
 
     def _grouped_applies(self, x: Tensor, top_k: int) -> bool:
         """Stacked experts on CUDA, bf16 tokens: FP8 decode sizes take the grouped weight-only
-        kernel; everything else (bf16 experts, FP8 prefill, INT4 / MXFP8 outside decode steps)
-        `torch._grouped_mm`, which needs sm_90+."""
+        kernel or, in large decode steps, the grouped FP8 x FP8 one; everything else (bf16 experts,
+        FP8 prefill, INT4 / MXFP8 outside decode steps) `torch._grouped_mm`, which needs sm_90+."""
         if not (self.stacked and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] > 0):
             return False
         if self.kind in DEQUANTIZED_KINDS and in_decode_step():
             return False
-        if not self._fp8_kernel_takes(x.shape[0], top_k) and not bf16_grouped_mm_on(x.device):
+        if self._fp8_path(x, top_k) not in ("kernel", "w8a8") and not bf16_grouped_mm_on(x.device):
             return False
         return all(self._stack_is_live(p) for p in self.PROJECTIONS)
 
@@ -251,7 +300,8 @@ class WireExperts(nn.ModuleList):
         to, it takes every projection (elsewhere the per-expert form reads the offsets on the host)."""
         if not self._grouped_applies(x, top_k):
             return False
-        if not self._fp8_kernel_takes(x.shape[0], top_k):
+        path = self._fp8_path(x, top_k)
+        if path != "kernel":  # the FP8 x FP8 kernel (`w8a8_quantizer` checked its device) or torch's
             return True
         from skyq.quant.kernels import triton_fp8_gemv
 
@@ -279,9 +329,13 @@ class WireExperts(nn.ModuleList):
         # rows by expert, then token (the loop's row order); expert e's rows: no host sync
         order, position, offsets, token = route(top_k_index, len(self))
         first = self[0]
+        path = self._fp8_path(hidden_states, k)
+        if path == "w8a8":
+            down = self._w8a8_experts(hidden_states, offsets, token)
+            return combine(down, order, top_k_index, top_k_weights, hidden_states.dtype, position=position)
         xs = hidden_states[token]
         decode = _decode_sized(hidden_states)
-        kernel = self._fp8_kernel_takes(t, k)
+        kernel = path == "kernel"
         if decode and "gate_up_proj" in self.stacked:  # one launch (and one activation quantization)
             gate, up = self._grouped(first.gate_proj, "gate_up_proj", xs, offsets, decode, kernel).chunk(
                 2, dim=-1
@@ -295,6 +349,27 @@ class WireExperts(nn.ModuleList):
             act = first.act_fn(gate) * up
         down = self._grouped(first.down_proj, "down_proj", act, offsets, decode, kernel)
         return combine(down, order, top_k_index, top_k_weights, hidden_states.dtype, position=position)
+
+    def _w8a8_experts(self, hidden_states: Tensor, offsets: Tensor, token: Tensor) -> Tensor:
+        """The routed rows' down projections [T * k, H] in a large decode step, on FP8 codes both
+        sides (`dispatch.fp8_grouped_w8a8_linear`): each token's input quantized once (1 x 128
+        tiles; the routed rows read their token's codes through `token`), gate and up one launch
+        from their stack, `silu * up` one launch, its codes, down one launch."""
+        first = self[0]
+
+        def grouped(proj: str, xq: Tensor, xs: Tensor, index: Tensor | None = None) -> Tensor:
+            q, s = self.stacked[proj]
+            return dispatch.fp8_grouped_w8a8_linear(
+                xq, xs, q, s, offsets, index=index, out_dtype=hidden_states.dtype
+            )
+
+        xq, xs = first.gate_proj.activation.codes(hidden_states)
+        if "gate_up_proj" in self.stacked:
+            gate, up = grouped("gate_up_proj", xq, xs, token).chunk(2, dim=-1)
+        else:
+            gate, up = grouped("gate_proj", xq, xs, token), grouped("up_proj", xq, xs, token)
+        act = silu_mul(gate, up) if is_silu(first.act_fn) else first.act_fn(gate) * up
+        return grouped("down_proj", *first.down_proj.activation.codes(act))
 
     def _grouped(
         self, linear: nn.Module, proj: str, x: Tensor, offsets: Tensor, decode: bool, kernel: bool
@@ -514,6 +589,8 @@ class SharedInput:
         lead = self.members[0]
         if self.scale is None:
             return F.linear(x, self.weight)
+        if _large_decode_step(x) and (quantizer := w8a8_quantizer(lead, x.device)) is not None:
+            return _w8a8_linear(quantizer, x, self.weight, self.scale)  # on codes both sides
         if lead.activation is not None:
             x = lead.activation(x)
         if _rows(x) > DECODE_MAX_ROWS:  # a large decode step: one dequantized stack

@@ -104,10 +104,10 @@ def test_a_non_finite_activation_in_a_replay_raises_the_eager_error(request):
 
 @pytest.mark.parametrize("precision", ["fp8_blockwise", "bf16"])
 def test_batches_past_the_decode_rows_are_captured_too(request, monkeypatch, precision):
-    """A step of more than DECODE_MAX_ROWS rows (dense FP8 weights dequantized in the step) has no
-    host sync either: captured, replayed, and equal to the static engine bit for bit. Its experts
-    take the decode paths (`quantized_linear.decode_step`): FP8 through the grouped weight-only
-    kernel, no expert stack dequantized in a step; bf16 on the stacks as they are, no copy."""
+    """A step of more than DECODE_MAX_ROWS rows has no host sync either: captured, replayed, and equal
+    to the static engine bit for bit. Its experts take the decode paths (`quantized_linear.decode_step`):
+    FP8 on codes both sides (96 rows x top-2 over 4 experts: above `W8A8_MIN_MEAN_ROWS` an expert),
+    dense FP8 linears too, no stack dequantized in a step; bf16 on the stacks as they are, no copy."""
     from skyq.rollout import quantized_linear as ql
 
     graph, static, _, cfg = _engines(request, precision)
@@ -115,12 +115,15 @@ def test_batches_past_the_decode_rows_are_captured_too(request, monkeypatch, pre
     stacks = [
         q for m in graph.model.modules() if isinstance(m, ql.WireExperts) for q, _ in m.stacked.values()
     ]
-    kernel, dequantized, bf16 = [], [], []
-    real_kernel, real_dequant, real_bf16 = (
-        dispatch.fp8_grouped_weight_only_linear, dispatch.dequantize_fp8_blockwise, ql.bf16_grouped_linear
+    kernel, dequantized, bf16, dense = [], [], [], []
+    real_kernel, real_dequant, real_bf16, real_dense = (
+        dispatch.fp8_grouped_w8a8_linear, dispatch.dequantize_fp8_blockwise, ql.bf16_grouped_linear,
+        dispatch.fp8_w8a8_linear,
     )  # fmt: skip
-    monkeypatch.setattr(dispatch, "fp8_grouped_weight_only_linear",
+    monkeypatch.setattr(dispatch, "fp8_grouped_w8a8_linear",
                         lambda *a, **k: kernel.append(ql.in_decode_step()) or real_kernel(*a, **k))  # fmt: skip
+    monkeypatch.setattr(dispatch, "fp8_w8a8_linear",
+                        lambda *a, **k: dense.append(ql.in_decode_step()) or real_dense(*a, **k))  # fmt: skip
     monkeypatch.setattr(dispatch, "dequantize_fp8_blockwise",
                         lambda *a, **k: dequantized.append((ql.in_decode_step(), k.get("name")))
                         or real_dequant(*a, **k))  # fmt: skip
@@ -131,9 +134,10 @@ def test_batches_past_the_decode_rows_are_captured_too(request, monkeypatch, pre
     a = graph.generate(prompts, n=80, max_new_tokens=4, seed=0, **SAMPLING)
     ((key, decoder),) = graph._decoders.items()
     assert key[0] == 96 and decoder._graph is not None and decoder.replays > 0
-    assert not any(step and ".experts." in (name or "") for step, name in dequantized)
+    assert not any(step for step, _ in dequantized)
     if precision == "fp8_blockwise":
-        assert kernel and all(kernel)  # the warm-up step and the capture
+        assert 96 * 2 > ql.W8A8_MIN_MEAN_ROWS * 4
+        assert kernel and all(kernel) and dense and all(dense)  # the warm-up step and the capture
     else:
         assert any(step for step, _ in bf16) and all(stack for step, stack in bf16 if step)
     assert a == static.generate(prompts, n=80, max_new_tokens=4, seed=0, **SAMPLING)

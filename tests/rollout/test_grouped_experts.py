@@ -204,7 +204,7 @@ def test_grouped_linear_cpu_form_and_its_errors():
     assert torch.equal(y[2:7], dispatch.fp8_weight_only_linear(x[2:7], q[2], s[2]))
     with pytest.raises(QuantizationError, match="offsets must be int32"):
         dispatch.fp8_grouped_weight_only_linear(x, q, s, offsets.long())
-    with pytest.raises(QuantizationError, match="must rise from 0 to the 7 rows"):
+    with pytest.raises(QuantizationError, match="must rise from 0 to the 7 routed rows"):
         dispatch.fp8_grouped_weight_only_linear(x, q, s, torch.tensor([0, 3, 2, 7], dtype=torch.int32))
     with pytest.raises(QuantizationError, match="weight must be"):
         dispatch.fp8_grouped_weight_only_linear(x, q[0], s[0], offsets)
