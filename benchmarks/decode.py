@@ -27,7 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from skyq.quant.kernels import dispatch
+from skyq.quant.kernels import dispatch, triton_fp8_w8a8
 
 HIDDEN, Q_OUT, KV_OUT, MLP = 2048, 4096, 512, 6144
 SHAPES = {"q": (Q_OUT, HIDDEN), "k": (KV_OUT, HIDDEN), "v": (KV_OUT, HIDDEN), "o": (HIDDEN, Q_OUT),
@@ -199,7 +199,13 @@ LARGE_SHAPES = {"small_moe q/k/v 1536x1024": (1536, 1024), "small_moe o 1024x102
                 "a3b q/k/v 5120x2048": (5120, 2048), "a3b o 2048x4096": (2048, 4096)}  # fmt: skip
 
 
-def large(gen: torch.Generator, batches: list[int]) -> None:
+W8A8_DENSE_CONFIGS = [  # (BM, BN, MT (0: one program a row tile), warps, stages) of triton_fp8_w8a8
+    (32, 64, 0, 4, 3), (64, 64, 0, 4, 3), (128, 64, 0, 4, 3), (64, 128, 0, 4, 3), (128, 128, 0, 8, 3),
+    (64, 64, 0, 4, 4), (32, 64, 0, 4, 4),
+]  # fmt: skip
+
+
+def large(gen: torch.Generator, batches: list[int], w8a8_configs: bool = False) -> None:
     """A dense linear at decode batches past 64 rows: bf16, the FP8 weight-only kernel, the FP8
     weight dequantized then multiplied (the engine's path above `DECODE_MAX_ROWS` before the FP8 x
     FP8 kernel), and the FP8 x FP8 kernel with its input's 1 x 128 quantization in the call (the
@@ -222,6 +228,20 @@ def large(gen: torch.Generator, batches: list[int]) -> None:
                     [lambda q=q, s=s, x=x: dispatch.fp8_w8a8_linear(*dispatch.quantize_fp8_activation(x), q, s)
                      for q, s in qs]
                 )  # fmt: skip
+                if w8a8_configs:
+                    xq, xs = dispatch.quantize_fp8_activation(x)
+                    times = {
+                        cfg: time_per_call(
+                            [
+                                lambda q=q, s=s, c=cfg: triton_fp8_w8a8.linear(xq, xs, q, s, config=c)
+                                for q, s in qs
+                            ]
+                        )
+                        for cfg in W8A8_DENSE_CONFIGS
+                    }
+                    best = min(times, key=times.get)
+                    print(f"{'':>26} w8a8 codes given: " + " ".join(f"{c}:{v * 1e6:.1f}" for c, v in times.items())
+                          + f" | best {best} {times[best] * 1e6:.1f}", flush=True)  # fmt: skip
                 print(
                     f"{label:>26} {m:>5} rows: {tb * 1e6:7.1f} | {tk * 1e6:7.1f} | {td * 1e6:7.1f} | {tw * 1e6:7.1f}",
                     flush=True,
@@ -551,6 +571,9 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--sweep-seconds", type=float, default=1e9, help="stop sweeping after this long")
     ap.add_argument("--sweep-log", default=None, help="append the sweep's timings here, JSON lines")
+    ap.add_argument(
+        "--w8a8-configs", action="store_true", help="with --only large: each of W8A8_DENSE_CONFIGS too"
+    )
     args = ap.parse_args()
     if args.scales_in_loop_max_m is not None:
         from skyq.quant.kernels import triton_fp8_gemv
@@ -568,7 +591,7 @@ def main() -> None:
         per_call_floor(gen)
         return
     if args.only == "large":
-        large(gen, args.batches)
+        large(gen, args.batches, args.w8a8_configs)
         return
     if args.only in ("sweep", "gluon-sweep"):
         shapes = FUSED_SWEEP_SHAPES if args.fused else SWEEP_SHAPES

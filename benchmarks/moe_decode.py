@@ -228,9 +228,12 @@ def large(args, gen: torch.Generator) -> None:
                     )
                     tw = graphed_calls([functools.partial(w8a8, x, *q, offs) for q in qs], args.repeats)
                     xq, xs = dispatch.quantize_fp8_activation(x)
-                    ref = dequantized(x, *qs[0], offs).float()
+                    # the weight-only path's value on the fake-quantized rows (the engine's W8A8 input)
+                    ref = dequantized(
+                        dispatch.fake_quant_fp8_blockwise(x, block_size=(1, 128)), *qs[0], offs
+                    ).float()
                     err = float((w8a8(x, *qs[0], offs).float() - ref).norm() / ref.norm())
-                    if not err < 2e-2:
+                    if not err < 1e-2:
                         raise AssertionError(f"{shape} {proj} {t} tokens: w8a8 relative error {err:.2e}")
                     tw0 = graphed_calls(
                         [functools.partial(dispatch.fp8_grouped_w8a8_linear, xq, xs, *q, offs) for q in qs],

@@ -113,6 +113,7 @@ def _launch(
         warps, stages = launch_options(bm, bn)
     else:
         bm, bn, mt, warps, stages = config
+        mt = mt or cdiv(rows, bm)  # 0: one program a row tile
     if BLOCK % bn:
         raise ValueError(f"fp8 w8a8: a {bn}-row weight tile does not divide the {BLOCK}-row scale block")
     if rows == 0 or n == 0:
@@ -140,7 +141,8 @@ def linear(
     """y [M, N] (out_dtype) from activation codes xq e4m3 [M, K] (unit stride along K) with scales
     xs fp32 [M, ceil(K/128)] and weight codes q e4m3 [N, K] (unit stride along K) with 128 x 128 block
     scales s fp32 [ceil(N/128), ceil(K/128)]; shapes checked by the caller, no host sync. `config`
-    (BM, BN, MT, warps, stages) for sweeps; by default BM by the rows, BN 128, one program a row tile."""
+    (BM, BN, MT, warps, stages) for sweeps (MT 0: one program a row tile); by default BM by the rows,
+    BN 128, one program a row tile."""
     m = xq.shape[0]
     y = torch.empty((m, q.shape[0]), dtype=out_dtype, device=xq.device)
     return _launch(xq, xs, q.unsqueeze(0), s.unsqueeze(0), y, None, None, m, m, config)
