@@ -233,7 +233,9 @@ def large(gen: torch.Generator, batches: list[int], w8a8_configs: bool = False) 
                     times = {
                         cfg: time_per_call(
                             [
-                                lambda q=q, s=s, c=cfg: triton_fp8_w8a8.linear(xq, xs, q, s, config=c)
+                                lambda q=q, s=s, c=cfg, a=xq, b=xs: triton_fp8_w8a8.linear(
+                                    a, b, q, s, config=c
+                                )
                                 for q, s in qs
                             ]
                         )
