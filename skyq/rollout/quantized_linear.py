@@ -46,12 +46,14 @@ On the H200 (`benchmarks/moe_decode.py --large`, session 16) the kernel beat deq
 at every mean up to 64 rows (Qwen3-30B-A3B's experts at 1024 tokens, top-8: gate+up 512 vs 651 us),
 and lost above it (small_moe's at 128 rows each: 132 vs 110 us)."""
 
-W8A8_MIN_MEAN_ROWS = 16
-"""In a decode step, FP8 experts averaging more than this many rows each multiply FP8 activation
-codes by their FP8 weight codes on the FP8 tensor cores (`dispatch.fp8_grouped_w8a8_linear`), where
-the recipe quantizes activations in 1 x 128 tiles; dense FP8 linears do above `DECODE_MAX_ROWS` rows.
-Below it the grouped weight-only kernel is faster (it reads no activation scales and needs no
-activation codes)."""
+W8A8_MIN_MEAN_ROWS = 8
+"""In a decode step, FP8 experts averaging at least this many rows each multiply FP8 activation codes
+by their FP8 weight codes on the FP8 tensor cores (`dispatch.fp8_grouped_w8a8_linear`), where the
+recipe quantizes activations in 1 x 128 tiles; dense FP8 linears do above `DECODE_MAX_ROWS` rows. On
+the H200 (`benchmarks/moe_decode.py --large --w8a8-configs`, session 19; Qwen3-30B-A3B's experts, us
+a call, gate+up / down) the grouped weight-only kernel took 128 / 71 at 8 rows an expert, 309 / 168 at
+32, 515 / 280 at 64 (bf16's grouped GEMM 263-271 / 151-158), the FP8 x FP8 kernel 102 / 54, 115 / 69
+and 180 / 92 (its activation codes given; their quantization adds 5-20 us)."""
 
 _DECODE_STEP: ContextVar[bool] = ContextVar("skyq_decode_step", default=False)
 
@@ -264,7 +266,7 @@ class WireExperts(nn.ModuleList):
 
     def _fp8_path(self, x: Tensor, top_k: int) -> str | None:
         """How FP8 stacks compute x's tokens' routed rows (None for other kinds): "w8a8" in a decode
-        step whose experts average more than `W8A8_MIN_MEAN_ROWS` rows each, where `w8a8_quantizer`
+        step whose experts average at least `W8A8_MIN_MEAN_ROWS` rows each, where `w8a8_quantizer`
         allows (activation codes by weight codes on the FP8 tensor cores); "kernel", the grouped
         weight-only kernel, up to `DECODE_MAX_ROWS` tokens in any forward and in a decode step while
         the experts average at most `GROUPED_DECODE_MAX_MEAN_ROWS` rows; else "dequantized" (each
@@ -274,7 +276,7 @@ class WireExperts(nn.ModuleList):
         rows, step = x.shape[0] * top_k, in_decode_step()
         if (
             step
-            and rows > W8A8_MIN_MEAN_ROWS * len(self)
+            and rows >= W8A8_MIN_MEAN_ROWS * len(self)
             and all(w8a8_quantizer(getattr(self[0], p), x.device) for p in self.PROJECTIONS)
         ):
             return "w8a8"

@@ -106,7 +106,7 @@ def test_a_non_finite_activation_in_a_replay_raises_the_eager_error(request):
 def test_batches_past_the_decode_rows_are_captured_too(request, monkeypatch, precision):
     """A step of more than DECODE_MAX_ROWS rows has no host sync either: captured, replayed, and equal
     to the static engine bit for bit. Its experts take the decode paths (`quantized_linear.decode_step`):
-    FP8 on codes both sides (96 rows x top-2 over 4 experts: above `W8A8_MIN_MEAN_ROWS` an expert),
+    FP8 on codes both sides (96 rows x top-2 over 4 experts: at least `W8A8_MIN_MEAN_ROWS` an expert),
     dense FP8 linears too, no stack dequantized in a step; bf16 on the stacks as they are, no copy."""
     from skyq.rollout import quantized_linear as ql
 
@@ -136,7 +136,7 @@ def test_batches_past_the_decode_rows_are_captured_too(request, monkeypatch, pre
     assert key[0] == 96 and decoder._graph is not None and decoder.replays > 0
     assert not any(step for step, _ in dequantized)
     if precision == "fp8_blockwise":
-        assert 96 * 2 > ql.W8A8_MIN_MEAN_ROWS * 4
+        assert 96 * 2 >= ql.W8A8_MIN_MEAN_ROWS * 4
         assert kernel and all(kernel) and dense and all(dense)  # the warm-up step and the capture
     else:
         assert any(step for step, _ in bf16) and all(stack for step, stack in bf16 if step)

@@ -91,14 +91,26 @@ def _w8a8_kernel(
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
 
 
-def row_tile(mean_rows: float) -> int:
-    """BM for weights of `mean_rows` rows each on average: the next power of two, 16 to 128."""
-    return min(128, max(16, triton.next_power_of_2(max(1, int(mean_rows)))))
+def grouped_tiling(mean_rows: float) -> tuple[int, int, int, int, int]:
+    """(BM, BN, MT, warps, stages) for experts of `mean_rows` routed rows each on average: 128 weight
+    rows a program at 4 warps, the rows in tiles of 32 up to a mean of 16, else 64, one program an
+    expert's row tiles. On the H200 (`benchmarks/moe_decode.py --large --w8a8-configs`, session 19,
+    Qwen3-30B-A3B's experts): BM 64 was best or within 3% from 32 rows an expert up (gate+up 114.6 us
+    at 32, 180.4 at 64; 128-row tiles at 8 warps 245-260), BM 32 at 8-16 (101.5 / 104.5 us, BM 64
+    110-114); 64-row weight tiles lost at every mean."""
+    if mean_rows <= 16:
+        return 32, 128, 1, 4, 3
+    return 64, 128, 1, 4, 4
 
 
-def launch_options(bm: int, bn: int) -> tuple[int, int]:
-    """(num_warps, num_stages) for a BN x BM tile."""
-    return (8 if bn * bm >= 128 * 128 else 4), 3
+def dense_tiling(rows: int) -> tuple[int, int, int, int, int]:
+    """(BM, BN, MT, warps, stages) for a dense weight and `rows` rows: 64 weight rows a program (a
+    dense weight has no experts to spread over the GPU), rows in tiles of 32 up to 128 rows, else 64,
+    one program a row tile. On the H200 (`benchmarks/decode.py --only large --w8a8-configs`, session
+    19): best or within 10% of each cell's best at 128-512 rows of 1024-5120 x 1024-4096 weights;
+    128-row weight tiles at 8 warps took 2-4x longer."""
+    bm = 32 if rows <= 128 else 64
+    return bm, 64, cdiv(rows, bm), 4, 3
 
 
 def _launch(
@@ -108,12 +120,9 @@ def _launch(
     """One launch over q [E, N, K] / s [E, ceil(N/128), ceil(K/128)]; config (BM, BN, MT, warps, stages)."""
     experts, n, k = q.shape
     if config is None:
-        bm, bn = row_tile(mean_rows), 128
-        mt = 1 if offsets is not None else cdiv(rows, bm)
-        warps, stages = launch_options(bm, bn)
-    else:
-        bm, bn, mt, warps, stages = config
-        mt = mt or cdiv(rows, bm)  # 0: one program a row tile
+        config = grouped_tiling(mean_rows) if offsets is not None else dense_tiling(rows)
+    bm, bn, mt, warps, stages = config
+    mt = mt or cdiv(rows, bm)  # 0: one program a row tile
     if BLOCK % bn:
         raise ValueError(f"fp8 w8a8: a {bn}-row weight tile does not divide the {BLOCK}-row scale block")
     if rows == 0 or n == 0:
