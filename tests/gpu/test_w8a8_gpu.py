@@ -1,5 +1,6 @@
 """The FP8 x FP8 decode linear (`triton_fp8_w8a8`) on the GPU: dense and grouped against the float64
-product of the dequantized codes (bound: bf16 output rounding plus the tensor core's accumulation),
+product of the dequantized codes (bound: bf16 output rounding plus 2^-12 of |x| @ |W|^T for the FP8
+tensor core's accumulation within a block),
 bit for bit where no summation order can matter, captured in a CUDA graph; and the engine's large
 decode step on it."""
 
@@ -39,7 +40,9 @@ def _cuda(*ts):
 def test_dense_kernel_matches_the_dequantized_product(gen, m, n, k, config):
     xq, xs, q, s = _cuda(*_operands(gen, m, n, k))
     got = triton_fp8_w8a8.linear(xq, xs, q, s, config=config)
-    assert got.shape == (m, n) and within_tolerance(got.cpu(), *(t.cpu() for t in (xq, xs, q, s)))
+    assert got.shape == (m, n) and within_tolerance(
+        got.cpu(), *(t.cpu() for t in (xq, xs, q, s)), sum_bits=12
+    )
 
 
 @pytest.mark.parametrize(
@@ -63,7 +66,9 @@ def test_grouped_kernel_gathers_each_experts_rows(gen, tokens, experts, top_k, n
         a, b = bounds[e], bounds[e + 1]
         if b > a:
             rows = token[a:b].cpu()
-            assert within_tolerance(got[a:b].cpu(), xq.cpu()[rows], xs.cpu()[rows], q[e].cpu(), s[e].cpu()), e
+            assert within_tolerance(
+                got[a:b].cpu(), xq.cpu()[rows], xs.cpu()[rows], q[e].cpu(), s[e].cpu(), sum_bits=12
+            ), e
     assert float((got.cpu().float() - ref.float()).norm() / ref.float().norm()) < 1e-2
 
 
