@@ -206,6 +206,8 @@ class RolloutConfig:
     """Nucleus sampling threshold."""
     cuda_graphs: bool = True
     """Embedded engine on a GPU: replay its decode step from a CUDA graph (false: every step eager)."""
+    fp8_codes_decode: bool = True
+    """Embedded engine, FP8 blockwise on an sm_89+ GPU: large decode steps multiply activation codes by weight codes (faster; false: the trainer's bf16 values)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for engine processes."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)

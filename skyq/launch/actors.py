@@ -268,6 +268,7 @@ class EngineWorker:
         device: str,
         seed: int,
         cuda_graphs: bool = True,
+        fp8_codes_decode: bool = True,
     ) -> None:
         self.engine = EmbeddedEngine(
             model_cfg=model_cfg,
@@ -275,6 +276,7 @@ class EngineWorker:
             device=device,
             seed=seed,
             cuda_graphs=cuda_graphs,
+            fp8_codes_decode=fp8_codes_decode,
         )
         self.expected = expected_units(build_plan(model_cfg, precision_cfg))
         self.resolution = resolve_on_device(precision_cfg, device)

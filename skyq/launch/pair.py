@@ -73,6 +73,7 @@ class PairSpec:
             "device": self.placement.device,
             "seed": self.seed,
             "cuda_graphs": self.rollout.cuda_graphs,
+            "fp8_codes_decode": self.rollout.fp8_codes_decode,
         }
 
 

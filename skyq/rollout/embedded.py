@@ -94,6 +94,7 @@ class EmbeddedEngine:
         seed: int,
         eos_token_id: int = EOS_ID,
         cuda_graphs: bool = True,
+        fp8_codes_decode: bool = True,
     ) -> None:
         if model_cfg.text_prefix:
             raise ValueError(
@@ -109,6 +110,8 @@ class EmbeddedEngine:
         self.expected: dict[str, WireSpec] = {w.name: w for p in self.plan for w in p.wire}
         self.model = self._build_model().to(self.device).eval()
         for module in self.model.modules():  # experts as one tensor a projection (grouped decode)
+            if isinstance(module, WireLinear):
+                module.codes_decode = fp8_codes_decode  # `rollout.fp8_codes_decode`
             if isinstance(module, WireExperts):
                 module.stack()
             elif all(isinstance(getattr(module, p, None), nn.Module) for p in _QKV):

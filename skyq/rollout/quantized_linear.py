@@ -93,11 +93,13 @@ def _decode_sized(x: Tensor) -> bool:
 def w8a8_quantizer(linear: nn.Module, device: torch.device) -> Fp8ActivationQuant | None:
     """The activation quantizer whose codes a decode step may multiply by this linear's FP8 weight
     codes on `device` (`dispatch.fp8_w8a8_linear`): an FP8 blockwise `WireLinear` of 128 x 128 weight
-    blocks whose recipe quantizes its input in 1 x 128 tiles, on a GPU with e4m3 tensor cores."""
+    blocks whose recipe quantizes its input in 1 x 128 tiles, on a GPU with e4m3 tensor cores, unless
+    its `codes_decode` is off."""
     act = getattr(linear, "activation", None)
     return (
         act
         if _is_fp8(linear)
+        and linear.codes_decode
         and isinstance(act, Fp8ActivationQuant)
         and act.tile == dispatch.W8A8_BLOCK[1]
         and tuple(linear.strategy.block()) == dispatch.W8A8_BLOCK
@@ -146,6 +148,9 @@ class WireLinear(nn.Module):
     shared: SharedInput | None = None
     """The group of linears reading one input that this one belongs to (`SharedInput`), if any."""
     slot = 0
+    codes_decode = True
+    """Large decode steps may multiply this linear's activation codes by its weight codes
+    (`w8a8_quantizer`; the engine sets it from `rollout.fp8_codes_decode`)."""
 
     def forward(self, x: Tensor) -> Tensor:
         if self.shared is not None and (y := self.shared.output(self.slot, x)) is not None:

@@ -228,3 +228,20 @@ def test_rollout_cuda_graphs_reaches_the_engine_worker(base_overrides, override,
     kwargs = spec.engine_kwargs()
     assert kwargs["cuda_graphs"] is expected
     assert EngineWorker(**kwargs).engine.decode_mode == "dynamic"
+
+
+@pytest.mark.parametrize(("override", "expected"), [([], True), (["rollout.fp8_codes_decode=false"], False)])
+def test_rollout_fp8_codes_decode_reaches_every_engine_linear(base_overrides, override, expected):
+    """`rollout.fp8_codes_decode` is an engine argument; the engine sets it on each of its quantized
+    linears (`WireLinear.codes_decode`, which `quantized_linear.w8a8_quantizer` reads)."""
+    from skyq.launch.actors import EngineWorker
+    from skyq.rollout.quantized_linear import WireLinear
+
+    cfg, _ = compose_config([*base_overrides, IN_PROCESS, *override])
+    spec = PairSpec(model=cfg.model, precision=cfg.precision, algorithm=cfg.algorithm, trainer=cfg.trainer,
+                    rollout=cfg.rollout, placement=placement_for(cfg.topology, cfg.rollout.weight_sync.transport),
+                    checkpoint_path="unused", seed=cfg.seed)  # fmt: skip
+    kwargs = spec.engine_kwargs()
+    assert kwargs["fp8_codes_decode"] is expected
+    linears = [m for m in EngineWorker(**kwargs).engine.model.modules() if isinstance(m, WireLinear)]
+    assert linears and all(m.codes_decode is expected for m in linears)

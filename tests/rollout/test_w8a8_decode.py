@@ -145,6 +145,20 @@ def test_no_codes_by_codes_without_the_gpu_or_an_fp8_activation_quantizer(monkey
         monkeypatch.undo()
 
 
+def test_the_engines_switch_turns_codes_by_codes_off(monkeypatch, gpu_condition):
+    """`WireLinear.codes_decode` false (`rollout.fp8_codes_decode=false`): the weight-only kernel."""
+    gen = torch.Generator().manual_seed(36)
+    experts = _experts(gen, _cfg())
+    for expert in experts:
+        for proj in WireExperts.PROJECTIONS:
+            getattr(expert, proj).codes_decode = False
+    hidden, index, weights = _routing(gen, 40)
+    calls = _record(monkeypatch, EXPERT_PATHS)
+    with quantized_linear.decode_step():
+        experts._grouped_forward(hidden, index, weights)
+    assert calls["fp8_grouped_w8a8_linear"] == [] and len(calls["fp8_grouped_weight_only_linear"]) == 2
+
+
 def test_the_quantizer_wants_128_column_tiles_and_128_by_128_weight_blocks(monkeypatch):
     monkeypatch.setattr(quantized_linear.dispatch, "w8a8_kernel_available", lambda device: True)
     gen = torch.Generator().manual_seed(33)
