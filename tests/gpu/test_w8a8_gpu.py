@@ -73,11 +73,15 @@ def test_grouped_kernel_gathers_each_experts_rows(gen, tokens, experts, top_k, n
 
 
 def test_two_term_rows_with_power_of_two_scales_are_exact(gen):
-    """One rounding in any summation order: the kernel equals the reference bit for bit."""
+    """Two nonzero activations a row in two different 128-column blocks (so each block's MMA sum is one
+    exact product; within a block the tensor core's adder keeps fewer bits than fp32), power-of-two
+    scales: one rounding in any order, so the kernel equals the reference bit for bit."""
     xq, xs, q, s = _operands(gen, 64, 1024, 2048, pow2=True)
     codes = torch.zeros(64, 2048)
     for row in range(64):
-        codes[row, torch.randperm(2048, generator=gen)[:2]] = torch.randint(1, 8, (2,), generator=gen).float()
+        blocks = torch.randperm(16, generator=gen)[:2]
+        cols = blocks * 128 + torch.randint(0, 128, (2,), generator=gen)
+        codes[row, cols] = torch.randint(1, 8, (2,), generator=gen).float()
     xq = codes.to(torch.float8_e4m3fn)
     got = dispatch.fp8_w8a8_linear(*_cuda(xq, xs, q, s))
     assert torch.equal(got.cpu(), dispatch.fp8_w8a8_linear_reference(xq, xs, q, s))

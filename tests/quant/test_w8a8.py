@@ -4,7 +4,7 @@ Without CUDA both run the reference: the fp32 product of the dequantized activat
 tiles) and weight codes (128 x 128 blocks). The Triton kernel (`triton_fp8_w8a8`) is checked against
 it under the Triton interpreter (a subprocess: TRITON_INTERPRET must be set before `@triton.jit`
 runs): within fp32 summation noise for random data, and bit for bit where no summation order can
-matter (power-of-two scales, two nonzero activations a row).
+matter (power-of-two scales, two nonzero activations a row in two scale blocks).
 """
 
 from __future__ import annotations
@@ -155,13 +155,14 @@ def _interpreter_main() -> None:
             rows = index[a:b]
             if b > a and not within_tolerance(got[a:b], xq[rows], xs[rows], q[e], s[e]):
                 failures.append(("grouped", e, config))
-    # exact: power-of-two scales and two nonzero activations a row, so every product and sum is one
-    # rounding in any order: the kernel equals the reference bit for bit
+    # exact: power-of-two scales and two nonzero activations a row in two 128-column blocks, so every
+    # product and sum is one rounding in any order: the kernel equals the reference bit for bit
     m, n, k = 9, 128, 384
     xq, xs, q, s = _operands(gen, m, n, k, pow2=True)
     codes = torch.zeros(m, k)
     for row in range(m):
-        codes[row, torch.randperm(k, generator=gen)[:2]] = torch.randint(1, 8, (2,), generator=gen).float()
+        cols = torch.randperm(3, generator=gen)[:2] * 128 + torch.randint(0, 128, (2,), generator=gen)
+        codes[row, cols] = torch.randint(1, 8, (2,), generator=gen).float()
     xq = codes.to(torch.float8_e4m3fn)
     if not torch.equal(kernels.linear(xq, xs, q, s), dispatch.fp8_w8a8_linear_reference(xq, xs, q, s)):
         failures.append("two-term exact")
