@@ -52,10 +52,44 @@ def sample_tokens(
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
-    cdf = probs.double().cumsum(dim=-1)
-    target = uniforms.to(cdf.device, torch.float64)[:, None] * cdf[:, -1:]
-    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    # u * total can round up to the total: never past the last token the cut kept
-    last_kept = (probs > 0).long().cumsum(dim=-1).argmax(dim=-1)
-    tokens = torch.minimum(tokens, last_kept)
+    tokens = inverse_cdf(probs, uniforms.to(probs.device, torch.float64))
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+CHUNK = 1024
+"""Vocabulary entries per chunk of `inverse_cdf`'s two-level search."""
+
+
+def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    """Per row of probs [R, V] (nonnegative fp32, a positive total), the first token whose running
+    float64 sum in vocabulary order exceeds u [R] (float64, in [0, 1)) times the row's total, never
+    a token of zero probability. In two levels, so no scan runs over the whole vocabulary (a scan of
+    a [256, 151936] float64 tensor is ~1.2 GB of traffic, a decode step's worth of a large MoE's time):
+    the sums of chunks of `CHUNK` tokens, a scan over those, and a scan inside the chosen chunk from
+    its predecessors' sum. The sums are float64 of fp32 values, so only a target within a rounding
+    error of a boundary between two tokens can fall on the other side than one full scan puts it."""
+    rows, vocab = probs.shape
+    full = vocab // CHUNK
+    sums = (
+        [probs[:, : full * CHUNK].reshape(rows, full, CHUNK).sum(dim=-1, dtype=torch.float64)] if full else []
+    )
+    if vocab > full * CHUNK:
+        sums.append(probs[:, full * CHUNK :].sum(dim=-1, dtype=torch.float64, keepdim=True))
+    chunk_sums = torch.cat(sums, dim=-1) if len(sums) > 1 else sums[0]
+    chunk_cdf = chunk_sums.cumsum(dim=-1)
+    target = u[:, None] * chunk_cdf[:, -1:]
+    # u * total can round up to the total: never past the last chunk holding mass
+    positive = torch.arange(chunk_sums.shape[1], device=probs.device).expand_as(chunk_sums)
+    last_chunk = torch.where(chunk_sums > 0, positive, -1).amax(dim=-1, keepdim=True)
+    # (a row without positive mass, e.g. NaN logits, which the caller reports: token 0, in range)
+    chunk = torch.minimum(torch.searchsorted(chunk_cdf, target, right=True), last_chunk).clamp(min=0)
+    before = torch.where(chunk > 0, chunk_cdf.gather(-1, (chunk - 1).clamp(min=0)), 0.0)
+    cols = chunk * CHUNK + torch.arange(CHUNK, device=probs.device)
+    inside = cols < vocab
+    values = probs.gather(-1, cols.clamp(max=vocab - 1)).masked_fill(~inside, 0.0)
+    local_cdf = before + values.double().cumsum(dim=-1)
+    local = torch.searchsorted(local_cdf, target, right=True)
+    # the chunk's own sum and its scan may round apart: never past its last token of nonzero mass
+    offsets = torch.arange(CHUNK, device=probs.device).expand_as(values)
+    last_kept = torch.where(values > 0, offsets, -1).amax(dim=-1, keepdim=True)
+    return (chunk * CHUNK + torch.minimum(local, last_kept).clamp(min=0)).squeeze(-1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyq.rollout.sampling import draw_uniforms, sample_tokens
+from skyq.rollout.sampling import CHUNK, draw_uniforms, inverse_cdf, sample_tokens
 
 
 def _u(rows: int, seed: int = 0) -> torch.Tensor:
@@ -58,3 +58,66 @@ def test_temperature_scales_the_distribution_and_zero_is_greedy():
 def test_invalid_sampling_arguments_are_refused(temperature, top_p, key):
     with pytest.raises(ValueError, match=f"rollout.{key}"):
         sample_tokens(torch.zeros(1, 3), temperature=temperature, top_p=top_p, uniforms=_u(1))
+
+
+def _full_scan(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The draw by one float64 scan over the whole vocabulary (what `inverse_cdf` replaced)."""
+    cdf = probs.double().cumsum(dim=-1)
+    tokens = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).squeeze(-1)
+    return torch.minimum(tokens, (probs > 0).long().cumsum(dim=-1).argmax(dim=-1))
+
+
+@pytest.mark.parametrize("vocab", [3, 1023, 1024, 1025, 5000, 40960])
+def test_the_two_level_search_draws_what_one_full_scan_draws(vocab):
+    """Random peaked and flat distributions (some tokens of zero probability), uniforms over [0, 1)
+    and at its ends: the chunked search picks the full scan's token in every row."""
+    gen = torch.Generator().manual_seed(vocab)
+    rows = 256
+    logits = torch.randn(rows, vocab, generator=gen) * torch.logspace(-1, 1.5, rows)[:, None]
+    probs = torch.softmax(logits, dim=-1)
+    probs[probs < 1e-7] = 0.0  # zero-probability tokens, as a nucleus cut leaves
+    probs[:, 0] += 1e-3  # every row keeps some mass
+    u = draw_uniforms(gen, 1, rows)[0]
+    u[:3] = torch.tensor([0.0, 0.5, 1.0 - 2**-53], dtype=torch.float64)
+    assert torch.equal(inverse_cdf(probs, u), _full_scan(probs, u))
+
+
+def test_the_last_kept_token_bounds_the_draw_across_empty_chunks():
+    """Mass only in the first of three chunks, u at the top of [0, 1): the last token with mass, never
+    one of the empty chunks' (nor a zero-probability token inside the chosen chunk)."""
+    probs = torch.zeros(2, 3 * CHUNK + 7)
+    probs[:, :10] = 0.1
+    probs[1, 5] = 0.0
+    probs[1, 9] = 0.0
+    u = torch.tensor([1.0 - 2**-53, 1.0 - 2**-53], dtype=torch.float64)
+    assert inverse_cdf(probs, u).tolist() == [9, 8]
+    assert inverse_cdf(probs, torch.zeros(2, dtype=torch.float64)).tolist() == [0, 0]
+
+
+def test_a_chunk_whose_scan_rounds_below_its_sum_keeps_the_draw_inside_it():
+    """One large and many tiny probabilities: the chunk's sum keeps the tiny ones, its float64 scan
+    (sequential from the large one) loses them, so a target between the two lies past the scan's
+    end: the draw is the chunk's last token of nonzero mass, not the next chunk's first (zero)."""
+    probs = torch.zeros(1, 2 * CHUNK)
+    probs[0, :CHUNK] = 2.0**-60
+    probs[0, 0] = 1.0
+    probs[0, CHUNK - 1] = 0.0
+    sums = probs[:, :CHUNK].sum(dim=-1, dtype=torch.float64)
+    assert float(sums) > float(probs.double().cumsum(dim=-1)[0, -1])  # this CPU's sum keeps the tiny ones
+    u = torch.tensor([1.0 - 2**-53], dtype=torch.float64)
+    assert inverse_cdf(probs, u).tolist() == [CHUNK - 2]
+
+
+def test_a_target_at_the_total_stays_in_the_last_chunk_with_mass():
+    """u * total rounded up to the total (u = 1 here): the last chunk holding mass, not an empty one after it."""
+    probs = torch.zeros(1, 3 * CHUNK)
+    probs[0, 100:200] = 0.01
+    assert inverse_cdf(probs, torch.ones(1, dtype=torch.float64)).tolist() == [199]
+
+
+def test_a_row_without_positive_mass_draws_a_token_in_range():
+    """NaN logits (which the engine reports by the step's non-finite log-prob) or an all-zero row:
+    token 0, never an index outside the vocabulary."""
+    probs = torch.zeros(2, CHUNK + 5)
+    probs[0] = float("nan")
+    assert inverse_cdf(probs, torch.full((2,), 0.5, dtype=torch.float64)).tolist() == [0, 0]
