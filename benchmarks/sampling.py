@@ -1,8 +1,8 @@
-"""The engine's token draw (`skyq.rollout.sampling.sample_tokens`) beside the full-vocabulary scan it
-replaced, same logits and uniforms, same run: the two-level search (`inverse_cdf`: chunk sums, a scan
-over the chunks, a scan inside one chunk) against one float64 scan of every row's whole vocabulary
-plus a long scan for its last kept token (the sampler before session 19). Both draw the same tokens
-(checked); times are medians of synchronized calls.
+"""The engine's token draw at top_p 1, same logits and uniforms, same run: the two-level search
+(`sampling.inverse_cdf`: chunk sums, a scan over the chunks, a scan inside one chunk) against one
+float64 scan of every row's whole vocabulary plus a long scan for its last kept token
+(`sampling.full_scan`, the only draw before session 19; `sample_tokens` now picks by
+`FULL_SCAN_MAX_VOCAB`). Both draw the same tokens (checked); times are medians of synchronized eager calls.
 
     python benchmarks/sampling.py [--rows 64 256 512] [--vocab 4096 151936] [--device cuda]
 """
@@ -16,17 +16,13 @@ import time
 import torch
 from torch import Tensor
 
-from skyq.rollout.sampling import draw_uniforms, sample_tokens
+from skyq.rollout.sampling import draw_uniforms, full_scan, inverse_cdf
 
 
-def full_scan_sample(logits: Tensor, *, temperature: float, uniforms: Tensor) -> tuple[Tensor, Tensor]:
-    """`sample_tokens` at top_p 1 as it was: one float64 scan over the vocabulary, one long scan."""
-    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
-    probs = logprobs.exp()
-    cdf = probs.double().cumsum(dim=-1)
-    target = uniforms.to(cdf.device, torch.float64)[:, None] * cdf[:, -1:]
-    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    tokens = torch.minimum(tokens, (probs > 0).long().cumsum(dim=-1).argmax(dim=-1))
+def draw(search, logits: Tensor, uniforms: Tensor) -> tuple[Tensor, Tensor]:
+    """`sample_tokens` at temperature 1, top_p 1, drawing with `search`."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    tokens = search(logprobs.exp(), uniforms)
     return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
@@ -61,17 +57,10 @@ def main() -> None:
         for rows in args.rows:
             logits = (torch.randn(rows, vocab, generator=gen) * 3).to(torch.bfloat16).to(device)
             u = draw_uniforms(gen, 1, rows)[0].to(device)
-            new = sample_tokens(logits, temperature=1.0, top_p=1.0, uniforms=u)
-            old = full_scan_sample(logits, temperature=1.0, uniforms=u)
+            new, old = draw(inverse_cdf, logits, u), draw(full_scan, logits, u)
             same = int((new[0] == old[0]).sum())
-            t_new = timed(
-                lambda x=logits, v=u: sample_tokens(x, temperature=1.0, top_p=1.0, uniforms=v),
-                args.repeats,
-                device,
-            )
-            t_old = timed(
-                lambda x=logits, v=u: full_scan_sample(x, temperature=1.0, uniforms=v), args.repeats, device
-            )
+            t_new = timed(lambda x=logits, v=u: draw(inverse_cdf, x, v), args.repeats, device)
+            t_old = timed(lambda x=logits, v=u: draw(full_scan, x, v), args.repeats, device)
             print(f"{rows:>5} rows x {vocab:>6}: two-level {t_new * 1e6:9.1f} us | full scan {t_old * 1e6:9.1f} us | "
                   f"same token in {same}/{rows} rows", flush=True)  # fmt: skip
             rows_out.append((rows, vocab, t_new, t_old))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyq.rollout.sampling import CHUNK, draw_uniforms, inverse_cdf, sample_tokens
+from skyq.rollout.sampling import CHUNK, draw_uniforms, full_scan, inverse_cdf, sample_tokens
 
 
 def _u(rows: int, seed: int = 0) -> torch.Tensor:
@@ -60,13 +60,6 @@ def test_invalid_sampling_arguments_are_refused(temperature, top_p, key):
         sample_tokens(torch.zeros(1, 3), temperature=temperature, top_p=top_p, uniforms=_u(1))
 
 
-def _full_scan(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The draw by one float64 scan over the whole vocabulary (what `inverse_cdf` replaced)."""
-    cdf = probs.double().cumsum(dim=-1)
-    tokens = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).squeeze(-1)
-    return torch.minimum(tokens, (probs > 0).long().cumsum(dim=-1).argmax(dim=-1))
-
-
 @pytest.mark.parametrize("vocab", [3, 1023, 1024, 1025, 5000, 40960])
 def test_the_two_level_search_draws_what_one_full_scan_draws(vocab):
     """Random peaked and flat distributions (some tokens of zero probability), uniforms over [0, 1)
@@ -79,7 +72,7 @@ def test_the_two_level_search_draws_what_one_full_scan_draws(vocab):
     probs[:, 0] += 1e-3  # every row keeps some mass
     u = draw_uniforms(gen, 1, rows)[0]
     u[:3] = torch.tensor([0.0, 0.5, 1.0 - 2**-53], dtype=torch.float64)
-    assert torch.equal(inverse_cdf(probs, u), _full_scan(probs, u))
+    assert torch.equal(inverse_cdf(probs, u), full_scan(probs, u))
 
 
 def test_the_last_kept_token_bounds_the_draw_across_empty_chunks():
@@ -121,3 +114,16 @@ def test_a_row_without_positive_mass_draws_a_token_in_range():
     probs = torch.zeros(2, CHUNK + 5)
     probs[0] = float("nan")
     assert inverse_cdf(probs, torch.full((2,), 0.5, dtype=torch.float64)).tolist() == [0, 0]
+
+
+def test_large_vocabularies_draw_by_the_two_level_search(monkeypatch):
+    """`sample_tokens` takes `inverse_cdf` above `FULL_SCAN_MAX_VOCAB` tokens, one scan up to it."""
+    from skyq.rollout import sampling
+
+    calls = []
+    for name in ("inverse_cdf", "full_scan"):
+        real = getattr(sampling, name)
+        monkeypatch.setattr(sampling, name, lambda p, u, _r=real, _n=name: calls.append(_n) or _r(p, u))
+    for vocab in (sampling.FULL_SCAN_MAX_VOCAB, sampling.FULL_SCAN_MAX_VOCAB + 1):
+        sample_tokens(torch.zeros(2, vocab), temperature=1.0, top_p=1.0, uniforms=_u(2))
+    assert calls == ["full_scan", "inverse_cdf"]
