@@ -60,11 +60,11 @@ def sample_tokens(
 CHUNK = 1024
 """Vocabulary entries per chunk of `inverse_cdf`'s two-level search."""
 
-FULL_SCAN_MAX_VOCAB = 16384
+FULL_SCAN_MAX_VOCAB = 32768
 """Vocabularies up to this size draw by one scan (`full_scan`), larger ones by `inverse_cdf`. On the
-H200 (`benchmarks/sampling.py`, session 19, eager calls) one scan took 147-194 us at 64-512 rows of a
-4096-token vocabulary against 442-456 for the two-level search (more, smaller launches), and 875-2880
-us at 151936 tokens (Qwen3's vocabulary) against 551-1447."""
+H200 (`benchmarks/sampling.py`, session 19, eager calls, us at 256 rows, two-level / one scan): 447 /
+169 at a 4096-token vocabulary (more, smaller launches), 461 / 460 at 32768, 741 / 1577 at 151936
+(Qwen3's vocabulary; 551 / 875 at 64 rows, 1447 / 2880 at 512)."""
 
 
 def full_scan(probs: Tensor, u: Tensor) -> Tensor:
