@@ -215,17 +215,22 @@ def test_bf16_trainer_updates_fp32_master_weights(base_overrides):
         pair.shutdown()
 
 
+def _engine_kwargs(overrides: list[str]) -> dict:
+    """`PairSpec.engine_kwargs` of the config these overrides compose."""
+    cfg, _ = compose_config(overrides)
+    spec = PairSpec(model=cfg.model, precision=cfg.precision, algorithm=cfg.algorithm, trainer=cfg.trainer,
+                    rollout=cfg.rollout, placement=placement_for(cfg.topology, cfg.rollout.weight_sync.transport),
+                    checkpoint_path="unused", seed=cfg.seed)  # fmt: skip
+    return spec.engine_kwargs()
+
+
 @pytest.mark.parametrize(("override", "expected"), [([], True), (["rollout.cuda_graphs=false"], False)])
 def test_rollout_cuda_graphs_reaches_the_engine_worker(base_overrides, override, expected):
     """`rollout.cuda_graphs` is an engine argument of both pair kinds (on CPU the engine decodes with
     the growing cache either way)."""
     from skyq.launch.actors import EngineWorker
 
-    cfg, _ = compose_config([*base_overrides, IN_PROCESS, *override])
-    spec = PairSpec(model=cfg.model, precision=cfg.precision, algorithm=cfg.algorithm, trainer=cfg.trainer,
-                    rollout=cfg.rollout, placement=placement_for(cfg.topology, cfg.rollout.weight_sync.transport),
-                    checkpoint_path="unused", seed=cfg.seed)  # fmt: skip
-    kwargs = spec.engine_kwargs()
+    kwargs = _engine_kwargs([*base_overrides, IN_PROCESS, *override])
     assert kwargs["cuda_graphs"] is expected
     assert EngineWorker(**kwargs).engine.decode_mode == "dynamic"
 
@@ -237,11 +242,7 @@ def test_rollout_fp8_codes_decode_reaches_every_engine_linear(base_overrides, ov
     from skyq.launch.actors import EngineWorker
     from skyq.rollout.quantized_linear import WireLinear
 
-    cfg, _ = compose_config([*base_overrides, IN_PROCESS, *override])
-    spec = PairSpec(model=cfg.model, precision=cfg.precision, algorithm=cfg.algorithm, trainer=cfg.trainer,
-                    rollout=cfg.rollout, placement=placement_for(cfg.topology, cfg.rollout.weight_sync.transport),
-                    checkpoint_path="unused", seed=cfg.seed)  # fmt: skip
-    kwargs = spec.engine_kwargs()
+    kwargs = _engine_kwargs([*base_overrides, IN_PROCESS, *override])
     assert kwargs["fp8_codes_decode"] is expected
     linears = [m for m in EngineWorker(**kwargs).engine.model.modules() if isinstance(m, WireLinear)]
     assert linears and all(m.codes_decode is expected for m in linears)

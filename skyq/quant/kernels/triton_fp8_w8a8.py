@@ -150,8 +150,7 @@ def linear(
     """y [M, N] (out_dtype) from activation codes xq e4m3 [M, K] (unit stride along K) with scales
     xs fp32 [M, ceil(K/128)] and weight codes q e4m3 [N, K] (unit stride along K) with 128 x 128 block
     scales s fp32 [ceil(N/128), ceil(K/128)]; shapes checked by the caller, no host sync. `config`
-    (BM, BN, MT, warps, stages) for sweeps (MT 0: one program a row tile); by default BM by the rows,
-    BN 128, one program a row tile."""
+    (BM, BN, MT, warps, stages) for sweeps (MT 0: one program a row tile); by default `dense_tiling`."""
     m = xq.shape[0]
     y = torch.empty((m, q.shape[0]), dtype=out_dtype, device=xq.device)
     return _launch(xq, xs, q.unsqueeze(0), s.unsqueeze(0), y, None, None, m, m, config)
@@ -173,7 +172,8 @@ def linear_grouped(
     xq[index[m]] (xq[m] without `index`, int32/int64 [T]) e4m3 [*, K] with scales xs fp32 [*,
     ceil(K/128)] by expert e's weight codes q e4m3 [E, N, K] with block scales s fp32 [E, ceil(N/128),
     ceil(K/128)]. Trusts the offsets' and index's values (built on the device from the routing); no
-    host sync. `config` as `linear`'s (MT: programs an expert's row tiles are spread over)."""
+    host sync. `config` as `linear`'s (MT: programs an expert's row tiles are spread over); by default
+    `grouped_tiling` of the mean rows an expert."""
     t = xq.shape[0] if index is None else index.shape[0]
     y = torch.empty((t, q.shape[1]), dtype=out_dtype, device=xq.device)
     return _launch(xq, xs, q, s, y, offsets, index, t, t / max(q.shape[0], 1), config)
