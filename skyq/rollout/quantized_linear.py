@@ -7,7 +7,9 @@ the strategy to dequantize (the same `deserialize` the plan and tests use) and m
 dequantized copy outlives the call. On CUDA, decode-sized inputs of an FP8 blockwise weight go to the
 weight-only Triton kernel instead (`dispatch.fp8_weight_only_linear`): the e4m3 codes are read and
 dequantized in registers, so decode never materializes a bf16 weight. FP8 recipes quantize the
-input activations too, as the engine's W8A8 GEMM does. `WireExperts` is the routed-experts block over per-expert linears, one module per
+input activations too, as the engine's W8A8 GEMM does; a decode step of many rows multiplies those
+activation codes by the weight codes on the FP8 tensor cores (`W8A8_MIN_MEAN_ROWS`,
+`dispatch.fp8_w8a8_linear`). `WireExperts` is the routed-experts block over per-expert linears, one module per
 HF tensor (`experts.{e}.{gate,up,down}_proj`).
 """
 
@@ -204,7 +206,9 @@ class WireExperts(nn.ModuleList):
     expert without tokens reads nothing) instead of a Python loop over the routed experts with a
     host sync: FP8 blockwise experts at decode sizes through `dispatch.fp8_grouped_weight_only_linear`
     (codes and scales stacked), bf16 experts and FP8 prefill (each stack dequantized in one launch)
-    through `torch._grouped_mm` (compute capability >= 9). INT4 and MXFP8 experts (codes and scales
+    through `torch._grouped_mm` (compute capability >= 9); in a decode step of at least
+    `W8A8_MIN_MEAN_ROWS` rows an expert, FP8 experts multiply their inputs' FP8 codes by the weight
+    codes (`dispatch.fp8_grouped_w8a8_linear`). INT4 and MXFP8 experts (codes and scales
     stacked) take the grouped path outside decode steps, each stack dequantized as the loop's
     experts dequantize theirs (MXFP8: the rows' activation quantization first, per row as theirs):
     prefill and scoring then compute as the trainer's grouped experts do, so their scores carry the

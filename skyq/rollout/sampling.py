@@ -78,8 +78,8 @@ def full_scan(probs: Tensor, u: Tensor) -> Tensor:
 def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
     """Per row of probs [R, V] (nonnegative fp32, a positive total), the first token whose running
     float64 sum in vocabulary order exceeds u [R] (float64, in [0, 1)) times the row's total, never
-    a token of zero probability. In two levels, so no scan runs over the whole vocabulary (a scan of
-    a [256, 151936] float64 tensor is ~1.2 GB of traffic, a decode step's worth of a large MoE's time):
+    a token of zero probability. In two levels, so no scan runs over the whole vocabulary (`full_scan`'s
+    two took 1.6 ms at 256 rows of a 151936-token vocabulary on the H200, see `FULL_SCAN_MAX_VOCAB`):
     the sums of chunks of `CHUNK` tokens, a scan over those, and a scan inside the chosen chunk from
     its predecessors' sum. The sums are float64 of fp32 values, so only a target within a rounding
     error of a boundary between two tokens can fall on the other side than one full scan puts it."""

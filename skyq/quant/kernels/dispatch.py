@@ -531,7 +531,12 @@ def w8a8_kernel_available(device: torch.device) -> bool:
     """The FP8 x FP8 kernel runs on `device`: a CUDA device with e4m3 tensor cores (compute
     capability >= 8.9) and Triton present."""
     device = torch.device(device)
-    return device.type == "cuda" and triton_available() and torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type == "cuda" and triton_available() and _capability(device.index or 0) >= (8, 9)
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def _w8a8_kernel_takes(xq: Tensor, q: Tensor, *others: Tensor) -> bool:
