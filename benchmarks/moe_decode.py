@@ -26,6 +26,11 @@ activation quantization (1 x 128 codes) in the call and without it, for both mod
 `--w8a8-configs` also times each of W8A8_CONFIGS (codes quantized beforehand):
 
     python benchmarks/moe_decode.py --large [--tokens 64 128 256 512 1024] [--w8a8-configs]
+
+`--routing` times the routing of the rows alone (`moe_route.route`, one launch forced vs what it picks vs
+the torch reference), graphed:
+
+    python benchmarks/moe_decode.py --routing --tokens 64 128 512 1024
 """
 
 from __future__ import annotations
@@ -272,6 +277,36 @@ def large(args, gen: torch.Generator) -> None:
             print(f"{label:<58} {ours * 1e6:>9.1f} {base * 1e6:>9.1f} {base / ours:>6.2f}  {device}")
 
 
+def routing_times(args, gen: torch.Generator) -> None:
+    """The routing of a decode step's rows (`moe_route.route`) per layer, graphed: the one-launch
+    kernel (forced at every size), the kernel `route` picks (two block-counting launches above
+    `ONE_LAUNCH_MAX_ENTRIES`) and the torch reference, over 128 experts, top-8."""
+    from skyq.ops import moe_route
+
+    device = torch.cuda.get_device_name()
+    rows = []
+    for t in args.tokens:
+        idx = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(t)]).cuda()
+        want = moe_route.route_reference(idx, EXPERTS)
+        assert all(torch.equal(a, b) for a, b in zip(moe_route.route(idx, EXPERTS), want, strict=True))
+        limit = moe_route.ONE_LAUNCH_MAX_ENTRIES
+        moe_route.ONE_LAUNCH_MAX_ENTRIES = 1 << 30
+        try:
+            one = graphed(lambda i=idx: moe_route.route(i, EXPERTS), args.repeats)
+        finally:
+            moe_route.ONE_LAUNCH_MAX_ENTRIES = limit
+        picked = graphed(lambda i=idx: moe_route.route(i, EXPERTS), args.repeats)
+        ref = graphed(lambda i=idx: moe_route.route_reference(i, EXPERTS), args.repeats)
+        print(f"{t:>5} tokens ({t * TOP_K} rows): one launch {one * 1e6:.1f} | route {picked * 1e6:.1f} | "
+              f"reference {ref * 1e6:.1f} us", flush=True)  # fmt: skip
+        rows.append((t, one, picked, ref))
+    print(f"\n{'metric':<58} {'ours':>9} {'baseline':>9} {'ratio':>6}  device")
+    for t, one, picked, ref in rows:
+        for label, base in (("one launch", one), ("reference", ref)):
+            print(f"{f'routing us, {t} tok x top-8: route / {label}':<58} {picked * 1e6:>9.1f} {base * 1e6:>9.1f}"
+                  f" {base / picked:>6.2f}  {device}")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64])
@@ -281,8 +316,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4, help="weight copies a sweep rotates through")
     ap.add_argument("--large", action="store_true", help="the paths of a large decode step (see above)")
     ap.add_argument("--w8a8-configs", action="store_true", help="with --large: each of W8A8_CONFIGS too")
+    ap.add_argument(
+        "--routing", action="store_true", help="the routing of the rows alone (see routing_times)"
+    )
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
+    if args.routing:
+        return routing_times(args, gen)
     if args.large:
         print(
             f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}"

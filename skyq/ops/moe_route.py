@@ -4,11 +4,13 @@
 expert's rows are contiguous for the grouped GEMMs. In torch that is a stable argsort, an arange, a
 searchsorted, a gather, a cast and a division, then an inverse-permutation scatter in the combine:
 a radix sort and ~8 small kernels a layer, more than the experts' GEMMs take at decode sizes
-(benchmarks/engine_decode.py --profile). `route` computes the same integers in one Triton launch by
-counting (each program ranks 64 entries against all of them): an entry's place is the number of
-entries with a smaller expert, or the same expert and a smaller index; expert e's first row is the
-number of entries below e. Integers, so the result is the
-reference's exactly (tests/ops/test_moe_route.py under the Triton interpreter, tests/gpu).
+(benchmarks/engine_decode.py --profile). `route` computes the same integers by counting: an entry's
+place is the number of entries with a smaller expert, or the same expert and a smaller index; expert
+e's first row is the number of entries below e. Up to `ONE_LAUNCH_MAX_ENTRIES` in one Triton launch
+(each program ranks 64 entries against all of them), above in two linear ones (each block of 64
+entries' expert histogram, then each entry's place from the histograms of the blocks before it and
+the entries before it in its block). Integers, so the result is the reference's exactly
+(tests/ops/test_moe_route.py under the Triton interpreter, tests/gpu).
 """
 
 from __future__ import annotations
@@ -26,6 +28,12 @@ reference (prefill). On the H200 the reference (a radix sort and ~8 small kernel
 layer at 1024 entries (small_moe's decode step at batch 256; benchmarks/engine_decode.py --profile,
 session 16)."""
 
+
+ONE_LAUNCH_MAX_ENTRIES = 512
+"""Routed rows the one-launch kernel (`triton_route.route_kernel`: every entry ranked against all of
+them, quadratic) takes; more go to the two block-counting launches (`block_histogram_kernel`, then
+`block_rank_kernel`: linear). On the H200 the one launch took ~60 us a layer at 4096 routed rows
+(512 tokens of a Qwen3-30B-A3B-shaped layer, top-8; `benchmarks/engine_decode.py --profile`, session 19)."""
 
 ROWS_PER_PROGRAM = 64
 """Entries one program of the kernel ranks (each also bounds its share of the experts): the counting
@@ -60,8 +68,8 @@ def route_reference(top_k_index: Tensor, num_experts: int) -> Route:
 
 
 def route(top_k_index: Tensor, num_experts: int) -> Route:
-    """`route_reference`'s integers: one Triton launch on CUDA for at most `KERNEL_MAX_ENTRIES`
-    rows, the reference elsewhere. No host sync."""
+    """`route_reference`'s integers: on CUDA one Triton launch for at most `ONE_LAUNCH_MAX_ENTRIES`
+    rows, two up to `KERNEL_MAX_ENTRIES`; the reference elsewhere. No host sync."""
     n = top_k_index.numel()
     if not (
         dispatch.uses_kernel(top_k_index) and 0 < n <= KERNEL_MAX_ENTRIES and top_k_index.is_contiguous()
@@ -69,17 +77,29 @@ def route(top_k_index: Tensor, num_experts: int) -> Route:
         return route_reference(top_k_index, num_experts)
     import triton
 
-    from skyq.ops.triton_route import route_kernel
+    from skyq.ops import triton_route
 
     device = top_k_index.device
     order, position, token = (torch.empty(n, dtype=torch.int64, device=device) for _ in range(3))
     offsets = torch.empty(num_experts + 1, dtype=torch.int32, device=device)
-    nb = max(16, triton.next_power_of_2(n))
     eb = max(16, triton.next_power_of_2(num_experts + 1))
+    k = top_k_index.shape[-1]
+    if n > ONE_LAUNCH_MAX_ENTRIES:  # counting in blocks: linear in n, two launches
+        blocks = triton.cdiv(n, ROWS_PER_PROGRAM)
+        hist, base = (torch.empty(blocks * eb, dtype=torch.int32, device=device) for _ in range(2))
+        triton_route.block_histogram_kernel[(blocks,)](
+            top_k_index, hist, n, num_experts, BI=ROWS_PER_PROGRAM, EB=eb, EC=min(eb, 128), num_warps=4
+        )
+        triton_route.block_rank_kernel[(blocks,)](
+            top_k_index, hist, base, order, position, offsets, token, n, num_experts, blocks,
+            K=k, BI=ROWS_PER_PROGRAM, EB=eb, QC=max(1, min(16, 4096 // eb)), num_warps=4,
+        )  # fmt: skip
+        return Route(order, position, offsets, token)
+    nb = max(16, triton.next_power_of_2(n))
     programs = max(1, nb // ROWS_PER_PROGRAM)  # a power of two
-    route_kernel[(programs,)](
+    triton_route.route_kernel[(programs,)](
         top_k_index, order, position, offsets, token, n, num_experts,
-        K=top_k_index.shape[-1], NB=nb, CHUNK=min(nb, 32), BI=nb // programs, BE=max(16, eb // programs),
+        K=k, NB=nb, CHUNK=min(nb, 32), BI=nb // programs, BE=max(16, eb // programs),
         num_warps=4,
     )  # fmt: skip
     return Route(order, position, offsets, token)

@@ -1,5 +1,6 @@
 """The grouped experts' routing kernel on a GPU (`skyq.ops.moe_route`): the reference's integers
-exactly, up to the kernel's row limit, and replayable from a CUDA graph."""
+exactly, up to the kernel's row limit (one launch up to 512 entries, two block-counting ones above), and
+replayable from a CUDA graph."""
 
 from __future__ import annotations
 
@@ -24,12 +25,13 @@ def test_kernel_gives_the_reference_integers(gen, t, k, experts):
     assert check_route(route(idx, experts), route_reference(idx, experts))
 
 
-def test_replays_from_a_cuda_graph(gen):
-    idx = routing(gen, 16, 8, 128).cuda()
+@pytest.mark.parametrize("tokens", [16, 512])  # one launch; the two block-counting launches
+def test_replays_from_a_cuda_graph(gen, tokens):
+    idx = routing(gen, tokens, 8, 128).cuda()
     route(idx, 128)  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         got = route(idx, 128)
-    idx.copy_(routing(gen, 16, 8, 128).cuda())
+    idx.copy_(routing(gen, tokens, 8, 128).cuda())
     graph.replay()
     assert check_route(got, route_reference(idx, 128))

@@ -29,6 +29,9 @@ CASES = [
     (13, 2, 4),
     (100, 5, 16),
     (130, 8, 64),
+    (171, 3, 7),  # 513 entries: the block-counting launches from here
+    (300, 8, 128),
+    (97, 8, 384),
 ]
 
 
