@@ -279,8 +279,8 @@ def large(args, gen: torch.Generator) -> None:
 
 def routing_times(args, gen: torch.Generator) -> None:
     """The routing of a decode step's rows (`moe_route.route`) per layer, graphed: the one-launch
-    kernel (forced at every size), the kernel `route` picks (two block-counting launches above
-    `ONE_LAUNCH_MAX_ENTRIES`) and the torch reference, over 128 experts, top-8."""
+    kernel and the two block-counting launches (each forced at every size), what `route` picks
+    (`ONE_LAUNCH_MAX_ENTRIES`) and the torch reference, over 128 experts, top-8."""
     from skyq.ops import moe_route
 
     device = torch.cuda.get_device_name()
@@ -290,15 +290,18 @@ def routing_times(args, gen: torch.Generator) -> None:
         want = moe_route.route_reference(idx, EXPERTS)
         assert all(torch.equal(a, b) for a, b in zip(moe_route.route(idx, EXPERTS), want, strict=True))
         limit = moe_route.ONE_LAUNCH_MAX_ENTRIES
-        moe_route.ONE_LAUNCH_MAX_ENTRIES = 1 << 30
+        forced = {}
         try:
-            one = graphed(lambda i=idx: moe_route.route(i, EXPERTS), args.repeats)
+            for label, value in (("one", 1 << 30), ("two", 0)):
+                moe_route.ONE_LAUNCH_MAX_ENTRIES = value
+                forced[label] = graphed(lambda i=idx: moe_route.route(i, EXPERTS), args.repeats)
         finally:
             moe_route.ONE_LAUNCH_MAX_ENTRIES = limit
+        one = forced["one"]
         picked = graphed(lambda i=idx: moe_route.route(i, EXPERTS), args.repeats)
         ref = graphed(lambda i=idx: moe_route.route_reference(i, EXPERTS), args.repeats)
-        print(f"{t:>5} tokens ({t * TOP_K} rows): one launch {one * 1e6:.1f} | route {picked * 1e6:.1f} | "
-              f"reference {ref * 1e6:.1f} us", flush=True)  # fmt: skip
+        print(f"{t:>5} tokens ({t * TOP_K} rows): one launch {one * 1e6:.1f} | two launches {forced['two'] * 1e6:.1f} "
+              f"| route {picked * 1e6:.1f} | reference {ref * 1e6:.1f} us", flush=True)  # fmt: skip
         rows.append((t, one, picked, ref))
     print(f"\n{'metric':<58} {'ours':>9} {'baseline':>9} {'ratio':>6}  device")
     for t, one, picked, ref in rows:
