@@ -94,8 +94,8 @@ def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
     chunk_cdf = chunk_sums.cumsum(dim=-1)
     target = u[:, None] * chunk_cdf[:, -1:]
     # u * total can round up to the total: never past the last chunk holding mass
-    positive = torch.arange(chunk_sums.shape[1], device=probs.device).expand_as(chunk_sums)
-    last_chunk = torch.where(chunk_sums > 0, positive, -1).amax(dim=-1, keepdim=True)
+    chunk_ids = torch.arange(chunk_sums.shape[1], device=probs.device).expand_as(chunk_sums)
+    last_chunk = torch.where(chunk_sums > 0, chunk_ids, -1).amax(dim=-1, keepdim=True)
     # (a row without positive mass, e.g. NaN logits, which the caller reports: token 0, in range)
     chunk = torch.minimum(torch.searchsorted(chunk_cdf, target, right=True), last_chunk).clamp(min=0)
     before = torch.where(chunk > 0, chunk_cdf.gather(-1, (chunk - 1).clamp(min=0)), 0.0)
