@@ -1,4 +1,5 @@
-"""Decode tokens/s of the embedded engine itself on a GPU, same run: bf16 and FP8 blockwise weights,
+"""Decode tokens/s of the embedded engine itself on a GPU, same run: bf16 and FP8 blockwise weights (or
+`--precisions`, e.g. bf16 int4_qat),
 each with every step launched eagerly (transformers' growing cache, `rollout.cuda_graphs=false`) and
 with the one-token step replayed from a CUDA graph (the default). Unlike benchmarks/decode.py (the
 linears of a dense stack, graphed), this is `EmbeddedEngine.generate` end to end: prefill,
@@ -12,6 +13,7 @@ the median wall time of a `generate` call (after one untimed call, which capture
 
     python benchmarks/engine_decode.py [--batches 1 8 16 32 64] [--new-tokens 64] [--repeats 5]
         [--layers 4 --hidden 1024 --experts 32 --top-k 4 --expert-width 768 --vocab 32]
+    python benchmarks/engine_decode.py --precisions bf16 int4_qat   # INT4 W4A16 (groups of 32) against bf16
     python benchmarks/engine_decode.py --profile [--batches 1 64]   # where a graphed step's time goes
     python benchmarks/engine_decode.py --ops [--batches 64]         # which operators (eager) launch it
 """
@@ -142,6 +144,8 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--expert-width", type=int, default=768)
     ap.add_argument("--vocab", type=int, default=32)
+    ap.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=[p.value for p in Precision],
+                    help="weights to decode from (bf16 is the ratios' baseline)")  # fmt: skip
     ap.add_argument("--profile", action="store_true", help="per-kernel device time of the graph mode instead")
     ap.add_argument("--graph-only", action="store_true", help="the graph mode only (no eager runs)")
     ap.add_argument("--ops", action="store_true", help="per operator and input shapes, eager mode, instead")
@@ -158,7 +162,7 @@ def main() -> None:
         b: torch.randint(0, args.vocab, (b, args.prompt_len), generator=gen).tolist() for b in args.batches
     }
     if args.profile or args.ops:
-        for precision in PRECISIONS:
+        for precision in args.precisions:
             engine = engine_for(model_cfg, precision, True, gen_seed=1)
             for b in args.batches:
                 (profile_ops if args.ops else profile)(
@@ -171,7 +175,7 @@ def main() -> None:
         return
     results: dict[tuple[str, str, int], float] = {}
     modes = ("graph",) if args.graph_only else MODES
-    for precision in PRECISIONS:
+    for precision in args.precisions:
         for mode in modes:
             engine = engine_for(model_cfg, precision, mode == "graph", gen_seed=1)
             for b in args.batches:
@@ -181,28 +185,21 @@ def main() -> None:
             del engine
             torch.cuda.empty_cache()
     print(f"\n{'metric':<52} {'ours':>10} {'baseline':>10} {'ratio':>6}  device")
+    short = {"fp8_blockwise": "fp8", "int4_qat": "int4"}
     for b in args.batches:
-        for label, ours, base in (
-            (
-                f"engine tok/s, batch {b}: fp8 graph / bf16 graph",
-                ("fp8_blockwise", "graph"),
-                ("bf16", "graph"),
-            ),
-            (
-                f"engine tok/s, batch {b}: fp8 eager / bf16 eager",
-                ("fp8_blockwise", "eager"),
-                ("bf16", "eager"),
-            ),
-            (
-                f"engine tok/s, batch {b}: fp8 graph / fp8 eager",
-                ("fp8_blockwise", "graph"),
-                ("fp8_blockwise", "eager"),
-            ),
-            (f"engine tok/s, batch {b}: bf16 graph / bf16 eager", ("bf16", "graph"), ("bf16", "eager")),
-        ):
+        pairs = []
+        for p in (q for q in args.precisions if q != "bf16"):
+            name = short.get(p, p)
+            pairs += [(f"{name} graph / bf16 graph", (p, "graph"), ("bf16", "graph")),
+                      (f"{name} eager / bf16 eager", (p, "eager"), ("bf16", "eager")),
+                      (f"{name} graph / {name} eager", (p, "graph"), (p, "eager"))]  # fmt: skip
+        pairs.append(("bf16 graph / bf16 eager", ("bf16", "graph"), ("bf16", "eager")))
+        for label, ours, base in pairs:
             if (*ours, b) in results and (*base, b) in results:
                 o, s = results[(*ours, b)], results[(*base, b)]
-                print(f"{label:<52} {o:>10.0f} {s:>10.0f} {o / s:>6.2f}  {device}")
+                print(
+                    f"{f'engine tok/s, batch {b}: {label}':<52} {o:>10.0f} {s:>10.0f} {o / s:>6.2f}  {device}"
+                )
 
 
 if __name__ == "__main__":

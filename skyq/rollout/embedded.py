@@ -27,6 +27,7 @@ from skyq import ops
 from skyq.checkpoint.hf_config import hf_config
 from skyq.config.enums import Precision
 from skyq.config.schema import ModelConfig, PrecisionConfig
+from skyq.quant import int4
 from skyq.quant.errors import QuantizationError
 from skyq.quant.fake_quant import activation_fake_quant
 from skyq.quant.kernels import _common, dispatch
@@ -42,6 +43,7 @@ from skyq.rollout.quantized_linear import (
     WireExperts,
     WireLinear,
     decode_step,
+    int4_decodes,
     plain_linear,
     rows_stackable,
 )
@@ -397,18 +399,33 @@ class EmbeddedEngine:
         return torch.cuda.get_device_properties(self.device).total_memory * DECODER_CACHE_FRACTION
 
     def _step_capturable(self, rows: int) -> bool:
-        """Whether a one-token step of `rows` rows launches without a host sync: bf16 or FP8
-        blockwise weights (the FP8 decode, dequantize and activation kernels defer their checks),
-        every experts block taking its grouped path. MXFP8 and INT4 experts run a per-expert loop
-        that reads the routing on the host, so their steps run eagerly over the same static cache."""
-        if Precision(self.precision_cfg.name) not in (Precision.bf16, Precision.fp8_blockwise):
+        """Whether a one-token step of `rows` rows launches without a host sync: bf16, FP8 blockwise
+        (the FP8 decode, dequantize and activation kernels defer their checks) or INT4 weights (every
+        INT4 linear taking the INT4 decode kernel, `int4_decodes`), every experts block taking its
+        grouped path. MXFP8 experts run a per-expert loop that reads the routing on the host, so
+        their steps run eagerly over the same static cache."""
+        precision = Precision(self.precision_cfg.name)
+        if precision not in (Precision.bf16, Precision.fp8_blockwise, Precision.int4_qat):
             return False
         probe = torch.empty((rows, self.model.config.hidden_size), dtype=torch.bfloat16, device=self.device)
-        if Precision(self.precision_cfg.name) is Precision.fp8_blockwise and not dispatch.uses_kernel(probe):
+        if precision is not Precision.bf16 and not dispatch.uses_kernel(probe):
+            return False
+        if precision is Precision.int4_qat and not self._int4_linears_decode(rows):
             return False
         top_k = self.model.config.num_experts_per_tok
         with decode_step():  # what the step's forward will see
             return all(m.capturable(probe, top_k) for m in self.model.modules() if isinstance(m, WireExperts))
+
+    def _int4_linears_decode(self, rows: int) -> bool:
+        """Every INT4 `WireLinear` outside the stacked experts takes the INT4 decode kernel for `rows`
+        rows (an asymmetric one, or one the kernel does not take, dequantizes with host syncs)."""
+        for linear in self.model.modules():
+            if isinstance(linear, WireLinear) and linear.strategy.precision is Precision.int4_qat:
+                k = linear._buffers["weight_packed"].shape[-1] * int4.CODES_PER_WORD
+                probe = torch.empty((rows, k), dtype=torch.bfloat16, device=self.device)
+                if not int4_decodes(linear, probe):
+                    return False
+        return True
 
     def _sample_rows(
         self,

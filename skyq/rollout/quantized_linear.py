@@ -122,6 +122,21 @@ def _large_decode_step(x: Tensor) -> bool:
     return x.is_cuda and x.dtype == torch.bfloat16 and in_decode_step() and _rows(x) > DECODE_MAX_ROWS
 
 
+def int4_decodes(linear: nn.Module, x: Tensor) -> bool:
+    """A decode step's input x to this linear takes the INT4 weight-only kernel
+    (`dispatch.int4_weight_only_linear`): a symmetric INT4 `WireLinear` (its words and group scales)
+    that the kernel takes on x's device. Prefill and scoring keep the dequantized weight and the
+    regular GEMM (the trainer's bits)."""
+    return (
+        isinstance(linear, WireLinear)
+        and linear.strategy.precision is Precision.int4_qat
+        and tuple(linear._buffers) == INT4_LEAVES
+        and dispatch.int4_kernel_takes(
+            x, linear._buffers["weight_packed"], linear._buffers["weight_scale"], linear.strategy.group_size
+        )
+    )
+
+
 class WireLinear(nn.Module):
     """A bias-free linear whose weight lives as wire tensors; dequantized inside `forward`."""
 
@@ -166,6 +181,10 @@ class WireLinear(nn.Module):
             return dispatch.fp8_weight_only_linear(
                 x, self._buffers["weight"], self._buffers["weight_scale_inv"], self.strategy.block()
             )
+        if in_decode_step() and int4_decodes(self, x):
+            # INT4 words and group scales read and dequantized in registers
+            packed, scale = self._buffers["weight_packed"], self._buffers["weight_scale"]
+            return dispatch.int4_weight_only_linear(x, packed, scale, self.strategy.group_size)
         weight = self.strategy.deserialize(self.hf_name, self.wire(), role=self.role, dtype=x.dtype)
         return F.linear(x, weight)
 
@@ -212,8 +231,9 @@ class WireExperts(nn.ModuleList):
     stacked) take the grouped path outside decode steps, each stack dequantized as the loop's
     experts dequantize theirs (MXFP8: the rows' activation quantization first, per row as theirs):
     prefill and scoring then compute as the trainer's grouped experts do, so their scores carry the
-    trainer's bits on a GPU too; a decode step keeps the loop, which dequantizes only the experts its
-    tokens chose."""
+    trainer's bits on a GPU too. In a decode step INT4 experts run the grouped INT4 weight-only
+    kernel (`dispatch.int4_grouped_weight_only_linear`: words and scales dequantized in registers,
+    no host sync); MXFP8 ones keep the loop, which dequantizes only the experts its tokens chose."""
 
     PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -295,15 +315,24 @@ class WireExperts(nn.ModuleList):
 
     def _grouped_applies(self, x: Tensor, top_k: int) -> bool:
         """Stacked experts on CUDA, bf16 tokens: FP8 decode sizes take the grouped weight-only
-        kernel or, in large decode steps, the grouped FP8 x FP8 one; everything else (bf16 experts,
-        FP8 prefill, INT4 / MXFP8 outside decode steps) `torch._grouped_mm`, which needs sm_90+."""
+        kernel or, in large decode steps, the grouped FP8 x FP8 one; INT4 decode steps the grouped
+        INT4 kernel; everything else (bf16 experts, FP8 prefill, INT4 / MXFP8 outside decode steps)
+        `torch._grouped_mm`, which needs sm_90+."""
         if not (self.stacked and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] > 0):
             return False
         if self.kind in DEQUANTIZED_KINDS and in_decode_step():
-            return False
+            return self._int4_decodes(x) and all(self._stack_is_live(p) for p in self.PROJECTIONS)
         if self._fp8_path(x, top_k) not in ("kernel", "w8a8") and not bf16_grouped_mm_on(x.device):
             return False
         return all(self._stack_is_live(p) for p in self.PROJECTIONS)
+
+    def _int4_decodes(self, x: Tensor) -> bool:
+        """INT4 stacks in a decode step: the grouped INT4 kernel takes every projection's stack
+        (`dispatch.int4_grouped_weight_only_linear`)."""
+        if self.kind != "int4":
+            return False
+        group = self[0].gate_proj.strategy.group_size
+        return all(dispatch.int4_kernel_takes(x, q, s, group) for q, s in self.stacked.values())
 
     def capturable(self, x: Tensor, top_k: int) -> bool:
         """A forward of x's shape, `top_k` experts a token, launches without a host sync (so a CUDA
@@ -392,6 +421,8 @@ class WireExperts(nn.ModuleList):
             q, s = q.contiguous(), (s.contiguous() if s is not None else None)
         if s is None:
             return bf16_grouped_linear(x, q, offsets)
+        if self.kind == "int4" and in_decode_step():  # words and scales dequantized in registers
+            return dispatch.int4_grouped_weight_only_linear(x, q, s, offsets, linear.strategy.group_size)
         if self.kind in DEQUANTIZED_KINDS:  # the stack dequantized as each expert's forward does its own
             if linear.activation is not None:
                 x = linear.activation(x)
@@ -422,7 +453,8 @@ _DEQUANTIZED_WIRE = {Precision.int4_qat: ("int4", INT4_LEAVES), Precision.mxfp8:
 """Per precision: the kind of stack `WireExperts` dequantizes whole, and the wire buffers it takes."""
 
 DEQUANTIZED_KINDS = tuple(kind for kind, _ in _DEQUANTIZED_WIRE.values())
-"""Stacks `WireExperts` dequantizes whole for a grouped GEMM, outside decode steps only."""
+"""Stacks `WireExperts` dequantizes whole for a grouped GEMM, outside decode steps only (in decode
+steps INT4 stacks go to the grouped INT4 kernel, MXFP8 experts to the loop)."""
 
 
 def _kind(lin: nn.Module) -> str | None:

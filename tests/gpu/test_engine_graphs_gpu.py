@@ -143,16 +143,89 @@ def test_batches_past_the_decode_rows_are_captured_too(request, monkeypatch, pre
     assert a == static.generate(prompts, n=80, max_new_tokens=4, seed=0, **SAMPLING)
 
 
-@pytest.mark.parametrize("precision", ["mxfp8", "int4_qat"])
-def test_steps_that_sync_run_eagerly_over_the_static_cache(request, precision):
-    """MXFP8 and INT4 experts run their per-expert loop (the routing read on the host): the engine
-    does not try to capture their step; it decodes eagerly over the same static cache and samples
-    as the static engine does."""
-    graph, static, _, cfg = _engines(request, precision)
+def test_steps_that_sync_run_eagerly_over_the_static_cache(request):
+    """MXFP8 experts run their per-expert loop (the routing read on the host): the engine does not
+    try to capture their step; it decodes eagerly over the same static cache and samples as the
+    static engine does."""
+    graph, static, _, cfg = _engines(request, "mxfp8")
     prompts = [p.token_ids for p in build_task(cfg.task, seed=0).prompts(0, 4)]
     a = graph.generate(prompts, n=2, max_new_tokens=4, seed=0, **SAMPLING)
     assert a == static.generate(prompts, n=2, max_new_tokens=4, seed=0, **SAMPLING)
     assert all(d._graph is None and d.replays == 0 for d in graph._decoders.values())
+
+
+def _int4_engines(request, scope: str):
+    """(graph engine, static engine, run config) of INT4 weights over `scope` (`precision.qat_scope`:
+    routed_experts, the default, or all_linear, the attention projections too)."""
+    import dataclasses
+
+    from skyq.config.enums import QuantScope
+    from skyq.quant.strategies import get_strategy
+    from skyq.rollout.embedded import EmbeddedEngine
+
+    cfg = request.getfixturevalue("run_cfg")("int4_qat")
+    trainer = request.getfixturevalue("make_trainer")("int4_qat")
+    precision = dataclasses.replace(cfg.precision, qat_scope=QuantScope(scope))
+    strategy = get_strategy(precision)
+    wire = {}
+    for name, tensor in trainer.hf_weights():
+        wire.update(strategy.serialize(name, tensor, role=trainer.layout.role(name, trainer.model_cfg)))
+    engines = []
+    for mode in ("graph", "static"):
+        engine = EmbeddedEngine(model_cfg=cfg.model, precision_cfg=precision, seed=0, device="cuda")
+        engine.decode_mode = mode
+        engine.load_weights(wire, version=0)
+        engines.append(engine)
+    return (*engines, cfg)
+
+
+@pytest.mark.parametrize("scope", ["routed_experts", "all_linear"])
+@pytest.mark.parametrize("n", [2, 80])
+def test_int4_steps_are_captured_on_the_int4_kernels(request, monkeypatch, scope, n):
+    """INT4 decode steps (8 rows, and 160 past the decode rows) run every experts block on the grouped
+    INT4 weight-only kernel and, with all linears INT4, the attention projections on the dense one,
+    no weight dequantized in a step: the step is captured, replayed, and samples as the static engine
+    does, bit for bit."""
+    from skyq.quant import int4
+    from skyq.rollout import quantized_linear as ql
+
+    graph, static, cfg = _int4_engines(request, scope)
+    graph.eos_token_id = static.eos_token_id = -1  # every row decodes every step: replays happen
+    dense, grouped, dequantized = [], [], []
+    real_dense, real_grouped, real_deq = (
+        dispatch.int4_weight_only_linear, dispatch.int4_grouped_weight_only_linear, int4.dequantize_packed,
+    )  # fmt: skip
+    monkeypatch.setattr(dispatch, "int4_weight_only_linear",
+                        lambda *a: dense.append(ql.in_decode_step()) or real_dense(*a))  # fmt: skip
+    monkeypatch.setattr(dispatch, "int4_grouped_weight_only_linear",
+                        lambda *a: grouped.append(ql.in_decode_step()) or real_grouped(*a))  # fmt: skip
+    monkeypatch.setattr(int4, "dequantize_packed",
+                        lambda *a, **k: dequantized.append(ql.in_decode_step()) or real_deq(*a, **k))  # fmt: skip
+    prompts = [p.token_ids for p in build_task(cfg.task, seed=0).prompts(0, 2)]
+    a = graph.generate(prompts, n=n, max_new_tokens=4, seed=0, **SAMPLING)
+    assert all(d._graph is not None and d.replays > 0 for d in graph._decoders.values())
+    assert grouped and all(grouped)
+    assert all(dense) and bool(dense) == (scope == "all_linear")
+    assert dequantized and not any(dequantized)  # prefill only
+    assert a == static.generate(prompts, n=n, max_new_tokens=4, seed=0, **SAMPLING)
+
+
+def test_int4_decode_kernels_give_the_dequantized_weights_logits(request, monkeypatch):
+    """One INT4 decode step on the kernels (all linears INT4) against the same step with the kernels
+    refused (each weight dequantized, the experts' loop): the logits agree within the bf16 rounding of
+    a different fp32 summation order."""
+    _, static, _ = _int4_engines(request, "all_linear")
+    prompt = torch.tensor([[1, 5, 13, 6, 18]] * 4, device="cuda")
+    logits = []
+    for kernels in (True, False):
+        if not kernels:
+            monkeypatch.setattr(dispatch, "int4_kernel_takes", lambda *a: False)
+        with torch.inference_mode():
+            decoder = static._decoder(4, 16)
+            decoder.forward(prompt)
+            logits.append(decoder.forward(prompt[:, -1:]).float())
+        static._decoders.clear()
+    assert float((logits[0] - logits[1]).abs().max()) < 5e-2 * float(logits[1].abs().max())
 
 
 def test_a_non_finite_value_first_seen_in_a_replay_fails_generate(request):

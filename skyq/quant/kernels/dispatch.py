@@ -499,6 +499,101 @@ def fp8_grouped_weight_only_linear(
     return out
 
 
+# --- INT4 weight-only linear (the engine's decode) -----------------------------------------------
+
+
+def _check_int4_linear_args(x: Tensor, packed: Tensor, scale: Tensor, group_size: int, what: str) -> None:
+    """x [..., K] floating; packed int32 [..., N, K/8]; scale floating [..., N, K/G] (G =
+    group_size, dividing K)."""
+    if not (isinstance(x, Tensor) and x.is_floating_point() and x.ndim >= 1):
+        raise QuantizationError(f"{what}: x must be a floating-point tensor [..., K], got {type(x).__name__}")
+    errors.check_dtype(packed, torch.int32, f"{what} weight_packed")
+    k = x.shape[-1]
+    if packed.ndim < 2 or k % int4.CODES_PER_WORD or packed.shape[-1] != k // int4.CODES_PER_WORD:
+        raise QuantizationError(
+            f"{what}: x {tuple(x.shape)} and weight_packed {tuple(packed.shape)} do not match "
+            f"([..., K] @ [N, K/8]^T with K a multiple of {int4.CODES_PER_WORD})"
+        )
+    if not (isinstance(group_size, int) and group_size > 0 and k % group_size == 0):
+        raise QuantizationError(f"{what}: group_size {group_size!r} must be a positive divisor of K = {k}")
+    if not (isinstance(scale, Tensor) and scale.is_floating_point()):
+        raise QuantizationError(
+            f"{what} weight_scale: expected a floating-point tensor, got {type(scale).__name__}"
+        )
+    errors.check_shape(
+        scale, (*packed.shape[:-1], k // group_size), f"{what} weight_scale", f"N, {k} / {group_size} groups"
+    )
+
+
+def int4_weight_only_linear_reference(x: Tensor, packed: Tensor, scale: Tensor, group_size: int) -> Tensor:
+    """`x.float() @ int4.dequantize_packed(...).float().T` in x's dtype: the weight the trainer and the
+    engine's prefill use (codes times scales in the scale's dtype), fp32 products and sums."""
+    n, k = packed.shape[-2], packed.shape[-1] * int4.CODES_PER_WORD
+    w = int4.dequantize_packed(packed, scale, (n, k), group_size=group_size, name="int4 linear weight")
+    return (x.float() @ w.float().T).to(x.dtype)
+
+
+def int4_kernel_takes(x: Tensor, packed: Tensor, scale: Tensor, group_size: int, *others: Tensor) -> bool:
+    """The INT4 decode kernel takes these (shapes checked apart): bf16 x and bf16 scales on a CUDA
+    device (with Triton), x, the words and the scales of unit stride along K, groups of whole words."""
+    if not (uses_kernel(x) and x.dtype == torch.bfloat16 and scale.dtype == torch.bfloat16):
+        return False
+    from skyq.quant.kernels import triton_int4_gemv as kernels
+
+    return (
+        all(t.is_cuda and t.device == x.device for t in (packed, scale, *others))
+        and packed.stride(-1) == 1 and scale.stride(-1) == 1 and x.stride(-1) == 1
+        and kernels.supports(group_size, packed.shape[-1] * int4.CODES_PER_WORD)
+    )  # fmt: skip
+
+
+def int4_weight_only_linear(x: Tensor, packed: Tensor, scale: Tensor, group_size: int) -> Tensor:
+    """Decode linear `x [..., K] @ dequant(packed int32 [N, K/8], scale [N, K/G])^T -> [..., N]` in x's
+    dtype for symmetric `pack-quantized` INT4. On CUDA (bf16 x and scales) one kernel dequantizes in
+    registers (`triton_int4_gemv.linear`: no dequantized weight in memory, no host sync; meant for
+    decode rows, correct for any); elsewhere the reference (the same bf16 weight, fp32 sums)."""
+    _check_int4_linear_args(x, packed, scale, group_size, "int4 linear")
+    if packed.ndim != 2:
+        raise QuantizationError(f"int4 linear: weight_packed must be [N, K/8], got {tuple(packed.shape)}")
+    if x.numel() and int4_kernel_takes(x, packed, scale, group_size):
+        from skyq.quant.kernels import triton_int4_gemv as kernels
+
+        x2 = x.reshape(-1, x.shape[-1])
+        return kernels.linear(x2, packed, scale, group_size=group_size).reshape(
+            *x.shape[:-1], packed.shape[0]
+        )
+    return int4_weight_only_linear_reference(x, packed, scale, group_size)
+
+
+def int4_grouped_weight_only_linear(
+    x: Tensor, packed: Tensor, scale: Tensor, offsets: Tensor, group_size: int
+) -> Tensor:
+    """MoE experts' INT4 decode linears in one call: x [T, K] with its rows sorted by expert (expert
+    e's rows offsets[e]:offsets[e + 1], offsets int32 [E + 1], offsets[E] == T), packed int32 [E, N,
+    K/8], scale [E, N, K/G] -> [T, N] in x's dtype. On CUDA one launch (`triton_int4_gemv.
+    linear_grouped`: no host sync, an expert without rows reads nothing), which trusts the offsets'
+    values (shapes and dtypes are checked); elsewhere `int4_weight_only_linear` on each expert's rows,
+    after checking that the offsets rise from 0 to T."""
+    if not (isinstance(packed, Tensor) and packed.ndim == 3):
+        raise QuantizationError(
+            f"int4 grouped linear: weight_packed must be [E, N, K/8], got {getattr(packed, 'shape', packed)!r}"
+        )
+    _check_int4_linear_args(x, packed, scale, group_size, "int4 grouped linear")
+    _check_offsets(offsets, packed.shape[0], "int4 grouped linear")
+    if x.ndim != 2:
+        raise QuantizationError(f"int4 grouped linear: x must be [T, K], got {tuple(x.shape)}")
+    if x.numel() and int4_kernel_takes(x, packed, scale, group_size, offsets):
+        from skyq.quant.kernels import triton_int4_gemv as kernels
+
+        return kernels.linear_grouped(x, packed, scale, offsets, group_size=group_size)
+    bounds = _offset_bounds(offsets, x.shape[0], "int4 grouped linear")
+    out = x.new_empty((x.shape[0], packed.shape[1]))
+    for e, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        if b > a:
+            out[a:b] = int4_weight_only_linear(x[a:b], packed[e], scale[e], group_size)
+    return out
+
+
 # --- FP8 x FP8 linear (the engine's large decode steps) ------------------------------------------
 
 W8A8_BLOCK = (128, 128)

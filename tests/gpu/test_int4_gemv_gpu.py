@@ -1,0 +1,82 @@
+"""The INT4 weight-only decode linear (`triton_int4_gemv`) on the GPU: dense and grouped against the
+float64 product of x and the dequantized weight (bound: bf16 output rounding plus 2^-16 of |x| @
+|W|^T for fp32 sums in another order), bit for bit where no summation order can matter, its PTX
+dequantization (sm_90) giving the Triton formulation's bits, captured in a CUDA graph; and the
+engine's INT4 decode steps on it, captured and replayed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from skyq.quant.kernels import dispatch, triton_int4_gemv
+from tests.quant.test_int4_gemv import operands, within_tolerance
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (and Triton)"),
+]
+
+
+def _cuda(*ts):
+    return [t.cuda() for t in ts]
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "group"),
+    [(1, 5120, 2048, 32), (16, 2048, 4096, 128), (33, 12288, 2048, 32), (64, 2048, 6144, 32),
+     (100, 200, 264, 8), (7, 96, 768, 768)],
+)  # fmt: skip
+@pytest.mark.parametrize("config", [None, (16, 32, 128, 4, 4, 3), (64, 128, 256, 1, 8, 3)])
+def test_dense_kernel_matches_the_dequantized_product(gen, m, n, k, group, config):
+    x, packed, scale = _cuda(*operands(gen, m, n, k, group))
+    got = triton_int4_gemv.linear(x, packed, scale, group_size=group, config=config)
+    assert got.shape == (m, n)
+    assert within_tolerance(got.cpu(), x.cpu(), packed.cpu(), scale.cpu(), group)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 5120, 2048), (16, 2048, 4096), (64, 1536, 2048)])
+def test_the_ptx_dequantization_gives_the_triton_formulations_bits(gen, monkeypatch, m, n, k):
+    x, packed, scale = _cuda(*operands(gen, m, n, k, 32))
+    assert triton_int4_gemv.asm(x)
+    with_asm = triton_int4_gemv.linear(x, packed, scale, group_size=32)
+    monkeypatch.setattr(triton_int4_gemv, "ASM", False)
+    assert not triton_int4_gemv.asm(x)
+    assert torch.equal(triton_int4_gemv.linear(x, packed, scale, group_size=32), with_asm)
+
+
+def test_one_term_rows_equal_the_reference_bit_for_bit(gen):
+    m, n, k = 48, 1024, 2048
+    _, packed, scale = _cuda(*operands(gen, m, n, k, 32))
+    x = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")
+    cols = torch.randint(0, k, (m,), generator=gen)
+    x[torch.arange(m), cols.cuda()] = torch.randn(m, generator=gen).to(torch.bfloat16).cuda()
+    exact = dispatch.int4_weight_only_linear_reference(x, packed, scale, 32)
+    assert torch.equal(triton_int4_gemv.linear(x, packed, scale, group_size=32), exact)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k", "n", "k"), [(64, 128, 8, 1536, 2048), (9, 16, 2, 2048, 768)]
+)
+def test_grouped_kernel_takes_each_experts_rows(gen, tokens, experts, top_k, n, k):
+    rows = tokens * top_k
+    x, packed, scale = _cuda(*operands(gen, rows, n, k, 32, experts=experts))
+    counts = torch.bincount(torch.randint(0, experts - 1, (rows,), generator=gen), minlength=experts)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32).cuda()
+    got = dispatch.int4_grouped_weight_only_linear(x, packed, scale, offsets, 32)
+    bounds = offsets.tolist()
+    for e, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        if b > a:
+            assert within_tolerance(got[a:b].cpu(), x[a:b].cpu(), packed[e].cpu(), scale[e].cpu(), 32), e
+
+
+def test_a_captured_launch_replays_the_eager_bits(gen):
+    x, packed, scale = _cuda(*operands(gen, 8, 2048, 2048, 32))
+    eager = dispatch.int4_weight_only_linear(x, packed, scale, 32)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = dispatch.int4_weight_only_linear(x, packed, scale, 32)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
