@@ -475,7 +475,7 @@ def _dequantized_stack(kind: str, linear: WireLinear, q: Tensor, s: Tensor, dtyp
     name = linear.hf_name.replace(".experts.0.", ".experts.*.")
     if kind == "int4":
         n, k = q.shape[-2], q.shape[-1] * int4.CODES_PER_WORD
-        return int4.dequantize_packed(
+        return dispatch.dequantize_int4_packed(
             q, s, (n, k), group_size=linear.strategy.group_size, dtype=dtype, name=name
         )
     return dispatch.dequantize_mxfp8(q, s, dtype=dtype, name=name)

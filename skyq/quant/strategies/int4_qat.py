@@ -128,7 +128,8 @@ class Int4QatStrategy(QuantizationStrategy):
         return self._shape_rows[key]
 
     def _decode(self, stem: str, wire: Mapping[str, Tensor], dtype: torch.dtype) -> Tensor:
-        return int4.dequantize_packed(
+        # `int4.dequantize_packed`'s bits; one Triton launch for CUDA tensors (the engine's prefill)
+        return dispatch.dequantize_int4_packed(
             wire[stem + "weight_packed"], wire[stem + "weight_scale"], wire[stem + "weight_shape"],
             group_size=self.group_size, dtype=dtype, name=stem + "weight",
         )  # fmt: skip
