@@ -186,20 +186,19 @@ def test_int4_steps_are_captured_on_the_int4_kernels(request, monkeypatch, scope
     INT4 weight-only kernel and, with all linears INT4, the attention projections on the dense one,
     no weight dequantized in a step: the step is captured, replayed, and samples as the static engine
     does, bit for bit."""
-    from skyq.quant import int4
     from skyq.rollout import quantized_linear as ql
 
     graph, static, cfg = _int4_engines(request, scope)
     graph.eos_token_id = static.eos_token_id = -1  # every row decodes every step: replays happen
     dense, grouped, dequantized = [], [], []
     real_dense, real_grouped, real_deq = (
-        dispatch.int4_weight_only_linear, dispatch.int4_grouped_weight_only_linear, int4.dequantize_packed,
+        dispatch.int4_weight_only_linear, dispatch.int4_grouped_weight_only_linear, dispatch.dequantize_int4_packed,
     )  # fmt: skip
     monkeypatch.setattr(dispatch, "int4_weight_only_linear",
                         lambda *a: dense.append(ql.in_decode_step()) or real_dense(*a))  # fmt: skip
     monkeypatch.setattr(dispatch, "int4_grouped_weight_only_linear",
                         lambda *a: grouped.append(ql.in_decode_step()) or real_grouped(*a))  # fmt: skip
-    monkeypatch.setattr(int4, "dequantize_packed",
+    monkeypatch.setattr(dispatch, "dequantize_int4_packed",
                         lambda *a, **k: dequantized.append(ql.in_decode_step()) or real_deq(*a, **k))  # fmt: skip
     prompts = [p.token_ids for p in build_task(cfg.task, seed=0).prompts(0, 2)]
     a = graph.generate(prompts, n=n, max_new_tokens=4, seed=0, **SAMPLING)
