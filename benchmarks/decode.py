@@ -16,11 +16,13 @@ overhead is equal and small. tokens/s = batch / step time; medians over repeats 
     python benchmarks/decode.py --gluon --fused [--no-sweep]   # + the Triton kernel beside, Gluon sweep
     python benchmarks/decode.py --only gluon-sweep --shapes 1536x1024 --batches 32 64   # one sweep, any shapes
     python benchmarks/decode.py --only large --batches 64 128 256 512 1024   # dense linears past 64 rows
+    python benchmarks/decode.py --only int4 --batches 1 16 32 64 --tokens 1 8 64 256   # INT4 W4A16 decode
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -255,6 +257,80 @@ def large(gen: torch.Generator, batches: list[int], w8a8_configs: bool = False) 
         for name, ours in (("kernel", tk), ("dequantized", td), ("w8a8", tw)):
             print(f"{f'{label} us, {m} rows: fp8 {name} / bf16':<58} {ours * 1e6:>9.1f} {tb * 1e6:>9.1f}"
                   f" {tb / ours:>6.2f}  {device}")  # fmt: skip
+
+
+INT4_GROUP = 32
+"""`--only int4`: the INT4 recipe's default group size (`precision.int4_group_size`)."""
+
+INT4_EXPERT_SHAPES = {"a3b": (128, 2048, 768, 8), "small_moe": (32, 1024, 768, 4)}
+"""`--only int4`: (experts, hidden, intermediate, top-k) of the grouped experts timed."""
+
+
+def int4_decode(gen: torch.Generator, batches: list[int], tokens: list[int]) -> None:
+    """INT4 W4A16 decode (`triton_int4_gemv`), graphed over rotating weight copies, us a call: each
+    fused dense shape at `batches` rows (bf16 `torch.matmul`; the kernel with its sm_90 PTX
+    dequantization and with the Triton formulation; the engine's path before it, the weight
+    dequantized by the Triton kernel then `F.linear`), then the grouped experts of both model shapes
+    at `tokens` tokens routed top-k (bf16 `torch._grouped_mm` on the stack, the grouped kernel), per
+    projection (gate, of the intermediate's rows, and down)."""
+    from skyq.ops.grouped_mm import bf16_grouped_linear
+    from skyq.quant.kernels import triton_int4, triton_int4_gemv
+
+    g = INT4_GROUP
+    device = torch.cuda.get_device_name()
+    rows = []
+
+    def kernel(x, p, s):
+        return triton_int4_gemv.linear(x, p, s, group_size=g)
+
+    def dequantized(x, p, s):
+        n, k = p.shape[0], p.shape[1] * 8
+        return F.linear(x, triton_int4.dequantize_packed(p, s, n, k, g, torch.bfloat16))
+
+    print("\nINT4 dense, us a call: bf16 | int4 kernel (PTX) | int4 kernel (Triton) | dequantize + F.linear")
+    with torch.inference_mode():
+        for label, (n, k) in FUSED_SWEEP_SHAPES.items():
+            copies = max(1, min(64, (256 << 20) // (n * k)))
+            w = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16).cuda()
+            ws = [w.clone() for _ in range(copies)]
+            ps = [dispatch.quantize_int4_packed(wi, group_size=g) for wi in ws]
+            for m in batches:
+                x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+                tb = time_per_call([functools.partial(torch.matmul, x, wi.T) for wi in ws])
+                times = []
+                for use_asm in (True, False):
+                    triton_int4_gemv.ASM = use_asm
+                    times.append(time_per_call([functools.partial(kernel, x, p, s) for p, s in ps]))
+                triton_int4_gemv.ASM = True
+                td = time_per_call([functools.partial(dequantized, x, p, s) for p, s in ps])
+                print(f"{label:>20} {m:>3} rows: {tb * 1e6:6.1f} | {times[0] * 1e6:6.1f} | {times[1] * 1e6:6.1f} | "
+                      f"{td * 1e6:6.1f}", flush=True)  # fmt: skip
+                rows.append((f"{label} us, {m} rows: int4 / bf16", times[0], tb))
+                rows.append((f"{label} us, {m} rows: dequantize + linear / bf16", td, tb))
+        print("\nINT4 grouped experts, us a call: bf16 grouped GEMM | int4 grouped kernel")
+        for shape, (experts, hidden, inter, top_k) in INT4_EXPERT_SHAPES.items():
+            for proj, (n, k) in (("gate", (inter, hidden)), ("down", (hidden, inter))):
+                wb = (torch.randn(experts, n, k, generator=gen) * 0.02).to(torch.bfloat16).cuda()
+                packed, scale = dispatch.quantize_int4_packed(wb, group_size=g)
+                for t in tokens:
+                    chosen = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(t)])
+                    counts = torch.bincount(chosen.flatten(), minlength=experts)
+                    offsets = (
+                        torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32).cuda()
+                    )
+                    x = torch.randn(t * top_k, k, generator=gen).to(torch.bfloat16).cuda()
+                    tb = time_per_call([functools.partial(bf16_grouped_linear, x, wb, offsets)] * 8)
+                    grouped = functools.partial(
+                        triton_int4_gemv.linear_grouped, x, packed, scale, offsets, group_size=g
+                    )
+                    tk = time_per_call([grouped] * 8)
+                    print(
+                        f"{shape:>10} {proj:>5} {t:>4} tokens: {tb * 1e6:6.1f} | {tk * 1e6:6.1f}", flush=True
+                    )
+                    rows.append((f"{shape} {proj} us, {t} tokens: int4 grouped / bf16", tk, tb))
+    print(f"\n{'metric':<62} {'ours':>9} {'baseline':>9} {'ratio':>6}  device")
+    for label, ours, base in rows:
+        print(f"{label:<62} {ours * 1e6:>9.1f} {base * 1e6:>9.1f} {base / ours:>6.2f}  {device}")
 
 
 SWEEP_SHAPES = {"q 4096x2048": (4096, 2048), "k/v 512x2048": (512, 2048), "o 2048x4096": (2048, 4096),
@@ -559,7 +635,12 @@ def main() -> None:
     )
     ap.add_argument("--cc-only", action="store_true", help="sweep only the CUDA-core kernel (batches <= 4)")
     ap.add_argument(
-        "--only", choices=["model", "per-shape", "sweep", "gluon-sweep", "floor", "large"], default=None
+        "--only",
+        choices=["model", "per-shape", "sweep", "gluon-sweep", "floor", "large", "int4"],
+        default=None,
+    )
+    ap.add_argument(
+        "--tokens", type=int, nargs="+", default=[1, 8, 64, 256], help="--only int4: routed tokens"
     )
     ap.add_argument(
         "--shapes", nargs="+", default=None, metavar="NxK",
@@ -594,6 +675,9 @@ def main() -> None:
         return
     if args.only == "large":
         large(gen, args.batches, args.w8a8_configs)
+        return
+    if args.only == "int4":
+        int4_decode(gen, args.batches, args.tokens)
         return
     if args.only in ("sweep", "gluon-sweep"):
         shapes = FUSED_SWEEP_SHAPES if args.fused else SWEEP_SHAPES
