@@ -39,6 +39,7 @@ def test_dense_kernel_matches_the_dequantized_product(gen, m, n, k, group, confi
 def test_the_ptx_dequantization_gives_the_triton_formulations_bits(gen, monkeypatch, m, n, k):
     x, packed, scale = _cuda(*operands(gen, m, n, k, 32))
     assert triton_int4_gemv.asm(x)
+    monkeypatch.setattr(triton_int4_gemv, "ASM_MAX_ROWS", 64)  # every row tile here
     with_asm = triton_int4_gemv.linear(x, packed, scale, group_size=32)
     monkeypatch.setattr(triton_int4_gemv, "ASM", False)
     assert not triton_int4_gemv.asm(x)

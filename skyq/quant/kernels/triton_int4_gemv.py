@@ -151,8 +151,13 @@ def _w4_kernel(
 
 
 ASM = True
-"""Dequantize with `_code_pair`'s PTX on devices of compute capability >= 9 (False: the Triton
-formulation everywhere; benchmarks A/B them)."""
+"""Dequantize with `_code_pair`'s PTX on devices of compute capability >= 9, in row tiles of at most
+`ASM_MAX_ROWS` (False: the Triton formulation everywhere; benchmarks A/B them)."""
+
+ASM_MAX_ROWS = 32
+"""Row tiles above this dequantize in the Triton formulation (the same bits): on the H200
+(`benchmarks/decode.py --only int4`, session 20) the PTX took 0.87-0.99x the time at 1-32 rows
+(e.g. the fused gate/up at one row 19.4 vs 21.5 us) and 1.01-1.15x at 64 (q/k/v 31.5 vs 27.3)."""
 
 
 @functools.cache
@@ -224,7 +229,7 @@ def linear(
         x, packed, scale, y, part, counters, y,
         m, n, k, k_per_split, grid[1],
         x.stride(0), 0, packed.stride(0), 0, scale.stride(0), y.stride(0),
-        G=group_size, BM=bm, BN=bn, TK=tk, SPLIT=split, GROUPED=False, ASM=asm(x),
+        G=group_size, BM=bm, BN=bn, TK=tk, SPLIT=split, GROUPED=False, ASM=asm(x) and bm <= ASM_MAX_ROWS,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y
@@ -253,7 +258,7 @@ def linear_grouped(
         x, packed, scale, y, y, y, offsets,
         t, n, k, cdiv(k, tk) * tk, mt,
         x.stride(0), packed.stride(0), packed.stride(1), scale.stride(0), scale.stride(1), y.stride(0),
-        G=group_size, BM=bm, BN=bn, TK=tk, SPLIT=1, GROUPED=True, ASM=asm(x),
+        G=group_size, BM=bm, BN=bn, TK=tk, SPLIT=1, GROUPED=True, ASM=asm(x) and bm <= ASM_MAX_ROWS,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y
