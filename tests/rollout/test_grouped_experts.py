@@ -400,3 +400,55 @@ def test_an_asymmetric_int4_linear_is_not_stacked():
         "weight_zero_point", torch.zeros(INTER // 8, H // 32, dtype=torch.int32)
     )
     assert not asymmetric.stack() and asymmetric.kind is None
+
+
+def test_int4_experts_in_a_decode_step_take_the_grouped_int4_linear_on_the_stacks(monkeypatch):
+    """In a decode step INT4 experts run `dispatch.int4_grouped_weight_only_linear` on the stacks
+    themselves (gate, up, down: the Triton kernel on a GPU, its reference here), no weight
+    dequantized; the result is the loop's within bf16 rounding. Outside a step the same forward
+    dequantizes each stack (prefill: the trainer's bits). On CPU tensors the engine never picks it
+    (`_int4_decodes`: the kernel needs CUDA)."""
+    gen = torch.Generator().manual_seed(24)
+    experts = _experts(gen, Precision.int4_qat)
+    assert experts.stack() and experts.kind == "int4"
+    hidden, index, weights = _routing(gen, 9)
+    loop = experts(hidden, index, weights).float()
+    kernel, dequantized = [], []
+    _spy(monkeypatch, "int4_grouped_weight_only_linear", kernel)
+    _spy(monkeypatch, "dequantize_int4_packed", dequantized)
+    with quantized_linear.decode_step():
+        assert not experts._int4_decodes(hidden)
+        step = experts._grouped_forward(hidden, index, weights).float()
+    assert [q is experts.stacked[p][0] for q, p in zip(kernel, WireExperts.PROJECTIONS, strict=True)] == [
+        True
+    ] * 3
+    assert dequantized == []
+    assert float((step - loop).norm() / loop.norm()) < 1e-2
+    kernel.clear()
+    experts._grouped_forward(hidden, index, weights)
+    assert kernel == [] and len(dequantized) == 3
+
+
+def test_an_int4_linear_decodes_through_the_int4_linear_in_decode_steps_only(monkeypatch):
+    """A symmetric INT4 `WireLinear` whose input the kernel takes (forced here: the kernel needs CUDA)
+    calls `dispatch.int4_weight_only_linear` on its own words and scales in a decode step (the
+    reference standing in for the GPU kernel), and dequantizes its weight outside one; the two agree
+    within bf16 rounding. An asymmetric one (zero points) never takes it."""
+    gen = torch.Generator().manual_seed(25)
+    strategy = get_strategy(PrecisionConfig(name=Precision.int4_qat))
+    linear = _linear(strategy, "model.layers.0.self_attn.q_proj.weight", (INTER, H), gen)
+    x = torch.randn(4, H, generator=gen).to(torch.bfloat16)
+    calls = []
+    monkeypatch.setattr(dispatch, "int4_kernel_takes", lambda *a: True)
+    monkeypatch.setattr(dispatch, "int4_weight_only_linear",
+                        lambda x, p, s, g: calls.append((p, s, g)) or dispatch.int4_weight_only_linear_reference(x, p, s, g))  # fmt: skip
+    prefill = linear(x).float()
+    assert calls == []
+    with quantized_linear.decode_step():
+        step = linear(x).float()
+    ((packed, scale, group),) = calls
+    assert packed is linear.get_buffer("weight_packed") and scale is linear.get_buffer("weight_scale")
+    assert group == strategy.group_size
+    assert float((step - prefill).norm() / prefill.norm()) < 1e-2
+    linear.register_buffer("weight_zero_point", torch.zeros(INTER // 8, H // group, dtype=torch.int32))
+    assert not quantized_linear.int4_decodes(linear, x)
