@@ -535,14 +535,15 @@ def int4_weight_only_linear_reference(x: Tensor, packed: Tensor, scale: Tensor, 
 
 def int4_kernel_takes(x: Tensor, packed: Tensor, scale: Tensor, group_size: int, *others: Tensor) -> bool:
     """The INT4 decode kernel takes these (shapes checked apart): bf16 x and bf16 scales on a CUDA
-    device (with Triton), x, the words and the scales of unit stride along K, groups of whole words."""
+    device (with Triton), the words and the scales of unit stride along K, groups of whole words (x
+    of another stride is made contiguous first)."""
     if not (uses_kernel(x) and x.dtype == torch.bfloat16 and scale.dtype == torch.bfloat16):
         return False
     from skyq.quant.kernels import triton_int4_gemv as kernels
 
     return (
         all(t.is_cuda and t.device == x.device for t in (packed, scale, *others))
-        and packed.stride(-1) == 1 and scale.stride(-1) == 1 and x.stride(-1) == 1
+        and packed.stride(-1) == 1 and scale.stride(-1) == 1
         and kernels.supports(group_size, packed.shape[-1] * int4.CODES_PER_WORD)
     )  # fmt: skip
 
@@ -559,6 +560,7 @@ def int4_weight_only_linear(x: Tensor, packed: Tensor, scale: Tensor, group_size
         from skyq.quant.kernels import triton_int4_gemv as kernels
 
         x2 = x.reshape(-1, x.shape[-1])
+        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
         return kernels.linear(x2, packed, scale, group_size=group_size).reshape(
             *x.shape[:-1], packed.shape[0]
         )
@@ -585,6 +587,7 @@ def int4_grouped_weight_only_linear(
     if x.numel() and int4_kernel_takes(x, packed, scale, group_size, offsets):
         from skyq.quant.kernels import triton_int4_gemv as kernels
 
+        x = x if x.stride(-1) == 1 else x.contiguous()
         return kernels.linear_grouped(x, packed, scale, offsets, group_size=group_size)
     bounds = _offset_bounds(offsets, x.shape[0], "int4 grouped linear")
     out = x.new_empty((x.shape[0], packed.shape[1]))
