@@ -463,6 +463,19 @@ def _offset_bounds(offsets: Tensor, rows: int, what: str) -> list[int]:
     return bounds
 
 
+def _each_expert(
+    x: Tensor, offsets: Tensor, n: int, what: str, linear: Callable[[int, Tensor], Tensor]
+) -> Tensor:
+    """A grouped linear's per-expert form: the offsets checked on the host (`_offset_bounds`), then rows
+    a:b of the [T, n] output are `linear(e, x[a:b])` for each expert e with rows."""
+    bounds = _offset_bounds(offsets, x.shape[0], what)
+    out = x.new_empty((x.shape[0], n))
+    for e, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        if b > a:
+            out[a:b] = linear(e, x[a:b])
+    return out
+
+
 def fp8_grouped_weight_only_linear(
     x: Tensor, q: Tensor, scale_inv: Tensor, offsets: Tensor, block_size: tuple[int, int] = (128, 128)
 ) -> Tensor:
@@ -491,12 +504,10 @@ def fp8_grouped_weight_only_linear(
 
         if kernels.grouped_applies(x, q, tuple(block_size)):
             return kernels.linear_grouped(x, q, scale_inv, offsets, block_size=tuple(block_size))
-    bounds = _offset_bounds(offsets, x.shape[0], "fp8 grouped linear")
-    out = x.new_empty((x.shape[0], q.shape[1]))
-    for e, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        if b > a:
-            out[a:b] = fp8_weight_only_linear(x[a:b], q[e], scale_inv[e], block_size)
-    return out
+    return _each_expert(
+        x, offsets, q.shape[1], "fp8 grouped linear",
+        lambda e, rows: fp8_weight_only_linear(rows, q[e], scale_inv[e], block_size),
+    )  # fmt: skip
 
 
 # --- INT4 weight-only linear (the engine's decode) -----------------------------------------------
@@ -589,12 +600,10 @@ def int4_grouped_weight_only_linear(
 
         x = x if x.stride(-1) == 1 else x.contiguous()
         return kernels.linear_grouped(x, packed, scale, offsets, group_size=group_size)
-    bounds = _offset_bounds(offsets, x.shape[0], "int4 grouped linear")
-    out = x.new_empty((x.shape[0], packed.shape[1]))
-    for e, (a, b) in enumerate(zip(bounds, bounds[1:])):
-        if b > a:
-            out[a:b] = int4_weight_only_linear(x[a:b], packed[e], scale[e], group_size)
-    return out
+    return _each_expert(
+        x, offsets, packed.shape[1], "int4 grouped linear",
+        lambda e, rows: int4_weight_only_linear(rows, packed[e], scale[e], group_size),
+    )  # fmt: skip
 
 
 # --- FP8 x FP8 linear (the engine's large decode steps) ------------------------------------------
