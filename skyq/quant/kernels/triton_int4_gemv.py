@@ -185,7 +185,7 @@ def tiling(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int, i
     """(BM, BN, TK, split, warps, stages) of a dense launch: the rows in one tile of 16-64, 64 weight
     rows and 128 columns a step at 4 warps, K split in powers of two while twice the programs stay
     within 3 an SM and each split keeps >= 2 K steps. From the H200 sweep (docs/benchmarks.md, INT4
-    decode, session 20): best or within 10% at 1-64 rows of 2048-12288 x 2048-6144 weights (splits
+    decode, session 20): best or within 12% at 1-64 rows of 2048-12288 x 2048-6144 weights (splits
     4 / 8 / 2 / 8 for the fused q/k/v, o, gate/up and down of Qwen3-30B-A3B's active path at one row);
     TK 256 and 512 spilled or ran out of shared memory, 128-row tiles at 8 warps lost everywhere."""
     bm, bn, tk = _row_tile(m), 64, 128
