@@ -85,7 +85,7 @@ def _dequantized_words(words, s, BN: tl.constexpr, TK: tl.constexpr, ASM: tl.con
         bits = s.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         s2 = bits | (bits << 16)
     else:
-        s2 = words
+        s2 = words  # unused by the Triton formulation (`_code` takes the fp32 scales)
     r00 = _code_pair(words, 0, s2, ASM, s)
     r01 = _code_pair(words, 1, s2, ASM, s)
     r10 = _code_pair(words, 2, s2, ASM, s)
@@ -117,7 +117,6 @@ def _w4_kernel(
         pid_s = 0
     else:
         e = 0
-        lo = 0
         hi = M
         first = tl.program_id(1) * BM
         pid_s = tl.program_id(2)
