@@ -267,12 +267,12 @@ INT4_EXPERT_SHAPES = {"a3b": (128, 2048, 768, 8), "small_moe": (32, 1024, 768, 4
 
 
 def int4_decode(gen: torch.Generator, batches: list[int], tokens: list[int]) -> None:
-    """INT4 W4A16 decode (`triton_int4_gemv`), graphed over rotating weight copies, us a call: each
-    fused dense shape at `batches` rows (bf16 `torch.matmul`; the kernel with its sm_90 PTX
-    dequantization and with the Triton formulation; the engine's path before it, the weight
-    dequantized by the Triton kernel then `F.linear`), then the grouped experts of both model shapes
-    at `tokens` tokens routed top-k (bf16 `torch._grouped_mm` on the stack, the grouped kernel), per
-    projection (gate, of the intermediate's rows, and down)."""
+    """INT4 W4A16 decode, graphed over rotating weight copies, us a call: each fused dense shape at
+    `batches` rows (bf16 `torch.matmul`; `triton_int4_gemv.linear`'s default, the Gluon kernel on
+    sm_90; the Triton kernel, `GLUON` off; the weight dequantized by the Triton kernel then
+    `F.linear`), then the grouped experts of both model shapes at `tokens` tokens routed top-k (bf16
+    `torch._grouped_mm` on the stack; the default; the Triton kernel), per projection (gate, of the
+    intermediate's rows, and down)."""
     from skyq.ops.grouped_mm import bf16_grouped_linear
     from skyq.quant.kernels import triton_int4, triton_int4_gemv
 
@@ -280,14 +280,22 @@ def int4_decode(gen: torch.Generator, batches: list[int], tokens: list[int]) -> 
     device = torch.cuda.get_device_name()
     rows = []
 
-    def kernel(x, p, s):
-        return triton_int4_gemv.linear(x, p, s, group_size=g)
+    def both(fns) -> tuple[float, float]:
+        """(default, Triton kernel) seconds a call."""
+        out = []
+        for gluon in (True, False):
+            triton_int4_gemv.GLUON = gluon
+            out.append(time_per_call(fns))
+        triton_int4_gemv.GLUON = True
+        return out[0], out[1]
 
     def dequantized(x, p, s):
         n, k = p.shape[0], p.shape[1] * 8
         return F.linear(x, triton_int4.dequantize_packed(p, s, n, k, g, torch.bfloat16))
 
-    print("\nINT4 dense, us a call: bf16 | int4 kernel (PTX) | int4 kernel (Triton) | dequantize + F.linear")
+    print(
+        "\nINT4 dense, us a call: bf16 | int4 default (Gluon on sm_90) | Triton kernel | dequantize + F.linear"
+    )
     with torch.inference_mode():
         for label, (n, k) in FUSED_SWEEP_SHAPES.items():
             copies = max(1, min(64, (256 << 20) // (n * k)))
@@ -297,17 +305,16 @@ def int4_decode(gen: torch.Generator, batches: list[int], tokens: list[int]) -> 
             for m in batches:
                 x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
                 tb = time_per_call([functools.partial(torch.matmul, x, wi.T) for wi in ws])
-                times = []
-                for use_asm in (True, False):
-                    triton_int4_gemv.ASM = use_asm
-                    times.append(time_per_call([functools.partial(kernel, x, p, s) for p, s in ps]))
-                triton_int4_gemv.ASM = True
+                tk, tt = both(
+                    [functools.partial(triton_int4_gemv.linear, x, p, s, group_size=g) for p, s in ps]
+                )
                 td = time_per_call([functools.partial(dequantized, x, p, s) for p, s in ps])
-                print(f"{label:>20} {m:>3} rows: {tb * 1e6:6.1f} | {times[0] * 1e6:6.1f} | {times[1] * 1e6:6.1f} | "
+                print(f"{label:>20} {m:>3} rows: {tb * 1e6:6.1f} | {tk * 1e6:6.1f} | {tt * 1e6:6.1f} | "
                       f"{td * 1e6:6.1f}", flush=True)  # fmt: skip
-                rows.append((f"{label} us, {m} rows: int4 / bf16", times[0], tb))
+                rows.append((f"{label} us, {m} rows: int4 / bf16", tk, tb))
+                rows.append((f"{label} us, {m} rows: int4 Triton kernel / bf16", tt, tb))
                 rows.append((f"{label} us, {m} rows: dequantize + linear / bf16", td, tb))
-        print("\nINT4 grouped experts, us a call: bf16 grouped GEMM | int4 grouped kernel")
+        print("\nINT4 grouped experts, us a call: bf16 grouped GEMM | int4 default | Triton kernel")
         for shape, (experts, hidden, inter, top_k) in INT4_EXPERT_SHAPES.items():
             for proj, (n, k) in (("gate", (inter, hidden)), ("down", (hidden, inter))):
                 wb = (torch.randn(experts, n, k, generator=gen) * 0.02).to(torch.bfloat16).cuda()
@@ -323,14 +330,130 @@ def int4_decode(gen: torch.Generator, batches: list[int], tokens: list[int]) -> 
                     grouped = functools.partial(
                         triton_int4_gemv.linear_grouped, x, packed, scale, offsets, group_size=g
                     )
-                    tk = time_per_call([grouped] * 8)
+                    tk, tt = both([grouped] * 8)
                     print(
-                        f"{shape:>10} {proj:>5} {t:>4} tokens: {tb * 1e6:6.1f} | {tk * 1e6:6.1f}", flush=True
+                        f"{shape:>10} {proj:>5} {t:>4} tokens: {tb * 1e6:6.1f} | {tk * 1e6:6.1f} | {tt * 1e6:6.1f}",
+                        flush=True,
                     )
                     rows.append((f"{shape} {proj} us, {t} tokens: int4 grouped / bf16", tk, tb))
+                    rows.append((f"{shape} {proj} us, {t} tokens: int4 Triton grouped / bf16", tt, tb))
     print(f"\n{'metric':<62} {'ours':>9} {'baseline':>9} {'ratio':>6}  device")
     for label, ours, base in rows:
         print(f"{label:<62} {ours * 1e6:>9.1f} {base * 1e6:>9.1f} {base / ours:>6.2f}  {device}")
+
+
+def int4_gluon_configs(m: int, n: int, k: int) -> list[tuple[int, int, int, int, int, int]]:
+    """(BM, BN, KC, split, warps, kwarps) variants of the Gluon INT4 kernel for one dense shape and
+    batch: `gluon_configs`' tiles (the INT4 kernel has no prefetch choice) plus the whole batch in
+    one 32- or 64-row tile at 1-2 warps (the dequantization then done once per weight)."""
+    out = list(dict.fromkeys(cfg for cfg, _ in gluon_configs(m, n, k)))
+    if m > 16:
+        top = min(64, 1 << (m - 1).bit_length())
+        for bn, warps in ((16, 1), (32, 2)):
+            for kw in (1, 2, 4, 8):
+                for sp in (1, 2, 4):
+                    cfg = (top, bn, 128, sp, warps, kw)
+                    if cfg not in out and warps * kw <= 16 and -(-k // 128) >= 2 * sp * kw:
+                        out.append(cfg)
+    return out
+
+
+def int4_grouped_configs() -> list[tuple[int, int, int, int, int, int]]:
+    """Grouped Gluon INT4 variants: BM 8-64, 16 or 32 weight rows a warp (1 or 2 warps), 1-4 K warps."""
+    return [(bm, bn, 128, 1, w, kw) for bm in (8, 16, 32, 64) for bn, w in ((16, 1), (32, 1), (32, 2))
+            for kw in (1, 2, 4)]  # fmt: skip
+
+
+def _compile_int4_gluon_jobs(jobs: list) -> None:
+    from skyq.quant.kernels import gluon_int4_gemv as g
+    from skyq.quant.kernels import triton_fp8_gemv as kern
+
+    for kind, m, n, k, cfg in jobs:
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        if kind == "dense":
+            p = torch.zeros(n, k // 8, dtype=torch.int32, device="cuda")
+            s = torch.ones(n, k // INT4_GROUP, dtype=torch.bfloat16, device="cuda")
+            g.linear(x, p, s, group_size=INT4_GROUP, sms=132, counters=kern._arrival_counters, config=cfg)
+        else:
+            p = torch.zeros(4, n, k // 8, dtype=torch.int32, device="cuda")
+            s = torch.ones(4, n, k // INT4_GROUP, dtype=torch.bfloat16, device="cuda")
+            off = torch.tensor([0, m, m, m, m], dtype=torch.int32, device="cuda")
+            g.linear_grouped(x, p, s, off, group_size=INT4_GROUP, sms=132, config=cfg)
+    torch.cuda.synchronize()
+
+
+def int4_gluon_sweep(gen: torch.Generator, batches: list[int], tokens: list[int], log: str | None) -> None:
+    """Every Gluon INT4 variant per fused dense shape and batch, and per grouped expert shape and
+    routed tokens, graphed over rotating weights, us a call: bf16, the Triton INT4 kernel, the Gluon
+    default, the best 5. `log`: every timing as JSON lines."""
+    import json
+
+    from skyq.ops.grouped_mm import bf16_grouped_linear
+    from skyq.quant.kernels import gluon_int4_gemv as g
+    from skyq.quant.kernels import triton_fp8_gemv as kern
+    from skyq.quant.kernels import triton_int4_gemv
+
+    gs, sms = INT4_GROUP, kern.sm_count(torch.device("cuda"))
+    jobs = {}
+    for _, (n, k) in FUSED_SWEEP_SHAPES.items():
+        for m in batches:
+            for cfg in int4_gluon_configs(m, n, k):
+                jobs.setdefault((cfg, k % cfg[2] == 0, m == 1, "dense"), ("dense", m, n, k, cfg))
+    for cfg in int4_grouped_configs():
+        jobs.setdefault((cfg, "grouped"), ("grouped", 8, 768, 2048, cfg))
+    compile_in_parallel("int4 gluon sweep", list(jobs.values()), _compile_int4_gluon_jobs)
+
+    def report(label, tb, tt, td, res):
+        if log:
+            with open(log, "a") as f:
+                for t, c in res:
+                    f.write(
+                        json.dumps(dict(shape=label, cfg=c, us=t * 1e6, bf16=tb * 1e6, triton=tt * 1e6))
+                        + "\n"
+                    )
+        res.sort(key=lambda r: r[0])
+        top = ", ".join(f"{'/'.join(map(str, c))} {t * 1e6:.1f}" for t, c in res[:5])
+        print(f"{label}: bf16 {tb * 1e6:.1f}, triton {tt * 1e6:.1f}, default {td * 1e6:.1f}, best {top}",
+              flush=True)  # fmt: skip
+
+    with torch.inference_mode():
+        for label, (n, k) in FUSED_SWEEP_SHAPES.items():
+            copies = max(1, min(64, (256 << 20) // (n * k)))
+            ws = [(torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16).cuda() for _ in range(copies)]
+            ps = [dispatch.quantize_int4_packed(w, group_size=gs) for w in ws]
+            for m in batches:
+                x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+                tb = time_per_call([functools.partial(torch.matmul, x, w.T) for w in ws])
+                tt = time_per_call(
+                    [functools.partial(triton_int4_gemv.linear, x, p, s, group_size=gs) for p, s in ps]
+                )
+                dense = functools.partial(g.linear, group_size=gs, sms=sms, counters=kern._arrival_counters)
+                td = time_per_call([functools.partial(dense, x, p, s) for p, s in ps])
+                res = [(time_per_call([functools.partial(dense, x, p, s, config=c) for p, s in ps]), c)
+                       for c in int4_gluon_configs(m, n, k)]  # fmt: skip
+                report(f"{label} M={m}", tb, tt, td, res)
+            del ws, ps
+        for shape, (experts, hidden, inter, top_k) in INT4_EXPERT_SHAPES.items():
+            for proj, (n, k) in (("gate_up", (2 * inter, hidden)), ("down", (hidden, inter))):
+                wb = (torch.randn(experts, n, k, generator=gen) * 0.02).to(torch.bfloat16).cuda()
+                packed, scale = dispatch.quantize_int4_packed(wb, group_size=gs)
+                for t in tokens:
+                    chosen = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(t)])
+                    counts = torch.bincount(chosen.flatten(), minlength=experts)
+                    offsets = (
+                        torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32).cuda()
+                    )
+                    x = torch.randn(t * top_k, k, generator=gen).to(torch.bfloat16).cuda()
+                    tb = time_per_call([functools.partial(bf16_grouped_linear, x, wb, offsets)] * 8)
+                    tt = time_per_call([functools.partial(
+                        triton_int4_gemv.linear_grouped, x, packed, scale, offsets, group_size=gs)] * 8)  # fmt: skip
+                    grouped = functools.partial(
+                        g.linear_grouped, x, packed, scale, offsets, group_size=gs, sms=sms
+                    )
+                    td = time_per_call([grouped] * 8)
+                    res = [(time_per_call([functools.partial(grouped, config=c)] * 8), c)
+                           for c in int4_grouped_configs()]  # fmt: skip
+                    report(f"{shape} {proj} {t} tokens", tb, tt, td, res)
 
 
 SWEEP_SHAPES = {"q 4096x2048": (4096, 2048), "k/v 512x2048": (512, 2048), "o 2048x4096": (2048, 4096),
@@ -636,7 +759,7 @@ def main() -> None:
     ap.add_argument("--cc-only", action="store_true", help="sweep only the CUDA-core kernel (batches <= 4)")
     ap.add_argument(
         "--only",
-        choices=["model", "per-shape", "sweep", "gluon-sweep", "floor", "large", "int4"],
+        choices=["model", "per-shape", "sweep", "gluon-sweep", "floor", "large", "int4", "int4-sweep"],
         default=None,
     )
     ap.add_argument(
@@ -678,6 +801,9 @@ def main() -> None:
         return
     if args.only == "int4":
         int4_decode(gen, args.batches, args.tokens)
+        return
+    if args.only == "int4-sweep":
+        int4_gluon_sweep(gen, args.batches, args.tokens, args.sweep_log)
         return
     if args.only in ("sweep", "gluon-sweep"):
         shapes = FUSED_SWEEP_SHAPES if args.fused else SWEEP_SHAPES

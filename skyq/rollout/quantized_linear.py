@@ -248,7 +248,8 @@ class WireExperts(nn.ModuleList):
         `weight_scale_inv`; INT4: `weight_packed` and `weight_scale`; MXFP8: `weight` and
         `weight_scale`) and make the experts' tensors views of it (values kept; in-place weight loads
         land in the stack). gate and up share one [E, 2I, K] stack where their rows allow it (FP8: I
-        a whole number of scale blocks; not INT4 / MXFP8), so one launch computes both. For FP8
+        a whole number of scale blocks; INT4: one group size and input width; not MXFP8), so one
+        launch computes both (INT4: in decode steps; elsewhere each half is its own GEMM). For FP8
         blockwise, symmetric INT4 or MXFP8 `WireLinear` experts or bias-free bf16 `nn.Linear` ones,
         of equal shapes; returns whether it stacked. Call it once the module is on its device (a
         later move stacks again, see `_apply`)."""
@@ -260,7 +261,7 @@ class WireExperts(nn.ModuleList):
         gate, up, down = projs
         fused = [[g, u] for g, u in zip(gate, up, strict=True)]
         grids = {"down_proj": [[lin] for lin in down]}
-        if rows_stackable(fused[0]) and _grid_uniform(fused):
+        if (rows_stackable(fused[0]) or _int4_rows_stackable(fused[0])) and _grid_uniform(fused):
             grids["gate_up_proj"] = fused
         else:
             grids.update(gate_proj=[[lin] for lin in gate], up_proj=[[lin] for lin in up])
@@ -268,7 +269,8 @@ class WireExperts(nn.ModuleList):
             return False  # checked before any tensor moves: nothing changed
         stacked = {name: stack_rows(grid) for name, grid in grids.items()}
         if "gate_up_proj" in stacked:
-            width = gate[0].weight.shape[0]
+            leaves, store = _stacked_leaves(kind)
+            width = getattr(gate[0], store)[leaves[0]].shape[0]
             stacked["gate_proj"] = _row_slice(stacked["gate_up_proj"], 0, width, gate[0])
             stacked["up_proj"] = _row_slice(stacked["gate_up_proj"], width, 2 * width, gate[0])
         self.stacked, self.kind = stacked, kind
@@ -376,7 +378,9 @@ class WireExperts(nn.ModuleList):
         xs = hidden_states[token]
         decode = _decode_sized(hidden_states)
         kernel = path == "kernel"
-        if decode and "gate_up_proj" in self.stacked:  # one launch (and one activation quantization)
+        if (
+            decode and "gate_up_proj" in self.stacked and (self.kind != "int4" or in_decode_step())
+        ):  # one launch (and one activation quantization)
             gate, up = self._grouped(first.gate_proj, "gate_up_proj", xs, offsets, decode, kernel).chunk(
                 2, dim=-1
             )
@@ -504,6 +508,24 @@ def rows_stackable(members: list[nn.Module]) -> bool:
     return True
 
 
+def _int4_rows_stackable(members: list[nn.Module]) -> bool:
+    """Symmetric INT4 `WireLinear`s whose words and group scales can be one stack, rows one after
+    another: one group size, input width, dtype and device (each row has its own scales)."""
+    if any(_kind(m) != "int4" for m in members):
+        return False
+    first = members[0]
+    return all(
+        m.strategy.group_size == first.strategy.group_size
+        and all(
+            m._buffers[leaf].shape[1:] == first._buffers[leaf].shape[1:]
+            and m._buffers[leaf].dtype == first._buffers[leaf].dtype
+            and m._buffers[leaf].device == first._buffers[leaf].device
+            for leaf in INT4_LEAVES[:2]
+        )
+        for m in members
+    )
+
+
 def _grid_uniform(grid: list[list[nn.Module]]) -> bool:
     """Every unit's members have the first unit's stored shapes, dtypes and devices."""
     leaves, store = _stacked_leaves(_kind(grid[0][0]))
@@ -541,10 +563,13 @@ def stack_rows(grid: list[list[nn.Module]]) -> tuple[Tensor, Tensor | None]:
 def _row_slice(
     stacked: tuple[Tensor, Tensor | None], lo: int, hi: int, member: nn.Module
 ) -> tuple[Tensor, Tensor | None]:
-    """Rows lo:hi of a row stack (FP8: their scale rows too; lo a multiple of the block rows)."""
+    """Rows lo:hi of a row stack (FP8: their scale rows too, lo a multiple of the block rows;
+    INT4: their group scales' rows)."""
     q, s = stacked
     if s is None:
         return q[:, lo:hi], None
+    if _kind(member) == "int4":
+        return q[:, lo:hi], s[:, lo:hi]
     bn = member.strategy.block()[0]
     return q[:, lo:hi], s[:, lo // bn : -(-hi // bn)]
 

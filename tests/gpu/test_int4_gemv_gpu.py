@@ -1,8 +1,9 @@
-"""The INT4 weight-only decode linear (`triton_int4_gemv`) on the GPU: dense and grouped against the
-float64 product of x and the dequantized weight (bound: bf16 output rounding plus 2^-16 of |x| @
-|W|^T for fp32 sums in another order), bit for bit where no summation order can matter, its PTX
-dequantization (sm_90) giving the Triton formulation's bits, captured in a CUDA graph; and the
-engine's INT4 decode steps on it, captured and replayed."""
+"""The INT4 weight-only decode linear (`triton_int4_gemv`) on the GPU, by default routed to the
+Gluon kernel on sm_90 (`gluon=True`) and with `triton_int4_gemv.GLUON` off (the Triton kernel):
+dense and grouped against the float64 product of x and the dequantized weight (bound: bf16 output
+rounding plus 2^-16 of |x| @ |W|^T for fp32 sums in another order), bit for bit where no summation
+order can matter, the Triton kernel's PTX dequantization (sm_90) giving its Triton formulation's
+bits, captured in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -22,13 +23,20 @@ def _cuda(*ts):
     return [t.cuda() for t in ts]
 
 
+@pytest.fixture(params=[True, False], ids=["gluon", "triton"])
+def gluon(request, monkeypatch):
+    monkeypatch.setattr(triton_int4_gemv, "GLUON", request.param)
+    assert triton_int4_gemv.gluon_applies(torch.empty(1, device="cuda")) == request.param
+    return request.param
+
+
 @pytest.mark.parametrize(
     ("m", "n", "k", "group"),
     [(1, 5120, 2048, 32), (16, 2048, 4096, 128), (33, 12288, 2048, 32), (64, 2048, 6144, 32),
-     (100, 200, 264, 8), (7, 96, 768, 768)],
+     (100, 200, 264, 8), (7, 96, 768, 768), (256, 1536, 1024, 32)],
 )  # fmt: skip
 @pytest.mark.parametrize("config", [None, (16, 32, 128, 4, 4, 3), (64, 128, 256, 1, 8, 3)])
-def test_dense_kernel_matches_the_dequantized_product(gen, m, n, k, group, config):
+def test_dense_kernel_matches_the_dequantized_product(gen, gluon, m, n, k, group, config):
     x, packed, scale = _cuda(*operands(gen, m, n, k, group))
     got = triton_int4_gemv.linear(x, packed, scale, group_size=group, config=config)
     assert got.shape == (m, n)
@@ -37,6 +45,7 @@ def test_dense_kernel_matches_the_dequantized_product(gen, m, n, k, group, confi
 
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 5120, 2048), (16, 2048, 4096), (64, 1536, 2048)])
 def test_the_ptx_dequantization_gives_the_triton_formulations_bits(gen, monkeypatch, m, n, k):
+    monkeypatch.setattr(triton_int4_gemv, "GLUON", False)
     x, packed, scale = _cuda(*operands(gen, m, n, k, 32))
     assert triton_int4_gemv.asm(x)
     monkeypatch.setattr(triton_int4_gemv, "ASM_MAX_ROWS", 64)  # every row tile here
@@ -46,7 +55,7 @@ def test_the_ptx_dequantization_gives_the_triton_formulations_bits(gen, monkeypa
     assert torch.equal(triton_int4_gemv.linear(x, packed, scale, group_size=32), with_asm)
 
 
-def test_one_term_rows_equal_the_reference_bit_for_bit(gen):
+def test_one_term_rows_equal_the_reference_bit_for_bit(gen, gluon):
     m, n, k = 48, 1024, 2048
     _, packed, scale = _cuda(*operands(gen, m, n, k, 32))
     x = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")
@@ -57,9 +66,10 @@ def test_one_term_rows_equal_the_reference_bit_for_bit(gen):
 
 
 @pytest.mark.parametrize(
-    ("tokens", "experts", "top_k", "n", "k"), [(64, 128, 8, 1536, 2048), (9, 16, 2, 2048, 768)]
+    ("tokens", "experts", "top_k", "n", "k"),
+    [(64, 128, 8, 1536, 2048), (9, 16, 2, 2048, 768), (256, 32, 4, 1536, 1024), (96, 32, 4, 200, 288)],
 )
-def test_grouped_kernel_takes_each_experts_rows(gen, tokens, experts, top_k, n, k):
+def test_grouped_kernel_takes_each_experts_rows(gen, gluon, tokens, experts, top_k, n, k):
     rows = tokens * top_k
     x, packed, scale = _cuda(*operands(gen, rows, n, k, 32, experts=experts))
     counts = torch.bincount(torch.randint(0, experts - 1, (rows,), generator=gen), minlength=experts)
@@ -71,7 +81,7 @@ def test_grouped_kernel_takes_each_experts_rows(gen, tokens, experts, top_k, n, 
             assert within_tolerance(got[a:b].cpu(), x[a:b].cpu(), packed[e].cpu(), scale[e].cpu(), 32), e
 
 
-def test_a_captured_launch_replays_the_eager_bits(gen):
+def test_a_captured_launch_replays_the_eager_bits(gen, gluon):
     x, packed, scale = _cuda(*operands(gen, 8, 2048, 2048, 32))
     eager = dispatch.int4_weight_only_linear(x, packed, scale, 32)
     torch.cuda.synchronize()
@@ -81,3 +91,22 @@ def test_a_captured_launch_replays_the_eager_bits(gen):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("m", [65, 256])
+def test_more_rows_than_the_kernel_takes_multiply_the_dequantized_weight(gen, m):
+    """Past `KERNEL_MAX_ROWS` the dense linear dequantizes the weight once (the decode kernels'
+    register dequantization) and runs bf16's GEMM: the float64 product of the dequantized weight
+    within bf16 rounding (cuBLAS may reduce in bf16), captured in a graph (no host sync)."""
+    x, packed, scale = _cuda(*operands(gen, m, 1536, 1024, 32))
+    assert m > triton_int4_gemv.KERNEL_MAX_ROWS
+    got = dispatch.int4_weight_only_linear(x, packed, scale, 32)
+    w = dispatch.dequantize_int4_packed(packed, scale, (1536, 1024), group_size=32).double()
+    ref, mag = x.double() @ w.T, x.double().abs() @ w.abs().T
+    assert bool(((got.double() - ref).abs() <= ref.abs() * 2.0**-7 + mag * 2.0**-8).all())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = dispatch.int4_weight_only_linear(x, packed, scale, 32)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, got)

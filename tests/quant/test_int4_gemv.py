@@ -5,7 +5,8 @@ Without CUDA both run the reference: the fp32 product of x and the weight `int4.
 gives (codes times their group's bf16 scale, rounded to bf16: the trainer's weight). The Triton
 kernel (`triton_int4_gemv`) is checked against it under the Triton interpreter (a subprocess:
 TRITON_INTERPRET must be set before `@triton.jit` runs): within fp32 summation noise for random data,
-and bit for bit where no summation order can matter (one nonzero activation a row). The kernel's PTX
+and bit for bit where no summation order can matter (one nonzero activation a row); its dequantizer
+(`triton_int4_gemv.dequantize`) gives `int4.dequantize_packed`'s bits. The kernel's PTX
 dequantization (sm_90) cannot run there; tests/gpu/test_int4_gemv_gpu.py checks it on the H200.
 """
 
@@ -153,6 +154,16 @@ def _interpreter_main() -> None:
     exact = dispatch.int4_weight_only_linear_reference(x, packed, scale, 32)
     if not torch.equal(kernels.linear(x, packed, scale, group_size=32, config=(16, 64, 128, 2, 4, 3)), exact):
         failures.append("one-term exact")
+    # the dequantizer on the same register path: int4.dequantize_packed's bits (N and K tails inside
+    # a tile, groups of one word to a whole row, a stack of experts)
+    for shape, group in (((70, 264), 8), ((33, 512), 32), ((3, 40, 384), 128), ((5, 1024), 1024)):
+        w = torch.randn(shape, generator=gen) * 10.0 ** (torch.rand(*shape[:-1], 1, generator=gen) * 3 - 2)
+        q, sc = int4.quantize(w, group_size=group)
+        packed = int4.pack(q)
+        n, k = shape[-2:]
+        got = kernels.dequantize(packed.reshape(-1, n, k // 8), sc.reshape(-1, n, k // group), n, k, group)
+        if not torch.equal(got.reshape(shape), int4.dequantize_packed(packed, sc, (n, k), group_size=group)):
+            failures.append(("dequantize", shape, group))
     report("int4 gemv", failures)
 
 

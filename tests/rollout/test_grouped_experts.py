@@ -332,22 +332,27 @@ def test_a_large_bf16_decode_step_multiplies_the_stacks_without_copying_them(mon
 
 
 def test_int4_experts_stack_their_packed_codes_and_scales():
-    """Symmetric INT4 experts stack `weight_packed` and `weight_scale` per projection (gate and up
-    apart: no fused stack), each expert's buffers views of the stacks and in-place loads landing in
+    """Symmetric INT4 experts stack `weight_packed` and `weight_scale` per projection, gate and up
+    as one [E, 2I, ...] stack (rows of gate then up, each row its own group scales) whose halves are
+    the gate and up stacks; each expert's buffers views of the stacks and in-place loads landing in
     them; `weight_shape` stays each expert's own."""
     gen = torch.Generator().manual_seed(21)
     experts = _experts(gen, Precision.int4_qat)
     before = {n: t.clone() for n, t in experts.state_dict().items()}
     assert experts.stack() and experts.kind == "int4"
     assert all(torch.equal(before[n], t) for n, t in experts.state_dict().items())
-    assert set(experts.stacked) == set(WireExperts.PROJECTIONS)
-    packed, scale = experts.stacked["up_proj"]
+    assert set(experts.stacked) == {"gate_up_proj", *WireExperts.PROJECTIONS}
     group = experts[0].up_proj.strategy.group_size
+    fused_q, fused_s = experts.stacked["gate_up_proj"]
+    assert fused_q.shape == (E, 2 * INTER, H // 8) and fused_s.shape == (E, 2 * INTER, H // group)
+    packed, scale = experts.stacked["up_proj"]
     assert packed.shape == (E, INTER, H // 8) and packed.dtype == torch.int32
     assert scale.shape == (E, INTER, H // group)
     for e in range(E):
         assert experts[e].up_proj.get_buffer("weight_packed").data_ptr() == packed[e].data_ptr()
         assert experts[e].up_proj.get_buffer("weight_scale").data_ptr() == scale[e].data_ptr()
+        assert torch.equal(fused_q[e, INTER:], before[f"{e}.up_proj.weight_packed"])
+        assert torch.equal(fused_s[e, :INTER], before[f"{e}.gate_proj.weight_scale"])
     assert (
         experts[1].up_proj.get_buffer("weight_shape").data_ptr()
         != experts[2].up_proj.get_buffer("weight_shape").data_ptr()
@@ -357,6 +362,16 @@ def test_int4_experts_stack_their_packed_codes_and_scales():
     assert all(experts._stack_is_live(p) for p in WireExperts.PROJECTIONS)
     experts[0].gate_proj._buffers["weight_packed"] = experts[0].gate_proj._buffers["weight_packed"].clone()
     assert not experts._stack_is_live("gate_proj")
+
+
+def _per_expert_linear(x, w, offsets):
+    """`bf16_grouped_linear` as each expert's own `F.linear` on its rows."""
+    bounds = offsets.tolist()
+    out = x.new_zeros((x.shape[0], w.shape[1]))
+    for e, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
+        if b > a:
+            out[a:b] = F.linear(x[a:b], w[e])
+    return out
 
 
 @pytest.mark.parametrize("precision", [Precision.int4_qat, Precision.mxfp8])
@@ -378,16 +393,8 @@ def test_dequantized_stacks_grouped_forward_is_the_loop(monkeypatch, precision, 
     hidden, index, weights = _routing(gen, tokens)
     loop = experts(hidden, index, weights)  # on CPU the grouped path does not apply
 
-    def per_expert(x, w, offsets):
-        bounds = offsets.tolist()
-        out = x.new_zeros((x.shape[0], w.shape[1]))
-        for e, (a, b) in enumerate(zip(bounds, bounds[1:], strict=False)):
-            if b > a:
-                out[a:b] = F.linear(x[a:b], w[e])
-        return out
-
     with monkeypatch.context() as m:
-        m.setattr(quantized_linear, "bf16_grouped_linear", per_expert)
+        m.setattr(quantized_linear, "bf16_grouped_linear", _per_expert_linear)
         assert torch.equal(experts._grouped_forward(hidden, index, weights), loop)
     grouped = experts._grouped_forward(hidden, index, weights).float()
     assert float((grouped - loop.float()).norm() / loop.float().norm()) < 1e-2
@@ -404,10 +411,11 @@ def test_an_asymmetric_int4_linear_is_not_stacked():
 
 def test_int4_experts_in_a_decode_step_take_the_grouped_int4_linear_on_the_stacks(monkeypatch):
     """In a decode step INT4 experts run `dispatch.int4_grouped_weight_only_linear` on the stacks
-    themselves (gate, up, down: the Triton kernel on a GPU, its reference here), no weight
-    dequantized; the result is the loop's within bf16 rounding. Outside a step the same forward
-    dequantizes each stack (prefill: the trainer's bits). On CPU tensors the engine never picks it
-    (`_int4_decodes`: the kernel needs CUDA)."""
+    themselves (gate and up as one stack, then down: the INT4 kernel on a GPU, its reference here),
+    no weight dequantized; the result is the loop's within bf16 rounding. Outside a step the same
+    forward dequantizes gate, up and down apart (prefill: the trainer's bits, bit for bit the
+    loop's here). On CPU tensors the engine never picks it (`_int4_decodes`: the kernel needs
+    CUDA)."""
     gen = torch.Generator().manual_seed(24)
     experts = _experts(gen, Precision.int4_qat)
     assert experts.stack() and experts.kind == "int4"
@@ -419,13 +427,15 @@ def test_int4_experts_in_a_decode_step_take_the_grouped_int4_linear_on_the_stack
     with quantized_linear.decode_step():
         assert not experts._int4_decodes(hidden)
         step = experts._grouped_forward(hidden, index, weights).float()
-    assert [q is experts.stacked[p][0] for q, p in zip(kernel, WireExperts.PROJECTIONS, strict=True)] == [
-        True
-    ] * 3
+    assert [
+        q is experts.stacked[p][0] for q, p in zip(kernel, ("gate_up_proj", "down_proj"), strict=True)
+    ] == [True] * 2
     assert dequantized == []
     assert float((step - loop).norm() / loop.norm()) < 1e-2
     kernel.clear()
-    experts._grouped_forward(hidden, index, weights)
+    with monkeypatch.context() as m:  # each expert's own GEMM standing in for torch._grouped_mm
+        m.setattr(quantized_linear, "bf16_grouped_linear", _per_expert_linear)
+        assert torch.equal(experts._grouped_forward(hidden, index, weights).float(), loop)
     assert kernel == [] and len(dequantized) == 3
 
 

@@ -562,8 +562,10 @@ def int4_kernel_takes(x: Tensor, packed: Tensor, scale: Tensor, group_size: int,
 def int4_weight_only_linear(x: Tensor, packed: Tensor, scale: Tensor, group_size: int) -> Tensor:
     """Decode linear `x [..., K] @ dequant(packed int32 [N, K/8], scale [N, K/G])^T -> [..., N]` in x's
     dtype for symmetric `pack-quantized` INT4. On CUDA (bf16 x and scales) one kernel dequantizes in
-    registers (`triton_int4_gemv.linear`: no dequantized weight in memory, no host sync; meant for
-    decode rows, correct for any); elsewhere the reference (the same bf16 weight, fp32 sums)."""
+    registers (`triton_int4_gemv.linear`: no dequantized weight in memory, no host sync) up to
+    `triton_int4_gemv.KERNEL_MAX_ROWS` rows; more rows dequantize the weight once (the same
+    register dequantization, `triton_int4_gemv.dequantize`) for bf16's GEMM, also without a host
+    sync; elsewhere the reference (the same bf16 weight, fp32 sums)."""
     _check_int4_linear_args(x, packed, scale, group_size, "int4 linear")
     if packed.ndim != 2:
         raise QuantizationError(f"int4 linear: weight_packed must be [N, K/8], got {tuple(packed.shape)}")
@@ -571,6 +573,10 @@ def int4_weight_only_linear(x: Tensor, packed: Tensor, scale: Tensor, group_size
         from skyq.quant.kernels import triton_int4_gemv as kernels
 
         x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] > kernels.KERNEL_MAX_ROWS:  # the weight dequantized once, then bf16's GEMM
+            n, k = packed.shape[0], packed.shape[1] * int4.CODES_PER_WORD
+            w = kernels.dequantize(packed.contiguous()[None], scale.contiguous()[None], n, k, group_size)
+            return torch.nn.functional.linear(x, w[0])
         x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
         return kernels.linear(x2, packed, scale, group_size=group_size).reshape(
             *x.shape[:-1], packed.shape[0]

@@ -149,6 +149,50 @@ def _w4_kernel(
             _write_out(acc, rn, rm, n_ok, m_ok, y_ptr, part_ptr, cnt_ptr, M, N, sym, 1, pid_s, SPLIT, BN, BM)
 
 
+_gluon = None
+if tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 6):
+    try:  # written against Triton 3.6's experimental Gluon API; without it, `_w4_kernel` everywhere
+        from skyq.quant.kernels import gluon_int4_gemv as _gluon
+    except (ImportError, AttributeError):  # pragma: no cover - a Gluon API change
+        _gluon = None
+
+GLUON = True
+"""Launches without an explicit `config` on a CUDA device of compute capability >= 9 go to
+`gluon_int4_gemv` (each thread dequantizes the words of its own MMA operand fragments in registers;
+no shared memory in the K loop): on the H200 (`benchmarks/decode.py --only int4`, session 21) the
+fused dense shapes at one row 5.6-8.9 us against this kernel's 9.6-19.4 (bf16 8.0-15.7), at 64 rows
+11.6-25.5 against 20.6-53.2, and the grouped experts 1.1-2.4x faster. False: `_w4_kernel` always
+(the A/B in the benchmarks and tests)."""
+
+
+@triton.jit
+def _dequant_kernel(p_ptr, s_ptr, out_ptr, N, K, BN: tl.constexpr, TK: tl.constexpr, G: tl.constexpr,
+                    ASM: tl.constexpr):  # fmt: skip
+    """out[b, n, k] = bf16(q[b, n, k] * s[b, n, k // G]) for tile (N tile, K tile, b) of contiguous
+    packed [B, N, K/8] words and bf16 scales [B, N, K/G] (K % 8 == 0, G % 8 == 0): the GEMV kernels'
+    register dequantization (`_dequantized_words`), then one 2-D store."""
+    b = tl.program_id(2).to(tl.int64)
+    rn = tl.program_id(0) * BN + tl.arange(0, BN)
+    rw = tl.program_id(1) * (TK // 8) + tl.arange(0, TK // 8)
+    ok = (rn < N)[:, None] & (rw < K // 8)[None, :]
+    rows = rn[:, None].to(tl.int64)
+    words = tl.load(p_ptr + b * N * (K // 8) + rows * (K // 8) + rw[None, :], mask=ok, other=0)
+    s = tl.load(s_ptr + b * N * (K // G) + rows * (K // G) + ((rw * 8) // G)[None, :], mask=ok, other=0.0)
+    w = _dequantized_words(words, s.to(tl.float32), BN, TK, ASM)
+    rk = tl.program_id(1) * TK + tl.arange(0, TK)
+    ok_k = (rn < N)[:, None] & (rk < K)[None, :]
+    tl.store(out_ptr + b * N * K + rows * K + rk[None, :], w, mask=ok_k)
+
+
+KERNEL_MAX_ROWS = 64
+"""`dispatch.int4_weight_only_linear` sends more rows to `dequantize` + bf16's GEMM: each row tile of
+the decode kernels dequantizes the whole weight again (on the H200 at 256 rows the fused q/k/v took
+52.7 us on the Gluon kernel against bf16's 10.5; session 21)."""
+
+DEQUANT_TILE = (32, 256)
+"""(BN, TK) of `dequantize`: 8192 weights a program at 4 warps."""
+
+
 ASM = True
 """Dequantize with `_code_pair`'s PTX on devices of compute capability >= 9, in row tiles of at most
 `ASM_MAX_ROWS` (False: the Triton formulation everywhere; benchmarks A/B them)."""
@@ -168,6 +212,12 @@ def asm(x: Tensor) -> bool:
     """`_code_pair`'s PTX applies to x's device: a CUDA device of compute capability >= 9 (its
     bf16x2 sub and mul), so never under the Triton interpreter (CPU tensors)."""
     return ASM and x.is_cuda and _capability(x.device.index or 0) >= 9
+
+
+def gluon_applies(x: Tensor) -> bool:
+    """`gluon_int4_gemv` takes launches on x's device (see `GLUON`): its PTX's bf16x2 arithmetic
+    needs compute capability >= 9."""
+    return GLUON and _gluon is not None and x.is_cuda and _capability(x.device.index or 0) >= 9
 
 
 def supports(group_size: int, k: int) -> bool:
@@ -214,9 +264,14 @@ def linear(
 ) -> Tensor:
     """y [M, N] in x's dtype for bf16 x [M, K] (unit stride along K), packed int32 [N, K/8] and bf16
     scale [N, K/G] (both unit stride along K); shapes checked by the caller, no host sync. `config`
-    (BM, BN, TK, split, warps, stages) for sweeps; by default `tiling`."""
+    (BM, BN, TK, split, warps, stages) for sweeps; by default `tiling`. Without `config`,
+    `gluon_int4_gemv.linear` where `gluon_applies`."""
     m, k = x.shape
     n = packed.shape[0]
+    if config is None and gluon_applies(x):
+        return _gluon.linear(
+            x, packed, scale, group_size=group_size, sms=sm_count(x.device), counters=_arrival_counters
+        )
     bm, bn, tk, split, warps, stages = config or tiling(m, n, k, sm_count(x.device))
     k_per_split = cdiv(cdiv(k, tk), split) * tk
     split = cdiv(k, k_per_split)
@@ -234,6 +289,20 @@ def linear(
     return y
 
 
+def dequantize(packed: Tensor, scale: Tensor, n: int, k: int, group_size: int) -> Tensor:
+    """bf16 [B, N, K] from contiguous packed int32 [B, N, K/8] and bf16 scales [B, N, K/G] (shapes
+    checked by the caller): `int4.dequantize_packed`'s bits (each weight bf16(code * scale))."""
+    nb = packed.shape[0]
+    out = torch.empty((nb, n, k), dtype=torch.bfloat16, device=packed.device)
+    if out.numel() == 0:
+        return out
+    bn, tk = DEQUANT_TILE
+    _dequant_kernel[(cdiv(n, bn), cdiv(k, tk), nb)](
+        packed, scale, out, n, k, BN=bn, TK=tk, G=group_size, ASM=asm(packed), num_warps=4
+    )  # fmt: skip
+    return out
+
+
 def linear_grouped(
     x: Tensor,
     packed: Tensor,
@@ -246,9 +315,12 @@ def linear_grouped(
     """y [T, N] in x's dtype for T rows of bf16 x [T, K] sorted by expert (expert e's rows
     offsets[e]:offsets[e + 1], offsets int32 [E + 1] on the device, offsets[E] == T), packed int32
     [E, N, K/8], bf16 scale [E, N, K/G]. Trusts the offsets' values; no host sync. `config` (BM, BN,
-    TK, MT, warps, stages) for sweeps; by default `grouped_tiling` of the mean rows an expert."""
+    TK, MT, warps, stages) for sweeps; by default `grouped_tiling` of the mean rows an expert.
+    Without `config`, `gluon_int4_gemv.linear_grouped` where `gluon_applies`."""
     t, k = x.shape
     experts, n = packed.shape[:2]
+    if config is None and gluon_applies(x):
+        return _gluon.linear_grouped(x, packed, scale, offsets, group_size=group_size, sms=sm_count(x.device))
     bm, bn, tk, mt, warps, stages = config or grouped_tiling(t / max(experts, 1))
     y = torch.empty((t, n), dtype=x.dtype, device=x.device)
     if t == 0 or n == 0 or experts == 0:
