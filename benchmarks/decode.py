@@ -343,8 +343,8 @@ def int4_decode(gen: torch.Generator, batches: list[int], tokens: list[int]) -> 
 
 
 def int4_gluon_configs(m: int, n: int, k: int) -> list[tuple[int, int, int, int, int, int]]:
-    """(BM, BN, KC, split, warps, kwarps) variants of the Gluon INT4 kernel for one dense shape and
-    batch: `gluon_configs`' tiles (the INT4 kernel has no prefetch choice) plus the whole batch in
+    """(BM, BN, KC, split, warps, kwarps) variants of the Gluon weight-only (INT4, MXFP8) kernel for
+    one dense shape and batch: `gluon_configs`' tiles (the INT4 kernel has no prefetch choice) plus the whole batch in
     one 32- or 64-row tile at 1-2 warps (the dequantization then done once per weight)."""
     out = list(dict.fromkeys(cfg for cfg, _ in gluon_configs(m, n, k)))
     if m > 16:
@@ -359,37 +359,56 @@ def int4_gluon_configs(m: int, n: int, k: int) -> list[tuple[int, int, int, int,
 
 
 def int4_grouped_configs() -> list[tuple[int, int, int, int, int, int]]:
-    """Grouped Gluon INT4 variants: BM 8-64, 16 or 32 weight rows a warp (1 or 2 warps), 1-4 K warps."""
+    """Grouped Gluon weight-only (INT4, MXFP8) variants: BM 8-64, 16 or 32 weight rows a warp (1 or 2 warps), 1-4 K warps."""
     return [(bm, bn, 128, 1, w, kw) for bm in (8, 16, 32, 64) for bn, w in ((16, 1), (32, 1), (32, 2))
             for kw in (1, 2, 4)]  # fmt: skip
 
 
-def _compile_int4_gluon_jobs(jobs: list) -> None:
-    from skyq.quant.kernels import gluon_int4_gemv as g
+def _wo_operands(w: torch.Tensor, mx: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gluon weight-only kernels' weight operands of bf16 w: MXFP8 (e4m3 codes, E8M0 scales) or
+    INT4 (packed words, bf16 group scales of `INT4_GROUP`)."""
+    return dispatch.quantize_mxfp8(w) if mx else dispatch.quantize_int4_packed(w, group_size=INT4_GROUP)
+
+
+def _wo_dense(x, q, s, mx: bool, sms: int, config=None):
+    from skyq.quant.kernels import gluon_wo_gemv as g
     from skyq.quant.kernels import triton_fp8_gemv as kern
 
-    for kind, m, n, k, cfg in jobs:
+    if mx:
+        return g.linear_mxfp8(x, q, s, sms=sms, counters=kern._arrival_counters, config=config)
+    return g.linear(x, q, s, group_size=INT4_GROUP, sms=sms, counters=kern._arrival_counters, config=config)
+
+
+def _wo_grouped(x, q, s, offsets, mx: bool, sms: int, config=None):
+    from skyq.quant.kernels import gluon_wo_gemv as g
+
+    if mx:
+        return g.linear_grouped_mxfp8(x, q, s, offsets, sms=sms, config=config)
+    return g.linear_grouped(x, q, s, offsets, group_size=INT4_GROUP, sms=sms, config=config)
+
+
+def _compile_wo_gluon_jobs(jobs: list) -> None:
+    for mx, kind, m, n, k, cfg in jobs:
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         if kind == "dense":
-            p = torch.zeros(n, k // 8, dtype=torch.int32, device="cuda")
-            s = torch.ones(n, k // INT4_GROUP, dtype=torch.bfloat16, device="cuda")
-            g.linear(x, p, s, group_size=INT4_GROUP, sms=132, counters=kern._arrival_counters, config=cfg)
+            q, s = _wo_operands(torch.zeros(n, k, device="cuda", dtype=torch.bfloat16), mx)
+            _wo_dense(x, q, s, mx, 132, cfg)
         else:
-            p = torch.zeros(4, n, k // 8, dtype=torch.int32, device="cuda")
-            s = torch.ones(4, n, k // INT4_GROUP, dtype=torch.bfloat16, device="cuda")
+            q, s = _wo_operands(torch.zeros(4, n, k, device="cuda", dtype=torch.bfloat16), mx)
             off = torch.tensor([0, m, m, m, m], dtype=torch.int32, device="cuda")
-            g.linear_grouped(x, p, s, off, group_size=INT4_GROUP, sms=132, config=cfg)
+            _wo_grouped(x, q, s, off, mx, 132, cfg)
     torch.cuda.synchronize()
 
 
-def int4_gluon_sweep(gen: torch.Generator, batches: list[int], tokens: list[int], log: str | None) -> None:
-    """Every Gluon INT4 variant per fused dense shape and batch, and per grouped expert shape and
-    routed tokens, graphed over rotating weights, us a call: bf16, the Triton INT4 kernel, the Gluon
-    default, the best 5. `log`: every timing as JSON lines."""
+def wo_gluon_sweep(
+    gen: torch.Generator, batches: list[int], tokens: list[int], log: str | None, mx: bool
+) -> None:
+    """Every Gluon weight-only variant (INT4, or MXFP8 with `mx`) per fused dense shape and batch, and
+    per grouped expert shape and routed tokens, graphed over rotating weights, us a call: bf16, the
+    Triton INT4 kernel (INT4 only), the Gluon default, the best 5. `log`: every timing as JSON lines."""
     import json
 
     from skyq.ops.grouped_mm import bf16_grouped_linear
-    from skyq.quant.kernels import gluon_int4_gemv as g
     from skyq.quant.kernels import triton_fp8_gemv as kern
     from skyq.quant.kernels import triton_int4_gemv
 
@@ -398,45 +417,41 @@ def int4_gluon_sweep(gen: torch.Generator, batches: list[int], tokens: list[int]
     for _, (n, k) in FUSED_SWEEP_SHAPES.items():
         for m in batches:
             for cfg in int4_gluon_configs(m, n, k):
-                jobs.setdefault((cfg, k % cfg[2] == 0, m == 1, "dense"), ("dense", m, n, k, cfg))
+                jobs.setdefault((cfg, k % cfg[2] == 0, m == 1, "dense"), (mx, "dense", m, n, k, cfg))
     for cfg in int4_grouped_configs():
-        jobs.setdefault((cfg, "grouped"), ("grouped", 8, 768, 2048, cfg))
-    compile_in_parallel("int4 gluon sweep", list(jobs.values()), _compile_int4_gluon_jobs)
+        jobs.setdefault((cfg, "grouped"), (mx, "grouped", 8, 768, 2048, cfg))
+    compile_in_parallel("gluon weight-only sweep", list(jobs.values()), _compile_wo_gluon_jobs)
 
     def report(label, tb, tt, td, res):
         if log:
             with open(log, "a") as f:
                 for t, c in res:
-                    f.write(
-                        json.dumps(dict(shape=label, cfg=c, us=t * 1e6, bf16=tb * 1e6, triton=tt * 1e6))
-                        + "\n"
-                    )
+                    f.write(json.dumps(dict(shape=label, mx=mx, cfg=c, us=t * 1e6, bf16=tb * 1e6)) + "\n")
         res.sort(key=lambda r: r[0])
         top = ", ".join(f"{'/'.join(map(str, c))} {t * 1e6:.1f}" for t, c in res[:5])
-        print(f"{label}: bf16 {tb * 1e6:.1f}, triton {tt * 1e6:.1f}, default {td * 1e6:.1f}, best {top}",
-              flush=True)  # fmt: skip
+        triton = "" if tt is None else f", triton {tt * 1e6:.1f}"
+        print(f"{label}: bf16 {tb * 1e6:.1f}{triton}, default {td * 1e6:.1f}, best {top}", flush=True)
 
     with torch.inference_mode():
         for label, (n, k) in FUSED_SWEEP_SHAPES.items():
             copies = max(1, min(64, (256 << 20) // (n * k)))
             ws = [(torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16).cuda() for _ in range(copies)]
-            ps = [dispatch.quantize_int4_packed(w, group_size=gs) for w in ws]
+            ps = [_wo_operands(w, mx) for w in ws]
             for m in batches:
                 x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
                 tb = time_per_call([functools.partial(torch.matmul, x, w.T) for w in ws])
-                tt = time_per_call(
+                tt = None if mx else time_per_call(
                     [functools.partial(triton_int4_gemv.linear, x, p, s, group_size=gs) for p, s in ps]
-                )
-                dense = functools.partial(g.linear, group_size=gs, sms=sms, counters=kern._arrival_counters)
-                td = time_per_call([functools.partial(dense, x, p, s) for p, s in ps])
-                res = [(time_per_call([functools.partial(dense, x, p, s, config=c) for p, s in ps]), c)
+                )  # fmt: skip
+                td = time_per_call([functools.partial(_wo_dense, x, p, s, mx, sms) for p, s in ps])
+                res = [(time_per_call([functools.partial(_wo_dense, x, p, s, mx, sms, c) for p, s in ps]), c)
                        for c in int4_gluon_configs(m, n, k)]  # fmt: skip
                 report(f"{label} M={m}", tb, tt, td, res)
             del ws, ps
         for shape, (experts, hidden, inter, top_k) in INT4_EXPERT_SHAPES.items():
             for proj, (n, k) in (("gate_up", (2 * inter, hidden)), ("down", (hidden, inter))):
                 wb = (torch.randn(experts, n, k, generator=gen) * 0.02).to(torch.bfloat16).cuda()
-                packed, scale = dispatch.quantize_int4_packed(wb, group_size=gs)
+                q, s = _wo_operands(wb, mx)
                 for t in tokens:
                     chosen = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(t)])
                     counts = torch.bincount(chosen.flatten(), minlength=experts)
@@ -445,13 +460,10 @@ def int4_gluon_sweep(gen: torch.Generator, batches: list[int], tokens: list[int]
                     )
                     x = torch.randn(t * top_k, k, generator=gen).to(torch.bfloat16).cuda()
                     tb = time_per_call([functools.partial(bf16_grouped_linear, x, wb, offsets)] * 8)
-                    tt = time_per_call([functools.partial(
-                        triton_int4_gemv.linear_grouped, x, packed, scale, offsets, group_size=gs)] * 8)  # fmt: skip
-                    grouped = functools.partial(
-                        g.linear_grouped, x, packed, scale, offsets, group_size=gs, sms=sms
-                    )
-                    td = time_per_call([grouped] * 8)
-                    res = [(time_per_call([functools.partial(grouped, config=c)] * 8), c)
+                    tt = None if mx else time_per_call([functools.partial(
+                        triton_int4_gemv.linear_grouped, x, q, s, offsets, group_size=gs)] * 8)  # fmt: skip
+                    td = time_per_call([functools.partial(_wo_grouped, x, q, s, offsets, mx, sms)] * 8)
+                    res = [(time_per_call([functools.partial(_wo_grouped, x, q, s, offsets, mx, sms, c)] * 8), c)
                            for c in int4_grouped_configs()]  # fmt: skip
                     report(f"{shape} {proj} {t} tokens", tb, tt, td, res)
 
@@ -759,7 +771,17 @@ def main() -> None:
     ap.add_argument("--cc-only", action="store_true", help="sweep only the CUDA-core kernel (batches <= 4)")
     ap.add_argument(
         "--only",
-        choices=["model", "per-shape", "sweep", "gluon-sweep", "floor", "large", "int4", "int4-sweep"],
+        choices=[
+            "model",
+            "per-shape",
+            "sweep",
+            "gluon-sweep",
+            "floor",
+            "large",
+            "int4",
+            "int4-sweep",
+            "mxfp8-sweep",
+        ],
         default=None,
     )
     ap.add_argument(
@@ -802,8 +824,8 @@ def main() -> None:
     if args.only == "int4":
         int4_decode(gen, args.batches, args.tokens)
         return
-    if args.only == "int4-sweep":
-        int4_gluon_sweep(gen, args.batches, args.tokens, args.sweep_log)
+    if args.only in ("int4-sweep", "mxfp8-sweep"):
+        wo_gluon_sweep(gen, args.batches, args.tokens, args.sweep_log, mx=args.only == "mxfp8-sweep")
         return
     if args.only in ("sweep", "gluon-sweep"):
         shapes = FUSED_SWEEP_SHAPES if args.fused else SWEEP_SHAPES

@@ -43,7 +43,7 @@ from skyq.rollout.quantized_linear import (
     WireExperts,
     WireLinear,
     decode_step,
-    int4_decodes,
+    decodes_in_kernel,
     plain_linear,
     rows_stackable,
 )
@@ -400,30 +400,37 @@ class EmbeddedEngine:
 
     def _step_capturable(self, rows: int) -> bool:
         """Whether a one-token step of `rows` rows launches without a host sync: bf16, FP8 blockwise
-        (the FP8 decode, dequantize and activation kernels defer their checks) or INT4 weights (every
-        INT4 linear taking the INT4 decode kernel, `int4_decodes`), every experts block taking its
-        grouped path. MXFP8 experts run a per-expert loop that reads the routing on the host, so
-        their steps run eagerly over the same static cache."""
+        (the FP8 decode, dequantize and activation kernels defer their checks), INT4 or MXFP8 weights
+        (every INT4 / MXFP8 linear taking its weight-only decode kernel, `decodes_in_kernel`), every
+        experts block taking its grouped path (else, e.g. where a kernel does not take an MXFP8
+        weight, the per-expert loop reads the routing on the host and the step runs eagerly over
+        the same static cache)."""
         precision = Precision(self.precision_cfg.name)
-        if precision not in (Precision.bf16, Precision.fp8_blockwise, Precision.int4_qat):
+        if precision not in (Precision.bf16, Precision.fp8_blockwise, Precision.int4_qat, Precision.mxfp8):
             return False
         probe = torch.empty((rows, self.model.config.hidden_size), dtype=torch.bfloat16, device=self.device)
         if precision is not Precision.bf16 and not dispatch.uses_kernel(probe):
             return False
-        if precision is Precision.int4_qat and not self._int4_linears_decode(rows):
+        if precision in (Precision.int4_qat, Precision.mxfp8) and not self._linears_decode_in_kernels(
+            rows, precision
+        ):
             return False
         top_k = self.model.config.num_experts_per_tok
         with decode_step():  # what the step's forward will see
             return all(m.capturable(probe, top_k) for m in self.model.modules() if isinstance(m, WireExperts))
 
-    def _int4_linears_decode(self, rows: int) -> bool:
-        """Every INT4 `WireLinear` outside the stacked experts takes the INT4 decode kernel for `rows`
-        rows (an asymmetric one, or one the kernel does not take, dequantizes with host syncs)."""
+    def _linears_decode_in_kernels(self, rows: int, precision: Precision) -> bool:
+        """Every INT4 / MXFP8 `WireLinear` outside the stacked experts takes its weight-only decode
+        kernel for `rows` rows (an asymmetric INT4 one, or one a kernel does not take, dequantizes
+        with host syncs)."""
         for linear in self.model.modules():
-            if isinstance(linear, WireLinear) and linear.strategy.precision is Precision.int4_qat:
-                k = linear._buffers["weight_packed"].shape[-1] * int4.CODES_PER_WORD
+            if isinstance(linear, WireLinear) and linear.strategy.precision is precision:
+                if precision is Precision.int4_qat:
+                    k = linear._buffers["weight_packed"].shape[-1] * int4.CODES_PER_WORD
+                else:
+                    k = linear._buffers["weight"].shape[-1]
                 probe = torch.empty((rows, k), dtype=torch.bfloat16, device=self.device)
-                if not int4_decodes(linear, probe):
+                if not decodes_in_kernel(linear, probe):
                     return False
         return True
 

@@ -137,6 +137,24 @@ def int4_decodes(linear: nn.Module, x: Tensor) -> bool:
     )
 
 
+def mxfp8_decodes(linear: nn.Module, x: Tensor) -> bool:
+    """A decode step's (activation-quantized) input x to this linear takes the MXFP8 weight-only
+    kernel (`dispatch.mxfp8_weight_only_linear`): an MXFP8 `WireLinear` (codes and E8M0 scales) the
+    kernel takes on x's device. Prefill and scoring keep the dequantized weight (the trainer's bits)."""
+    return (
+        isinstance(linear, WireLinear)
+        and linear.strategy.precision is Precision.mxfp8
+        and tuple(linear._buffers) == MXFP8_LEAVES
+        and dispatch.mxfp8_kernel_takes(x, linear._buffers["weight"], linear._buffers["weight_scale"])
+    )
+
+
+def decodes_in_kernel(linear: nn.Module, x: Tensor) -> bool:
+    """An INT4 or MXFP8 `WireLinear` takes its weight-only decode kernel for x (`int4_decodes`,
+    `mxfp8_decodes`)."""
+    return int4_decodes(linear, x) or mxfp8_decodes(linear, x)
+
+
 class WireLinear(nn.Module):
     """A bias-free linear whose weight lives as wire tensors; dequantized inside `forward`."""
 
@@ -185,6 +203,10 @@ class WireLinear(nn.Module):
             # INT4 words and group scales read and dequantized in registers
             packed, scale = self._buffers["weight_packed"], self._buffers["weight_scale"]
             return dispatch.int4_weight_only_linear(x, packed, scale, self.strategy.group_size)
+        if in_decode_step() and mxfp8_decodes(self, x):  # e4m3 codes and E8M0 scales, in registers
+            return dispatch.mxfp8_weight_only_linear(
+                x, self._buffers["weight"], self._buffers["weight_scale"]
+            )
         weight = self.strategy.deserialize(self.hf_name, self.wire(), role=self.role, dtype=x.dtype)
         return F.linear(x, weight)
 
@@ -232,8 +254,9 @@ class WireExperts(nn.ModuleList):
     experts dequantize theirs (MXFP8: the rows' activation quantization first, per row as theirs):
     prefill and scoring then compute as the trainer's grouped experts do, so their scores carry the
     trainer's bits on a GPU too. In a decode step INT4 experts run the grouped INT4 weight-only
-    kernel (`dispatch.int4_grouped_weight_only_linear`: words and scales dequantized in registers,
-    no host sync); MXFP8 ones keep the loop, which dequantizes only the experts its tokens chose."""
+    kernel (`dispatch.int4_grouped_weight_only_linear`) and MXFP8 experts, after their rows'
+    activation quantization, the grouped MXFP8 one (`dispatch.mxfp8_grouped_weight_only_linear`):
+    codes and scales dequantized in registers, no host sync."""
 
     PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
@@ -248,8 +271,9 @@ class WireExperts(nn.ModuleList):
         `weight_scale_inv`; INT4: `weight_packed` and `weight_scale`; MXFP8: `weight` and
         `weight_scale`) and make the experts' tensors views of it (values kept; in-place weight loads
         land in the stack). gate and up share one [E, 2I, K] stack where their rows allow it (FP8: I
-        a whole number of scale blocks; INT4: one group size and input width; not MXFP8), so one
-        launch computes both (INT4: in decode steps; elsewhere each half is its own GEMM). For FP8
+        a whole number of scale blocks; INT4 and MXFP8: one input width and (INT4) group size), so
+        one launch computes both (INT4 and MXFP8: in decode steps; elsewhere each half is its own
+        GEMM). For FP8
         blockwise, symmetric INT4 or MXFP8 `WireLinear` experts or bias-free bf16 `nn.Linear` ones,
         of equal shapes; returns whether it stacked. Call it once the module is on its device (a
         later move stacks again, see `_apply`)."""
@@ -261,7 +285,7 @@ class WireExperts(nn.ModuleList):
         gate, up, down = projs
         fused = [[g, u] for g, u in zip(gate, up, strict=True)]
         grids = {"down_proj": [[lin] for lin in down]}
-        if (rows_stackable(fused[0]) or _int4_rows_stackable(fused[0])) and _grid_uniform(fused):
+        if (rows_stackable(fused[0]) or _row_scaled_stackable(fused[0])) and _grid_uniform(fused):
             grids["gate_up_proj"] = fused
         else:
             grids.update(gate_proj=[[lin] for lin in gate], up_proj=[[lin] for lin in up])
@@ -323,18 +347,20 @@ class WireExperts(nn.ModuleList):
         if not (self.stacked and x.is_cuda and x.dtype == torch.bfloat16 and x.shape[0] > 0):
             return False
         if self.kind in DEQUANTIZED_KINDS and in_decode_step():
-            return self._int4_decodes(x) and all(self._stack_is_live(p) for p in self.PROJECTIONS)
+            return self._kernel_decodes(x) and all(self._stack_is_live(p) for p in self.PROJECTIONS)
         if self._fp8_path(x, top_k) not in ("kernel", "w8a8") and not bf16_grouped_mm_on(x.device):
             return False
         return all(self._stack_is_live(p) for p in self.PROJECTIONS)
 
-    def _int4_decodes(self, x: Tensor) -> bool:
-        """INT4 stacks in a decode step: the grouped INT4 kernel takes every projection's stack
-        (`dispatch.int4_grouped_weight_only_linear`)."""
-        if self.kind != "int4":
-            return False
-        group = self[0].gate_proj.strategy.group_size
-        return all(dispatch.int4_kernel_takes(x, q, s, group) for q, s in self.stacked.values())
+    def _kernel_decodes(self, x: Tensor) -> bool:
+        """INT4 / MXFP8 stacks in a decode step: the grouped INT4 / MXFP8 kernel takes every
+        projection's stack (`dispatch.int4_kernel_takes`, `dispatch.mxfp8_kernel_takes`)."""
+        if self.kind == "int4":
+            group = self[0].gate_proj.strategy.group_size
+            return all(dispatch.int4_kernel_takes(x, q, s, group) for q, s in self.stacked.values())
+        if self.kind == "mxfp8":
+            return all(dispatch.mxfp8_kernel_takes(x, q, s) for q, s in self.stacked.values())
+        return False
 
     def capturable(self, x: Tensor, top_k: int) -> bool:
         """A forward of x's shape, `top_k` experts a token, launches without a host sync (so a CUDA
@@ -379,7 +405,9 @@ class WireExperts(nn.ModuleList):
         decode = _decode_sized(hidden_states)
         kernel = path == "kernel"
         if (
-            decode and "gate_up_proj" in self.stacked and (self.kind != "int4" or in_decode_step())
+            decode
+            and "gate_up_proj" in self.stacked
+            and (self.kind not in DEQUANTIZED_KINDS or in_decode_step())
         ):  # one launch (and one activation quantization)
             gate, up = self._grouped(first.gate_proj, "gate_up_proj", xs, offsets, decode, kernel).chunk(
                 2, dim=-1
@@ -427,6 +455,9 @@ class WireExperts(nn.ModuleList):
             return bf16_grouped_linear(x, q, offsets)
         if self.kind == "int4" and in_decode_step():  # words and scales dequantized in registers
             return dispatch.int4_grouped_weight_only_linear(x, q, s, offsets, linear.strategy.group_size)
+        if self.kind == "mxfp8" and in_decode_step():  # the rows' activation quantization, then the codes
+            x = linear.activation(x) if linear.activation is not None else x
+            return dispatch.mxfp8_grouped_weight_only_linear(x, q, s, offsets)
         if self.kind in DEQUANTIZED_KINDS:  # the stack dequantized as each expert's forward does its own
             if linear.activation is not None:
                 x = linear.activation(x)
@@ -458,7 +489,7 @@ _DEQUANTIZED_WIRE = {Precision.int4_qat: ("int4", INT4_LEAVES), Precision.mxfp8:
 
 DEQUANTIZED_KINDS = tuple(kind for kind, _ in _DEQUANTIZED_WIRE.values())
 """Stacks `WireExperts` dequantizes whole for a grouped GEMM, outside decode steps only (in decode
-steps INT4 stacks go to the grouped INT4 kernel, MXFP8 experts to the loop)."""
+steps they go to the grouped INT4 / MXFP8 weight-only kernels)."""
 
 
 def _kind(lin: nn.Module) -> str | None:
@@ -508,19 +539,22 @@ def rows_stackable(members: list[nn.Module]) -> bool:
     return True
 
 
-def _int4_rows_stackable(members: list[nn.Module]) -> bool:
-    """Symmetric INT4 `WireLinear`s whose words and group scales can be one stack, rows one after
-    another: one group size, input width, dtype and device (each row has its own scales)."""
-    if any(_kind(m) != "int4" for m in members):
+def _row_scaled_stackable(members: list[nn.Module]) -> bool:
+    """Symmetric INT4 or MXFP8 `WireLinear`s (all one kind) whose codes and scales can be one stack,
+    rows one after another: one input width, dtype and device, and (INT4) group size; each row has
+    its own scales."""
+    kind = _kind(members[0])
+    if kind not in ("int4", "mxfp8") or any(_kind(m) != kind for m in members):
         return False
     first = members[0]
+    leaves, _ = _stacked_leaves(kind)
     return all(
-        m.strategy.group_size == first.strategy.group_size
+        (kind != "int4" or m.strategy.group_size == first.strategy.group_size)
         and all(
             m._buffers[leaf].shape[1:] == first._buffers[leaf].shape[1:]
             and m._buffers[leaf].dtype == first._buffers[leaf].dtype
             and m._buffers[leaf].device == first._buffers[leaf].device
-            for leaf in INT4_LEAVES[:2]
+            for leaf in leaves
         )
         for m in members
     )
@@ -564,11 +598,11 @@ def _row_slice(
     stacked: tuple[Tensor, Tensor | None], lo: int, hi: int, member: nn.Module
 ) -> tuple[Tensor, Tensor | None]:
     """Rows lo:hi of a row stack (FP8: their scale rows too, lo a multiple of the block rows;
-    INT4: their group scales' rows)."""
+    INT4, MXFP8: their scales' rows)."""
     q, s = stacked
     if s is None:
         return q[:, lo:hi], None
-    if _kind(member) == "int4":
+    if _kind(member) in ("int4", "mxfp8"):
         return q[:, lo:hi], s[:, lo:hi]
     bn = member.strategy.block()[0]
     return q[:, lo:hi], s[:, lo // bn : -(-hi // bn)]

@@ -143,15 +143,44 @@ def test_batches_past_the_decode_rows_are_captured_too(request, monkeypatch, pre
     assert a == static.generate(prompts, n=80, max_new_tokens=4, seed=0, **SAMPLING)
 
 
-def test_steps_that_sync_run_eagerly_over_the_static_cache(request):
-    """MXFP8 experts run their per-expert loop (the routing read on the host): the engine does not
-    try to capture their step; it decodes eagerly over the same static cache and samples as the
-    static engine does."""
+def test_mxfp8_steps_are_captured_on_the_mxfp8_kernels(request, monkeypatch):
+    """MXFP8 experts in decode steps run the grouped MXFP8 weight-only kernel on their rows'
+    activation-quantized values (no weight dequantized in a step): the step is captured, replayed,
+    and samples as the static engine does, bit for bit."""
+    from skyq.rollout import quantized_linear as ql
+
     graph, static, _, cfg = _engines(request, "mxfp8")
+    graph.eos_token_id = static.eos_token_id = -1  # every row decodes every step: replays happen
+    grouped, dequantized = [], []
+    real_grouped, real_deq = dispatch.mxfp8_grouped_weight_only_linear, dispatch.dequantize_mxfp8
+    monkeypatch.setattr(dispatch, "mxfp8_grouped_weight_only_linear",
+                        lambda *a: grouped.append(ql.in_decode_step()) or real_grouped(*a))  # fmt: skip
+    monkeypatch.setattr(dispatch, "dequantize_mxfp8",
+                        lambda *a, **k: dequantized.append(ql.in_decode_step()) or real_deq(*a, **k))  # fmt: skip
     prompts = [p.token_ids for p in build_task(cfg.task, seed=0).prompts(0, 4)]
     a = graph.generate(prompts, n=2, max_new_tokens=4, seed=0, **SAMPLING)
+    assert all(d._graph is not None and d.replays > 0 for d in graph._decoders.values())
+    assert grouped and all(grouped)
+    assert dequantized and not any(dequantized)  # prefill only
     assert a == static.generate(prompts, n=2, max_new_tokens=4, seed=0, **SAMPLING)
-    assert all(d._graph is None and d.replays == 0 for d in graph._decoders.values())
+
+
+def test_mxfp8_decode_kernels_give_the_dequantized_weights_logits(request, monkeypatch):
+    """One MXFP8 decode step on the kernels against the same step with the kernels refused (each
+    weight dequantized, the experts' loop): the logits agree within the bf16 rounding of a different
+    fp32 summation order."""
+    _, static, _, _ = _engines(request, "mxfp8")
+    prompt = torch.tensor([[1, 5, 13, 6, 18]] * 4, device="cuda")
+    logits = []
+    for kernels in (True, False):
+        if not kernels:
+            monkeypatch.setattr(dispatch, "mxfp8_kernel_takes", lambda *a: False)
+        with torch.inference_mode():
+            decoder = static._decoder(4, 16)
+            decoder.forward(prompt)
+            logits.append(decoder.forward(prompt[:, -1:]).float())
+        static._decoders.clear()
+    assert float((logits[0] - logits[1]).abs().max()) < 5e-2 * float(logits[1].abs().max())
 
 
 def _int4_engines(request, scope: str):

@@ -425,7 +425,7 @@ def test_int4_experts_in_a_decode_step_take_the_grouped_int4_linear_on_the_stack
     _spy(monkeypatch, "int4_grouped_weight_only_linear", kernel)
     _spy(monkeypatch, "dequantize_int4_packed", dequantized)
     with quantized_linear.decode_step():
-        assert not experts._int4_decodes(hidden)
+        assert not experts._kernel_decodes(hidden)
         step = experts._grouped_forward(hidden, index, weights).float()
     assert [
         q is experts.stacked[p][0] for q, p in zip(kernel, ("gate_up_proj", "down_proj"), strict=True)
@@ -462,3 +462,83 @@ def test_an_int4_linear_decodes_through_the_int4_linear_in_decode_steps_only(mon
     assert float((step - prefill).norm() / prefill.norm()) < 1e-2
     linear.register_buffer("weight_zero_point", torch.zeros(INTER // 8, H // group, dtype=torch.int32))
     assert not quantized_linear.int4_decodes(linear, x)
+
+
+def _mxfp8_experts(gen: torch.Generator) -> tuple[WireExperts, object]:
+    """MXFP8 experts with the engine's activation quantizer (1 x 32), stacked."""
+    experts = _experts(gen, Precision.mxfp8)
+    activation = activation_fake_quant(PrecisionConfig(name=Precision.mxfp8))
+    for expert in experts:
+        for p in WireExperts.PROJECTIONS:
+            getattr(expert, p).activation = activation
+    assert experts.stack() and experts.kind == "mxfp8"
+    return experts, activation
+
+
+def test_mxfp8_experts_stack_gate_and_up_as_one():
+    """MXFP8 experts stack e4m3 codes and E8M0 scales per projection, gate and up as one [E, 2I, ...]
+    stack whose halves are the gate and up stacks (each row its own scales)."""
+    gen = torch.Generator().manual_seed(26)
+    experts, _ = _mxfp8_experts(gen)
+    q, s = experts.stacked["gate_up_proj"]
+    assert q.shape == (E, 2 * INTER, H) and q.dtype == torch.float8_e4m3fn
+    assert s.shape == (E, 2 * INTER, H // 32) and s.dtype == torch.uint8
+    for e in range(E):
+        assert experts[e].up_proj.get_buffer("weight").data_ptr() == q[e, INTER].data_ptr()
+        assert experts[e].up_proj.get_buffer("weight_scale").data_ptr() == s[e, INTER].data_ptr()
+    assert all(experts._stack_is_live(p) for p in WireExperts.PROJECTIONS)
+
+
+def test_mxfp8_experts_in_a_decode_step_take_the_grouped_mxfp8_linear_on_the_stacks(monkeypatch):
+    """In a decode step MXFP8 experts run `dispatch.mxfp8_grouped_weight_only_linear` on the stacks
+    themselves (gate and up as one stack, then down: the Gluon kernel on a GPU, its reference here)
+    on their rows' activation-quantized values, no weight dequantized; the result is the loop's
+    within bf16 rounding. Outside a step the same forward dequantizes gate, up and down apart and,
+    with each expert's own GEMM standing in for `torch._grouped_mm`, equals the loop bit for bit."""
+    gen = torch.Generator().manual_seed(27)
+    experts, activation = _mxfp8_experts(gen)
+    hidden, index, weights = _routing(gen, 9)
+    loop = experts(hidden, index, weights).float()
+    calls, dequantized = [], []
+    real = dispatch.mxfp8_grouped_weight_only_linear
+    monkeypatch.setattr(quantized_linear.dispatch, "mxfp8_grouped_weight_only_linear",
+                        lambda x, q, s, offsets: calls.append((x, q)) or real(x, q, s, offsets))  # fmt: skip
+    _spy(monkeypatch, "dequantize_mxfp8", dequantized)
+    with quantized_linear.decode_step():
+        assert not experts._kernel_decodes(hidden)  # the kernel needs CUDA
+        step = experts._grouped_forward(hidden, index, weights).float()
+    assert [
+        q is experts.stacked[p][0] for (_, q), p in zip(calls, ("gate_up_proj", "down_proj"), strict=True)
+    ] == [True] * 2
+    assert all(torch.equal(activation(x), x) for x, _ in calls)  # the rows arrive quantized
+    assert dequantized == []
+    assert float((step - loop).norm() / loop.norm()) < 1e-2
+    calls.clear()
+    with monkeypatch.context() as m:
+        m.setattr(quantized_linear, "bf16_grouped_linear", _per_expert_linear)
+        assert torch.equal(experts._grouped_forward(hidden, index, weights).float(), loop)
+    assert calls == [] and len(dequantized) == 3
+
+
+def test_an_mxfp8_linear_decodes_through_the_mxfp8_linear_in_decode_steps_only(monkeypatch):
+    """An MXFP8 `WireLinear` whose input the kernel takes (forced here: the kernel needs CUDA) calls
+    `dispatch.mxfp8_weight_only_linear` on its own codes and scales, after its activation
+    quantizer, in a decode step (the reference standing in for the GPU kernel), and dequantizes its
+    weight outside one; the two agree within bf16 rounding."""
+    gen = torch.Generator().manual_seed(28)
+    strategy = get_strategy(PrecisionConfig(name=Precision.mxfp8))
+    linear = _linear(strategy, "model.layers.0.self_attn.q_proj.weight", (INTER, H), gen)
+    linear.activation = activation_fake_quant(PrecisionConfig(name=Precision.mxfp8))
+    x = torch.randn(4, H, generator=gen).to(torch.bfloat16)
+    calls = []
+    monkeypatch.setattr(dispatch, "mxfp8_kernel_takes", lambda *a: True)
+    monkeypatch.setattr(dispatch, "mxfp8_weight_only_linear",
+                        lambda x, q, s: calls.append((x, q, s)) or dispatch.mxfp8_weight_only_linear_reference(x, q, s))  # fmt: skip
+    prefill = linear(x).float()
+    assert calls == []
+    with quantized_linear.decode_step():
+        step = linear(x).float()
+    ((xq, q, s),) = calls
+    assert q is linear.get_buffer("weight") and s is linear.get_buffer("weight_scale")
+    assert torch.equal(xq, linear.activation(x))
+    assert float((step - prefill).norm() / prefill.norm()) < 1e-2

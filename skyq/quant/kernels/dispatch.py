@@ -612,6 +612,100 @@ def int4_grouped_weight_only_linear(
     )  # fmt: skip
 
 
+# --- MXFP8 weight-only linear (decode) ---------------------------------------------------------
+
+
+def mxfp8_weight_only_linear_reference(x: Tensor, q: Tensor, scale_u8: Tensor) -> Tensor:
+    """`x.float() @ mxfp8.dequantize(q, scale_u8).float().T` in x's dtype: the bf16 weight the
+    trainer and the engine's prefill use, fp32 products and sums."""
+    w = mxfp8.dequantize(q, scale_u8, dtype=torch.bfloat16, name="mxfp8 linear weight")
+    return (x.float() @ w.float().transpose(-1, -2)).to(x.dtype)
+
+
+def _check_mxfp8_linear_args(x: Tensor, q: Tensor, scale_u8: Tensor, what: str) -> None:
+    if not (isinstance(x, Tensor) and x.is_floating_point()):
+        raise QuantizationError(f"{what}: x must be a floating tensor, got {getattr(x, 'dtype', x)!r}")
+    if not (isinstance(q, Tensor) and q.dtype == torch.float8_e4m3fn and q.ndim >= 2):
+        raise QuantizationError(
+            f"{what}: weight must be float8_e4m3fn [..., N, K], got {getattr(q, 'dtype', q)!r}"
+        )
+    if x.shape[-1] != q.shape[-1]:
+        raise QuantizationError(f"{what}: x has K={x.shape[-1]} but the weight has K={q.shape[-1]}")
+    expected = (*q.shape[:-1], -(-q.shape[-1] // mxfp8.BLOCK))
+    if not (
+        isinstance(scale_u8, Tensor) and scale_u8.dtype == torch.uint8 and tuple(scale_u8.shape) == expected
+    ):
+        raise QuantizationError(
+            f"{what}: weight_scale must be uint8 {expected} (one E8M0 byte a row and {mxfp8.BLOCK} columns), "
+            f"got {getattr(scale_u8, 'dtype', scale_u8)!r} {tuple(getattr(scale_u8, 'shape', ()))}"
+        )
+
+
+def mxfp8_kernel_takes(x: Tensor, q: Tensor, scale_u8: Tensor, *others: Tensor) -> bool:
+    """The MXFP8 decode kernel (`gluon_wo_gemv.linear_mxfp8`) takes these (shapes checked apart):
+    bf16 x on a CUDA device with the e4m3 conversion (compute capability >= 8.9) and Triton's Gluon,
+    the codes read as int32 words (`gluon_wo_gemv.supports_mxfp8`: K a multiple of 32), the scales of
+    unit stride along K."""
+    if not (uses_kernel(x) and x.dtype == torch.bfloat16 and q.dtype == torch.float8_e4m3fn):
+        return False
+    from skyq.quant.kernels import triton_fp8_gemv, triton_int4_gemv
+
+    kernels = triton_int4_gemv.gluon_wo
+    return (
+        kernels is not None and scale_u8.dtype == torch.uint8
+        and all(t.is_cuda and t.device == x.device for t in (q, scale_u8, *others))
+        and triton_fp8_gemv._has_e4m3_cvt(x.device.index or 0)
+        and kernels.supports_mxfp8(q) and scale_u8.stride(-1) == 1
+    )  # fmt: skip
+
+
+def mxfp8_weight_only_linear(x: Tensor, q: Tensor, scale_u8: Tensor) -> Tensor:
+    """Decode linear `x [..., K] @ mxfp8_dequant(q e4m3 [N, K], scale uint8 [N, K/32])^T -> [..., N]` in
+    x's dtype. On CUDA one kernel reads the codes and scales and dequantizes in registers (no
+    dequantized weight, no host sync: the weight was checked when it was loaded); elsewhere the
+    reference (the same bf16 weight, fp32 sums)."""
+    _check_mxfp8_linear_args(x, q, scale_u8, "mxfp8 linear")
+    if q.ndim != 2:
+        raise QuantizationError(f"mxfp8 linear: weight must be [N, K], got {tuple(q.shape)}")
+    if x.numel() and mxfp8_kernel_takes(x, q, scale_u8):
+        from skyq.quant.kernels import triton_fp8_gemv, triton_int4_gemv
+
+        x2 = x.reshape(-1, x.shape[-1])
+        y = triton_int4_gemv.gluon_wo.linear_mxfp8(
+            x2,
+            q,
+            scale_u8,
+            sms=triton_fp8_gemv.sm_count(x.device),
+            counters=triton_fp8_gemv._arrival_counters,
+        )
+        return y.reshape(*x.shape[:-1], q.shape[0])
+    return mxfp8_weight_only_linear_reference(x, q, scale_u8)
+
+
+def mxfp8_grouped_weight_only_linear(x: Tensor, q: Tensor, scale_u8: Tensor, offsets: Tensor) -> Tensor:
+    """MoE experts' MXFP8 decode linears in one call: x [T, K] with its rows sorted by expert
+    (offsets int32 [E + 1], as `int4_grouped_weight_only_linear` takes them), q e4m3 [E, N, K],
+    scale uint8 [E, N, K/32] -> [T, N] in x's dtype. On CUDA one launch (no host sync, an expert
+    without rows reads nothing; the offsets' values trusted); elsewhere each expert's rows through
+    `mxfp8_weight_only_linear`, after checking the offsets."""
+    _check_mxfp8_linear_args(x, q, scale_u8, "mxfp8 grouped linear")
+    if q.ndim != 3:
+        raise QuantizationError(f"mxfp8 grouped linear: weight must be [E, N, K], got {tuple(q.shape)}")
+    _check_offsets(offsets, q.shape[0], "mxfp8 grouped linear")
+    if x.ndim != 2:
+        raise QuantizationError(f"mxfp8 grouped linear: x must be [T, K], got {tuple(x.shape)}")
+    if x.numel() and mxfp8_kernel_takes(x, q, scale_u8, offsets):
+        from skyq.quant.kernels import triton_fp8_gemv, triton_int4_gemv
+
+        return triton_int4_gemv.gluon_wo.linear_grouped_mxfp8(
+            x, q, scale_u8, offsets, sms=triton_fp8_gemv.sm_count(x.device)
+        )
+    return _each_expert(
+        x, offsets, q.shape[1], "mxfp8 grouped linear",
+        lambda e, rows: mxfp8_weight_only_linear(rows, q[e], scale_u8[e]),
+    )  # fmt: skip
+
+
 # --- FP8 x FP8 linear (the engine's large decode steps) ------------------------------------------
 
 W8A8_BLOCK = (128, 128)

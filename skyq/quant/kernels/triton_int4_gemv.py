@@ -149,16 +149,18 @@ def _w4_kernel(
             _write_out(acc, rn, rm, n_ok, m_ok, y_ptr, part_ptr, cnt_ptr, M, N, sym, 1, pid_s, SPLIT, BN, BM)
 
 
-_gluon = None
+gluon_wo = None
+"""`gluon_wo_gemv` where this Triton has the Gluon API it is written against (3.6), else None: then
+INT4 takes `_w4_kernel` everywhere and MXFP8 decodes from dequantized weights."""
 if tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 6):
-    try:  # written against Triton 3.6's experimental Gluon API; without it, `_w4_kernel` everywhere
-        from skyq.quant.kernels import gluon_int4_gemv as _gluon
+    try:
+        from skyq.quant.kernels import gluon_wo_gemv as gluon_wo
     except (ImportError, AttributeError):  # pragma: no cover - a Gluon API change
-        _gluon = None
+        gluon_wo = None
 
 GLUON = True
 """Launches without an explicit `config` on a CUDA device of compute capability >= 9 go to
-`gluon_int4_gemv` (each thread dequantizes the words of its own MMA operand fragments in registers;
+`gluon_wo_gemv` (each thread dequantizes the words of its own MMA operand fragments in registers;
 no shared memory in the K loop): on the H200 (`benchmarks/decode.py --only int4`, session 21) the
 fused dense shapes at one row 5.6-8.9 us against this kernel's 9.6-19.4 (bf16 8.0-15.7), at 64 rows
 11.6-25.5 against 20.6-53.2, and the grouped experts 1.1-2.4x faster. False: `_w4_kernel` always
@@ -215,9 +217,9 @@ def asm(x: Tensor) -> bool:
 
 
 def gluon_applies(x: Tensor) -> bool:
-    """`gluon_int4_gemv` takes launches on x's device (see `GLUON`): its PTX's bf16x2 arithmetic
+    """`gluon_wo_gemv` takes launches on x's device (see `GLUON`): its PTX's bf16x2 arithmetic
     needs compute capability >= 9."""
-    return GLUON and _gluon is not None and x.is_cuda and _capability(x.device.index or 0) >= 9
+    return GLUON and gluon_wo is not None and x.is_cuda and _capability(x.device.index or 0) >= 9
 
 
 def supports(group_size: int, k: int) -> bool:
@@ -265,11 +267,11 @@ def linear(
     """y [M, N] in x's dtype for bf16 x [M, K] (unit stride along K), packed int32 [N, K/8] and bf16
     scale [N, K/G] (both unit stride along K); shapes checked by the caller, no host sync. `config`
     (BM, BN, TK, split, warps, stages) for sweeps; by default `tiling`. Without `config`,
-    `gluon_int4_gemv.linear` where `gluon_applies`."""
+    `gluon_wo_gemv.linear` where `gluon_applies`."""
     m, k = x.shape
     n = packed.shape[0]
     if config is None and gluon_applies(x):
-        return _gluon.linear(
+        return gluon_wo.linear(
             x, packed, scale, group_size=group_size, sms=sm_count(x.device), counters=_arrival_counters
         )
     bm, bn, tk, split, warps, stages = config or tiling(m, n, k, sm_count(x.device))
@@ -316,11 +318,13 @@ def linear_grouped(
     offsets[e]:offsets[e + 1], offsets int32 [E + 1] on the device, offsets[E] == T), packed int32
     [E, N, K/8], bf16 scale [E, N, K/G]. Trusts the offsets' values; no host sync. `config` (BM, BN,
     TK, MT, warps, stages) for sweeps; by default `grouped_tiling` of the mean rows an expert.
-    Without `config`, `gluon_int4_gemv.linear_grouped` where `gluon_applies`."""
+    Without `config`, `gluon_wo_gemv.linear_grouped` where `gluon_applies`."""
     t, k = x.shape
     experts, n = packed.shape[:2]
     if config is None and gluon_applies(x):
-        return _gluon.linear_grouped(x, packed, scale, offsets, group_size=group_size, sms=sm_count(x.device))
+        return gluon_wo.linear_grouped(
+            x, packed, scale, offsets, group_size=group_size, sms=sm_count(x.device)
+        )
     bm, bn, tk, mt, warps, stages = config or grouped_tiling(t / max(experts, 1))
     y = torch.empty((t, n), dtype=x.dtype, device=x.device)
     if t == 0 or n == 0 or experts == 0:

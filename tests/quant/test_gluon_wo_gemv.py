@@ -1,4 +1,4 @@
-"""The Gluon INT4 decode kernel (`gluon_int4_gemv`), compiled for the H200 (sm_90) on this CPU
+"""The Gluon weight-only decode kernels (`gluon_wo_gemv`: INT4, MXFP8), compiled for the H200 (sm_90) on this CPU
 machine: its tiling rules pick the H200 sweep's tiles, and every tiling compiles with the weight and activation operands reaching the MMA layout without
 data movement (`assert_trivial`), the K loop holds no shared-memory access when one warp group takes
 the K range, and the word dequantization is the 4-instruction PTX a pair. Its numbers need a GPU
@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("triton.experimental.gluon")
 
-from skyq.quant.kernels import gluon_int4_gemv as g  # noqa: E402
+from skyq.quant.kernels import gluon_wo_gemv as g  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -70,3 +70,45 @@ def test_the_tilings_compile_to_trivial_operand_layouts(m, n, k, even_k):
 def test_the_grouped_tilings_compile(config):
     ptx = g.compile_offline(config, grouped=True).asm["ptx"]
     assert "mma.sync" in ptx and "mul.rn.bf16x2" in ptx
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k"), [(1, 5120, 2048), (16, 2048, 4096), (64, 12288, 2048), (8, 1536, 288)]
+)
+@pytest.mark.parametrize("even_k", [True, False])
+def test_the_mxfp8_tilings_compile_to_trivial_operand_layouts(m, n, k, even_k):
+    """MXFP8: words of four e4m3 codes, each converted by `cvt.rn.f16x2.e4m3x2` twice (the FP8 Gluon
+    kernel's `_DEQUANT4`, scales multiplied in fp32), no shared memory in the K loop."""
+    config = g.tiling(m, n, k, 132)
+    ptx = g.compile_offline(config, even_k=even_k, mx=True).asm["ptx"]
+    bm, bn, kc, _split, warps, kwarps = config
+    words_per_thread_step = (bn // (16 * warps)) * 2 * (kc // 64) * 4  # row groups x (g, g+8) x chunks x 4
+    assert ptx.count("cvt.rn.f16x2.e4m3x2") == 2 * 2 * words_per_thread_step  # loop body + last step
+    assert ptx.count("mul.rn.f32") == 2 * 4 * words_per_thread_step
+    assert "mma.sync" in ptx and "sub.rn.bf16x2" not in ptx
+    if kwarps == 1:
+        assert "ld.shared" not in ptx and "st.shared" not in ptx
+
+
+def test_the_grouped_mxfp8_kernel_compiles():
+    ptx = g.compile_offline((32, 32, 128, 1, 1, 1), grouped=True, mx=True).asm["ptx"]
+    assert "mma.sync" in ptx and "cvt.rn.f16x2.e4m3x2" in ptx
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "config"),
+    [(1, 12288, 2048, (8, 16, 128, 1, 1, 2)), (32, 12288, 2048, (32, 32, 128, 1, 1, 2)),
+     (16, 2048, 6144, (16, 16, 128, 1, 1, 8))],
+)  # fmt: skip
+def test_the_mxfp8_dense_tiling_picks_the_sweeps_tiles(m, n, k, config):
+    """MXFP8 cells of the session-21 H200 sweep: 16 weight rows a warp at <= 16 rows."""
+    assert g.tiling(m, n, k, 132, mx=True) == config
+
+
+@pytest.mark.parametrize(
+    ("rows", "experts", "n", "k", "config"),
+    [(8, 128, 1536, 2048, (8, 32, 128, 1, 2, 2)), (512, 128, 1536, 2048, (8, 32, 128, 1, 2, 1)),
+     (2048, 128, 2048, 768, (32, 32, 128, 1, 1, 1))],
+)  # fmt: skip
+def test_the_mxfp8_grouped_tiling_picks_the_sweeps_tiles(rows, experts, n, k, config):
+    assert g.grouped_tiling(rows, experts, n, k, 132, mx=True) == config
