@@ -21,7 +21,7 @@ from torch import Tensor
 
 from skyq.config.enums import Int4Grid, Precision, ScaleFormat
 from skyq.config.schema import PrecisionConfig
-from skyq.quant import int4, mxfp8
+from skyq.quant import int4
 from skyq.quant.kernels import dispatch
 
 
@@ -38,8 +38,7 @@ class _FakeQuantFp8Blockwise(torch.autograd.Function):
 class _FakeQuantMxfp8(torch.autograd.Function):
     @staticmethod
     def forward(ctx, w: Tensor, name: str) -> Tensor:
-        q, scale = dispatch.quantize_mxfp8(w, name=name)
-        return mxfp8._dequantize(q, scale, w.dtype)
+        return dispatch.fake_quant_mxfp8(w, name=name)
 
     @staticmethod
     def backward(ctx, grad: Tensor):

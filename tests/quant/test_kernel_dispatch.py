@@ -208,6 +208,14 @@ def _interpreter_main() -> None:
         check(f"mxfp8 K={k} q", q, q_ref)
         check(f"mxfp8 K={k} s", s, s_ref)
         check(f"mxfp8 K={k} dequant", triton_mxfp8.dequantize(q_ref, s_ref), mxfp8.dequantize(q_ref, s_ref))
+    for shape in ((40, 256), (3, 17, 96), (1, 4096)):  # one pass: quantize and dequantize in registers
+        for dtype in (torch.bfloat16, torch.float32):
+            wm = _weight(gen, shape, dtype)
+            check(
+                f"mxfp8 fake {shape} {dtype}",
+                triton_mxfp8.fake_quantize(wm),
+                mxfp8._dequantize(*mxfp8.quantize(wm), dtype),
+            )
     for g, grid in ((32, "kimi"), (128, "rtn")):
         wi = _weight(gen, (24, 512))
         codes, packed, scale = triton_int4.quantize(wi, group_size=g, grid=grid, codes=True, packed=True)

@@ -171,6 +171,16 @@ def quantize_mxfp8(w: Tensor, *, name: str = "tensor", allow_pad: bool = False) 
     return mxfp8.quantize(w, name=name, allow_pad=allow_pad)
 
 
+def fake_quant_mxfp8(w: Tensor, *, name: str = "tensor") -> Tensor:
+    """`mxfp8.quantize` then dequantize to w's dtype (the trainer's MXFP8 fake quant of weights and
+    activations, and the engine's MXFP8 inputs): one kernel pass on CUDA, the reference elsewhere."""
+    if uses_kernel(w) and _float_input(w):
+        from skyq.quant.kernels import triton_mxfp8 as kernels
+
+        return kernels.fake_quantize(w, name=name)
+    return mxfp8._dequantize(*mxfp8.quantize(w, name=name), w.dtype)
+
+
 def quantize_mxfp8_group(
     ws: Sequence[Tensor], names: Sequence[str], *, out: Sequence[tuple[Tensor, Tensor]] | None = None
 ) -> list[tuple[Tensor, Tensor]]:

@@ -56,10 +56,11 @@ def _quant_kernel(
     x_ptr, q_ptr, s_ptr, flag_ptr,
     N, K, KB, n_tiles_k,
     sxb, sxn, sxk,
-    TN: tl.constexpr, TG: tl.constexpr,
+    TN: tl.constexpr, TG: tl.constexpr, FAKE: tl.constexpr = False,
 ):  # fmt: skip
     """x [B, N, K] -> q [B, N, K] e4m3, scale [B, N, KB] uint8 (KB = ceil(K/32)); a tile is TN
-    rows x TG blocks of 32."""
+    rows x TG blocks of 32. FAKE: q_ptr gets q * 2^(u - 127) in q_ptr's dtype instead (the
+    reference's `_dequantize`: the fp32 product, exact, cast once), s_ptr is not written."""
     pid = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     pid_n = pid // n_tiles_k
@@ -70,8 +71,12 @@ def _quant_kernel(
     mask = (rn < N) & (rk < K)
     x = tl.load(x_ptr + b * sxb + rn * sxn + rk * sxk, mask=mask, other=0.0).to(tl.float32)
     q, u = encode_blocks(x, flag_ptr)
-    tl.store(q_ptr + b * N * K + rn * K + rk, q, mask=mask)
-    tl.store(s_ptr + b * N * KB + rn * KB + rg, u.to(tl.uint8), mask=(rn < N) & (rg < KB))
+    if FAKE:
+        y = q.to(tl.float32) * pow2_from_biased(u)
+        tl.store(q_ptr + b * N * K + rn * K + rk, y.to(q_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(q_ptr + b * N * K + rn * K + rk, q, mask=mask)
+        tl.store(s_ptr + b * N * KB + rn * KB + rg, u.to(tl.uint8), mask=(rn < N) & (rg < KB))
 
 
 @triton.jit
@@ -199,6 +204,27 @@ def quantize(w: Tensor, *, name: str = "tensor", allow_pad: bool = False) -> tup
     q, s, flag = launch_quantize(w)
     raise_if_flagged(flag, lambda: mxfp8.quantize(w, name=name, allow_pad=allow_pad))
     return q.reshape(w.shape), s.reshape(*w.shape[:-1], s.shape[-1])
+
+
+def fake_quantize(w: Tensor, *, name: str = "tensor") -> Tensor:
+    """`mxfp8._dequantize(*mxfp8.quantize(w), w.dtype)`, the same bits, in one pass (read w, write
+    its fake-quantized values; K a multiple of 32, else the reference raises): one launch, the
+    finite check the quantizer's (`raise_if_flagged`: deferred inside
+    `dispatch.deferred_finite_checks`)."""
+    k = w.shape[-1]
+    if k % BLOCK:
+        return mxfp8._dequantize(*mxfp8.quantize(w, name=name), w.dtype)  # raises, with the arithmetic
+    x = as_3d(w)
+    nb, n, _ = x.shape
+    y = torch.empty((nb, n, k), dtype=w.dtype, device=w.device)
+    flag = new_flag(w.device)
+    kb = k // BLOCK
+    n_tiles_k = cdiv(kb, _TG)
+    _quant_kernel[(cdiv(n, _TN) * n_tiles_k, nb)](
+        x, y, y, flag, n, k, kb, n_tiles_k, *x.stride(), TN=_TN, TG=_TG, FAKE=True, num_warps=4
+    )  # fmt: skip
+    raise_if_flagged(flag, lambda: mxfp8.quantize(w, name=name))
+    return y.reshape(w.shape)
 
 
 def dequantize(
