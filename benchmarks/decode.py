@@ -259,6 +259,17 @@ def large(gen: torch.Generator, batches: list[int], w8a8_configs: bool = False) 
                   f" {tb / ours:>6.2f}  {device}")  # fmt: skip
 
 
+def routed_rows(
+    gen: torch.Generator, tokens: int, experts: int, top_k: int, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bf16 rows [tokens * top_k, k] sorted by expert, int32 offsets [experts + 1]) on the GPU, each
+    token routed to top_k distinct random experts."""
+    chosen = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    counts = torch.bincount(chosen.flatten(), minlength=experts)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32).cuda()
+    return torch.randn(tokens * top_k, k, generator=gen).to(torch.bfloat16).cuda(), offsets
+
+
 INT4_GROUP = 32
 """`--only int4`: the INT4 recipe's default group size (`precision.int4_group_size`)."""
 
@@ -320,12 +331,7 @@ def int4_decode(gen: torch.Generator, batches: list[int], tokens: list[int]) -> 
                 wb = (torch.randn(experts, n, k, generator=gen) * 0.02).to(torch.bfloat16).cuda()
                 packed, scale = dispatch.quantize_int4_packed(wb, group_size=g)
                 for t in tokens:
-                    chosen = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(t)])
-                    counts = torch.bincount(chosen.flatten(), minlength=experts)
-                    offsets = (
-                        torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32).cuda()
-                    )
-                    x = torch.randn(t * top_k, k, generator=gen).to(torch.bfloat16).cuda()
+                    x, offsets = routed_rows(gen, t, experts, top_k, k)
                     tb = time_per_call([functools.partial(bf16_grouped_linear, x, wb, offsets)] * 8)
                     grouped = functools.partial(
                         triton_int4_gemv.linear_grouped, x, packed, scale, offsets, group_size=g
@@ -453,12 +459,7 @@ def wo_gluon_sweep(
                 wb = (torch.randn(experts, n, k, generator=gen) * 0.02).to(torch.bfloat16).cuda()
                 q, s = _wo_operands(wb, mx)
                 for t in tokens:
-                    chosen = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(t)])
-                    counts = torch.bincount(chosen.flatten(), minlength=experts)
-                    offsets = (
-                        torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32).cuda()
-                    )
-                    x = torch.randn(t * top_k, k, generator=gen).to(torch.bfloat16).cuda()
+                    x, offsets = routed_rows(gen, t, experts, top_k, k)
                     tb = time_per_call([functools.partial(bf16_grouped_linear, x, wb, offsets)] * 8)
                     tt = None if mx else time_per_call([functools.partial(
                         triton_int4_gemv.linear_grouped, x, q, s, offsets, group_size=gs)] * 8)  # fmt: skip
