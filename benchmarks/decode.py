@@ -17,6 +17,8 @@ overhead is equal and small. tokens/s = batch / step time; medians over repeats 
     python benchmarks/decode.py --only gluon-sweep --shapes 1536x1024 --batches 32 64   # one sweep, any shapes
     python benchmarks/decode.py --only large --batches 64 128 256 512 1024   # dense linears past 64 rows
     python benchmarks/decode.py --only int4 --batches 1 16 32 64 --tokens 1 8 64 256   # INT4 W4A16 decode
+    python benchmarks/decode.py --only int4-sweep --batches 1 8 16 32 64 --tokens 1 8 64 256   # Gluon INT4 tiles
+    python benchmarks/decode.py --only mxfp8-sweep --batches 1 8 16 32 64 --tokens 1 8 64 256  # Gluon MXFP8 tiles
 """
 
 from __future__ import annotations
