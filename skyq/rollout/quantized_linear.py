@@ -273,10 +273,9 @@ class WireExperts(nn.ModuleList):
         land in the stack). gate and up share one [E, 2I, K] stack where their rows allow it (FP8: I
         a whole number of scale blocks; INT4 and MXFP8: one input width and (INT4) group size), so
         one launch computes both (INT4 and MXFP8: in decode steps; elsewhere each half is its own
-        GEMM). For FP8
-        blockwise, symmetric INT4 or MXFP8 `WireLinear` experts or bias-free bf16 `nn.Linear` ones,
-        of equal shapes; returns whether it stacked. Call it once the module is on its device (a
-        later move stacks again, see `_apply`)."""
+        GEMM). For FP8 blockwise, symmetric INT4 or MXFP8 `WireLinear` experts or bias-free bf16
+        `nn.Linear` ones, of equal shapes; returns whether it stacked. Call it once the module is on
+        its device (a later move stacks again, see `_apply`)."""
         projs = [[getattr(expert, p) for expert in self] for p in self.PROJECTIONS]
         linears = [lin for ps in projs for lin in ps]
         kind = _kind(linears[0]) if linears else None

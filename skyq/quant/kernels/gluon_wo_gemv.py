@@ -4,7 +4,7 @@ as `gluon_fp8_gemv`'s kernel lays out FP8 codes.
 
 `triton_int4_gemv.linear` / `linear_grouped` route INT4 here on devices of compute capability >= 9
 (`triton_int4_gemv.GLUON`); `dispatch.mxfp8_weight_only_linear` / `mxfp8_grouped_weight_only_linear`
-route MXFP8 here on the same devices.
+route MXFP8 here on devices of compute capability >= 8.9 (its e4m3 conversion).
 
 `triton_int4_gemv` leaves the layout to Triton, which sends the dequantized tile through shared memory
 to reach the MMA operand (ncu on the H200: DRAM at 8% of peak, L1 at 65%, 134 registers). Here each

@@ -162,8 +162,8 @@ GLUON = True
 """Launches without an explicit `config` on a CUDA device of compute capability >= 9 go to
 `gluon_wo_gemv` (each thread dequantizes the words of its own MMA operand fragments in registers;
 no shared memory in the K loop): on the H200 (`benchmarks/decode.py --only int4`, session 21) the
-fused dense shapes at one row 5.6-8.9 us against this kernel's 9.6-19.4 (bf16 8.0-15.7), at 64 rows
-11.6-25.5 against 20.6-53.2, and the grouped experts 1.1-2.4x faster. False: `_w4_kernel` always
+fused dense shapes at one row 5.6-8.9 us against this kernel's 9.7-19.6 (bf16 8.0-15.6), at 64 rows
+11.6-25.4 against 20.6-53.1, and the grouped experts 1.5-2.6x faster. False: `_w4_kernel` always
 (the A/B in the benchmarks and tests)."""
 
 
