@@ -1,29 +1,18 @@
-"""The Gluon weight-only decode kernels (`gluon_wo_gemv`: INT4, MXFP8), compiled for the H200 (sm_90) on this CPU
-machine: its tiling rules pick the H200 sweep's tiles, and every tiling compiles with the weight and activation operands reaching the MMA layout without
-data movement (`assert_trivial`), the K loop holds no shared-memory access when one warp group takes
-the K range, and the word dequantization is the 4-instruction PTX a pair. Its numbers need a GPU
-(tests/gpu/test_gluon_int4_gpu.py)."""
+"""The Gluon weight-only decode kernels (`gluon_wo_gemv`: INT4, MXFP8), compiled for the H200 (sm_90)
+on this CPU machine: the tiling rules pick the H200 sweeps' tiles, and every tiling compiles with the
+weight and activation operands reaching the MMA layout without data movement (`assert_trivial`), the
+K loop holds no shared-memory access when one warp group takes the K range, and each word's
+dequantization is the expected PTX (INT4: 4 instructions a pair; MXFP8: the FP8 kernel's e4m3
+conversion). Their numbers need a GPU (tests/gpu/test_gluon_wo_gpu.py)."""
 
 from __future__ import annotations
-
-import os
 
 import pytest
 
 pytest.importorskip("triton.experimental.gluon")
 
 from skyq.quant.kernels import gluon_wo_gemv as g  # noqa: E402
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _always_compile():
-    old = os.environ.get("TRITON_ALWAYS_COMPILE")
-    os.environ["TRITON_ALWAYS_COMPILE"] = "1"
-    yield
-    if old is None:
-        del os.environ["TRITON_ALWAYS_COMPILE"]
-    else:
-        os.environ["TRITON_ALWAYS_COMPILE"] = old
+from tests.quant.test_gluon_gemv import _always_compile  # noqa: E402, F401  (TRITON_ALWAYS_COMPILE=1)
 
 
 @pytest.mark.parametrize(
