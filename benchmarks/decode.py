@@ -19,6 +19,7 @@ overhead is equal and small. tokens/s = batch / step time; medians over repeats 
     python benchmarks/decode.py --only int4 --batches 1 16 32 64 --tokens 1 8 64 256   # INT4 W4A16 decode
     python benchmarks/decode.py --only int4-sweep --batches 1 8 16 32 64 --tokens 1 8 64 256   # Gluon INT4 tiles
     python benchmarks/decode.py --only mxfp8-sweep --batches 1 8 16 32 64 --tokens 1 8 64 256  # Gluon MXFP8 tiles
+    python benchmarks/decode.py --only mxfp8 --batches 32 64 65 128 256 [--shapes 1536x1024]  # dense MXFP8 row limit
 """
 
 from __future__ import annotations
@@ -279,7 +280,9 @@ INT4_EXPERT_SHAPES = {"a3b": (128, 2048, 768, 8), "small_moe": (32, 1024, 768, 4
 """`--only int4`: (experts, hidden, intermediate, top-k) of the grouped experts timed."""
 
 
-def int4_decode(gen: torch.Generator, batches: list[int], tokens: list[int]) -> None:
+def int4_decode(
+    gen: torch.Generator, batches: list[int], tokens: list[int], shapes: dict[str, tuple[int, int]]
+) -> None:
     """INT4 W4A16 decode, graphed over rotating weight copies, us a call: each fused dense shape at
     `batches` rows (bf16 `torch.matmul`; `triton_int4_gemv.linear`'s default, the Gluon kernel on
     sm_90; the Triton kernel, `GLUON` off; the weight dequantized by the Triton kernel then
@@ -310,7 +313,7 @@ def int4_decode(gen: torch.Generator, batches: list[int], tokens: list[int]) -> 
         "\nINT4 dense, us a call: bf16 | int4 default (Gluon on sm_90) | Triton kernel | dequantize + F.linear"
     )
     with torch.inference_mode():
-        for label, (n, k) in FUSED_SWEEP_SHAPES.items():
+        for label, (n, k) in shapes.items():
             copies = max(1, min(64, (256 << 20) // (n * k)))
             w = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16).cuda()
             ws = [w.clone() for _ in range(copies)]
@@ -345,6 +348,53 @@ def int4_decode(gen: torch.Generator, batches: list[int], tokens: list[int]) -> 
                     )
                     rows.append((f"{shape} {proj} us, {t} tokens: int4 grouped / bf16", tk, tb))
                     rows.append((f"{shape} {proj} us, {t} tokens: int4 Triton grouped / bf16", tt, tb))
+    print(f"\n{'metric':<62} {'ours':>9} {'baseline':>9} {'ratio':>6}  device")
+    for label, ours, base in rows:
+        print(f"{label:<62} {ours * 1e6:>9.1f} {base * 1e6:>9.1f} {base / ours:>6.2f}  {device}")
+
+
+def mxfp8_dense(gen: torch.Generator, batches: list[int], shapes: dict[str, tuple[int, int]]) -> None:
+    """MXFP8 W8A16 dense decode, graphed over rotating weight copies, us a call at `batches` rows:
+    bf16 `torch.matmul`; the Gluon weight-only kernel (`gluon_wo_gemv.linear_mxfp8`, any row
+    count); the weight dequantized once (`dispatch.dequantize_mxfp8`) then `F.linear`; and
+    `dispatch.mxfp8_weight_only_linear` (the kernel up to `triton_int4_gemv.KERNEL_MAX_ROWS` rows,
+    dequantize + linear above): where the row limit belongs, per weight shape."""
+    from skyq.quant.kernels import gluon_wo_gemv, triton_fp8_gemv
+
+    device = torch.cuda.get_device_name()
+    rows = []
+
+    def kernel(x, q, s):
+        return gluon_wo_gemv.linear_mxfp8(
+            x, q, s, sms=triton_fp8_gemv.sm_count(x.device), counters=triton_fp8_gemv._arrival_counters
+        )
+
+    def dequantized(x, q, s):
+        return F.linear(x, dispatch.dequantize_mxfp8(q, s))
+
+    columns = {
+        "kernel": kernel,
+        "dequantize + linear": dequantized,
+        "default": dispatch.mxfp8_weight_only_linear,
+    }
+    print(f"\nMXFP8 dense, us a call: bf16 | {' | '.join(columns)}")
+
+    def timed(fns) -> float:  # the dequantizer's finite checks recorded in the graph, read once after
+        with dispatch.deferred_finite_checks():
+            return time_per_call(fns)
+
+    with torch.inference_mode():
+        for label, (n, k) in shapes.items():
+            copies = max(1, min(64, (256 << 20) // (n * k)))
+            ws = [(torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16).cuda() for _ in range(copies)]
+            qs = [dispatch.quantize_mxfp8(w) for w in ws]
+            for m in batches:
+                x = torch.randn(m, k, generator=gen).to(torch.bfloat16).cuda()
+                tb = time_per_call([functools.partial(torch.matmul, x, w.T) for w in ws])
+                times = {c: timed([functools.partial(f, x, q, s) for q, s in qs]) for c, f in columns.items()}
+                print(f"{label:>20} {m:>4} rows: {tb * 1e6:6.1f} | "
+                      + " | ".join(f"{t * 1e6:6.1f}" for t in times.values()), flush=True)  # fmt: skip
+                rows += [(f"{label} us, {m} rows: mxfp8 {c} / bf16", t, tb) for c, t in times.items()]
     print(f"\n{'metric':<62} {'ours':>9} {'baseline':>9} {'ratio':>6}  device")
     for label, ours, base in rows:
         print(f"{label:<62} {ours * 1e6:>9.1f} {base * 1e6:>9.1f} {base / ours:>6.2f}  {device}")
@@ -784,6 +834,7 @@ def main() -> None:
             "int4",
             "int4-sweep",
             "mxfp8-sweep",
+            "mxfp8",
         ],
         default=None,
     )
@@ -792,7 +843,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--shapes", nargs="+", default=None, metavar="NxK",
-        help="sweeps: these weight shapes instead (e.g. small_moe's fused q/k/v and o: 1536x1024 1024x1024)",
+        help="sweeps, --only int4 / mxfp8: these weight shapes instead (e.g. small_moe's fused q/k/v and o: 1536x1024 1024x1024)",
     )  # fmt: skip
     ap.add_argument("--fused", action="store_true", help="q/k/v and gate/up as one weight each, both sides")
     ap.add_argument(
@@ -824,16 +875,18 @@ def main() -> None:
     if args.only == "large":
         large(gen, args.batches, args.w8a8_configs)
         return
+    custom = {s: tuple(int(d) for d in s.split("x")) for s in args.shapes or ()}
+    if args.only == "mxfp8":
+        mxfp8_dense(gen, args.batches, custom or FUSED_SWEEP_SHAPES)
+        return
     if args.only == "int4":
-        int4_decode(gen, args.batches, args.tokens)
+        int4_decode(gen, args.batches, args.tokens, custom or FUSED_SWEEP_SHAPES)
         return
     if args.only in ("int4-sweep", "mxfp8-sweep"):
         wo_gluon_sweep(gen, args.batches, args.tokens, args.sweep_log, mx=args.only == "mxfp8-sweep")
         return
     if args.only in ("sweep", "gluon-sweep"):
-        shapes = FUSED_SWEEP_SHAPES if args.fused else SWEEP_SHAPES
-        if args.shapes:
-            shapes = {s: tuple(int(d) for d in s.split("x")) for s in args.shapes}
+        shapes = custom or (FUSED_SWEEP_SHAPES if args.fused else SWEEP_SHAPES)
         if args.only == "sweep":
             sweep(gen, args.batches, deadline, args.sweep_log, shapes, args.cc_only)
         else:

@@ -14,6 +14,7 @@ the median wall time of a `generate` call (after one untimed call, which capture
     python benchmarks/engine_decode.py [--batches 1 8 16 32 64] [--new-tokens 64] [--repeats 5]
         [--layers 4 --hidden 1024 --experts 32 --top-k 4 --expert-width 768 --vocab 32]
     python benchmarks/engine_decode.py --precisions bf16 int4_qat   # INT4 W4A16 (groups of 32) against bf16
+    python benchmarks/engine_decode.py --precisions bf16 mxfp8 --targets all_linear  # attention MXFP8 too
     python benchmarks/engine_decode.py --profile [--batches 1 64]   # where a graphed step's time goes
     python benchmarks/engine_decode.py --ops [--batches 64]         # which operators (eager) launch it
 """
@@ -26,7 +27,7 @@ import time
 
 import torch
 
-from skyq.config.enums import Precision
+from skyq.config.enums import Precision, QuantScope
 from skyq.config.schema import ModelConfig, PrecisionConfig
 from skyq.quant.plan import build_plan
 from skyq.quant.strategies import get_strategy
@@ -61,8 +62,12 @@ def random_wire(model_cfg: ModelConfig, precision_cfg: PrecisionConfig, gen: tor
     return wire
 
 
-def engine_for(model_cfg: ModelConfig, precision: str, graphs: bool, gen_seed: int) -> EmbeddedEngine:
+def engine_for(
+    model_cfg: ModelConfig, precision: str, graphs: bool, gen_seed: int, targets: str | None = None
+) -> EmbeddedEngine:
     precision_cfg = PrecisionConfig(name=Precision(precision))
+    if targets is not None:  # the linears MXFP8 / INT4 quantize (FP8 blockwise: all of them already)
+        precision_cfg.mxfp8_targets = precision_cfg.qat_scope = QuantScope(targets)
     engine = EmbeddedEngine(model_cfg=model_cfg, precision_cfg=precision_cfg, device="cuda", seed=0,
                             eos_token_id=-1, cuda_graphs=graphs)  # fmt: skip
     engine.load_weights(
@@ -150,6 +155,8 @@ def main() -> None:
     ap.add_argument("--graph-only", action="store_true", help="the graph mode only (no eager runs)")
     ap.add_argument("--ops", action="store_true", help="per operator and input shapes, eager mode, instead")
     ap.add_argument("--top", type=int, default=15, help="kernels listed per profile")
+    ap.add_argument("--targets", choices=[s.value for s in QuantScope], default=None,
+                    help="precision.mxfp8_targets / qat_scope (default: routed experts)")  # fmt: skip
     args = ap.parse_args()
     device = torch.cuda.get_device_name()
     model_cfg = model_config(args)
@@ -163,7 +170,7 @@ def main() -> None:
     }
     if args.profile or args.ops:
         for precision in args.precisions:
-            engine = engine_for(model_cfg, precision, True, gen_seed=1)
+            engine = engine_for(model_cfg, precision, True, gen_seed=1, targets=args.targets)
             for b in args.batches:
                 (profile_ops if args.ops else profile)(
                     engine,
@@ -177,7 +184,7 @@ def main() -> None:
     modes = ("graph",) if args.graph_only else MODES
     for precision in args.precisions:
         for mode in modes:
-            engine = engine_for(model_cfg, precision, mode == "graph", gen_seed=1)
+            engine = engine_for(model_cfg, precision, mode == "graph", gen_seed=1, targets=args.targets)
             for b in args.batches:
                 results[precision, mode, b] = tokens_per_s(engine, prompts[b], args.new_tokens, args.repeats)
                 print(f"{precision:>14} {mode:>6} batch {b:>4}: {results[precision, mode, b]:>10.0f} tokens/s",

@@ -68,11 +68,15 @@ H200 (`benchmarks/sampling.py`, session 19, eager calls, us at 256 rows, two-lev
 
 
 def full_scan(probs: Tensor, u: Tensor) -> Tensor:
-    """`inverse_cdf`'s draw by one float64 scan of each row's whole vocabulary (and one scan for its
-    last token of nonzero mass, which bounds a target that rounds up to the total)."""
+    """`inverse_cdf`'s draw by one float64 scan of each row's whole vocabulary, bounded by its last
+    token of nonzero mass (a target that rounds up to the total; one reduction, not a second scan:
+    the integer scan + argmax took 57 us a step at 256 rows of a 4096-token vocabulary on the H200,
+    session 22)."""
     cdf = probs.double().cumsum(dim=-1)
     tokens = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).squeeze(-1)
-    return torch.minimum(tokens, (probs > 0).long().cumsum(dim=-1).argmax(dim=-1))
+    ids = torch.arange(probs.shape[-1], device=probs.device)
+    last_kept = torch.where(probs > 0, ids, -1).amax(dim=-1).clamp(min=0)
+    return torch.minimum(tokens, last_kept)
 
 
 def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:

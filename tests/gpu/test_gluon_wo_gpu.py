@@ -76,6 +76,38 @@ def test_mxfp8_dense_matches_the_dequantized_product(gen, m, n, k, config):
     assert mx.within_tolerance(got.cpu(), x.cpu(), q.cpu(), s.cpu())
 
 
+@pytest.mark.parametrize("m", [65, 256])
+def test_mxfp8_more_rows_than_the_kernel_takes_multiply_the_dequantized_weight(gen, m):
+    """Past `KERNEL_MAX_ROWS` the dense MXFP8 linear of a weight past `KERNEL_MAX_WORK` (rows x N x K)
+    dequantizes the weight once and runs bf16's GEMM: bit for bit `F.linear` on the reference's bf16 weight (the prefill's product), and the
+    same bits captured in a graph inside a deferred-check scope (no host sync), as the engine's steps
+    run it."""
+    x, q, s = (t.cuda() for t in mx.operands(gen, m, 4096, 2048))
+    assert triton_int4_gemv.dequantizes_first(m, 4096, 2048)
+    got = dispatch.mxfp8_weight_only_linear(x, q, s)
+    w = mxfp8.dequantize(q.cpu(), s.cpu(), dtype=torch.bfloat16).cuda()
+    assert torch.equal(got, torch.nn.functional.linear(x, w))
+    graph = torch.cuda.CUDAGraph()
+    with dispatch.deferred_finite_checks():
+        with torch.cuda.graph(graph):
+            out = dispatch.mxfp8_weight_only_linear(x, q, s)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, got)
+
+
+def test_a_small_weight_stays_on_the_kernel_at_any_rows(gen):
+    """A small weight (256 rows x N x K at most `KERNEL_MAX_WORK`) takes the decode kernel at 256
+    rows too, INT4 and MXFP8 (the kernels' own bits)."""
+    assert not triton_int4_gemv.dequantizes_first(256, 1024, 1024)
+    x, q, s = (t.cuda() for t in mx.operands(gen, 256, 1024, 1024))
+    kernel = gluon_wo_gemv.linear_mxfp8(x, q, s, sms=132, counters=triton_fp8_gemv._arrival_counters)
+    assert torch.equal(dispatch.mxfp8_weight_only_linear(x, q, s), kernel)
+    x, packed, scale = (t.cuda() for t in operands(gen, 256, 1024, 1024, 32))
+    kernel = triton_int4_gemv.linear(x, packed, scale, group_size=32)
+    assert torch.equal(dispatch.int4_weight_only_linear(x, packed, scale, 32), kernel)
+
+
 def test_mxfp8_one_term_rows_equal_the_reference_bit_for_bit(gen):
     """Each output one rounded product of an activation and one weight: the weights' bits are the
     reference's, E8M0 bytes 0 (2^-127, an fp32 subnormal), 1 and 227 (2^100) included."""

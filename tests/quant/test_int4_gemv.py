@@ -107,6 +107,19 @@ def test_the_kernel_takes_only_what_it_reads():
     assert not triton_int4_gemv.supports(32, 260)  # K not whole words
 
 
+def test_past_64_rows_only_small_products_stay_on_the_kernel():
+    """The dense INT4 / MXFP8 decode linears' choice: the kernel up to 64 rows at any weight; past
+    64 rows while rows x N x K <= 3e8 (small_moe's o 1024 x 1024 at 256 rows, its q/k/v 1536 x 1024
+    at 128), else the weight dequantized once for bf16's GEMM (the GPU tests check both outputs)."""
+    from skyq.quant.kernels import triton_int4_gemv as k
+
+    assert k.KERNEL_MAX_ROWS == 64 and k.KERNEL_MAX_WORK == 300_000_000
+    assert not k.dequantizes_first(64, 12288, 2048) and k.dequantizes_first(65, 12288, 2048)
+    assert not k.dequantizes_first(256, 1024, 1024) and k.dequantizes_first(257, 1024, 1024 + 128)
+    assert not k.dequantizes_first(128, 1536, 1024) and k.dequantizes_first(256, 1536, 1024)
+    assert not k.dequantizes_first(65, 2048, 2048) and k.dequantizes_first(65, 4096, 2048)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_the_kernel_matches_the_reference_under_the_triton_interpreter():
     run_under_interpreter(__file__, "interpreter: int4 gemv matches")

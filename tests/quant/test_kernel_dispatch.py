@@ -179,7 +179,9 @@ def _interpreter_main() -> None:
             triton_fp8_blockwise.dequantize(q_ref, s_ref, block_size=block),
             fp8_blockwise.dequantize(q_ref, s_ref, block_size=block),
         )
-    for rows in (1, 13, 600):  # 1 x 128 tiles in each row band (`SMALL_ROW_BANDS`: 1 row, 4 rows, wide)
+    bands = (1, 40, 520)  # 1 x 128 tiles in each row band (`SMALL_ROW_BANDS`: 1 row, 4 rows, wide)
+    assert [triton_fp8_blockwise.small_row_band(rows)[0] for rows in bands] == [1, 4, 0]
+    for rows in bands:
         xa = _weight(gen, (rows, 300))
         q_ref, s_ref = fp8_blockwise.quantize_activation(xa)
         for got, ref, part in zip(

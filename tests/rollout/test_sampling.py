@@ -102,10 +102,12 @@ def test_a_chunk_whose_scan_rounds_below_its_sum_keeps_the_draw_inside_it():
 
 
 def test_a_target_at_the_total_stays_in_the_last_chunk_with_mass():
-    """u * total rounded up to the total (u = 1 here): the last chunk holding mass, not an empty one after it."""
+    """u * total rounded up to the total (u = 1 here): the last chunk holding mass, not an empty one
+    after it; one full scan stops at the last token with mass too."""
     probs = torch.zeros(1, 3 * CHUNK)
     probs[0, 100:200] = 0.01
     assert inverse_cdf(probs, torch.ones(1, dtype=torch.float64)).tolist() == [199]
+    assert full_scan(probs, torch.ones(1, dtype=torch.float64)).tolist() == [199]
 
 
 def test_a_row_without_positive_mass_draws_a_token_in_range():
@@ -114,6 +116,7 @@ def test_a_row_without_positive_mass_draws_a_token_in_range():
     probs = torch.zeros(2, CHUNK + 5)
     probs[0] = float("nan")
     assert inverse_cdf(probs, torch.full((2,), 0.5, dtype=torch.float64)).tolist() == [0, 0]
+    assert full_scan(probs, torch.full((2,), 0.5, dtype=torch.float64)).tolist() == [0, 0]
 
 
 def test_large_vocabularies_draw_by_the_two_level_search(monkeypatch):

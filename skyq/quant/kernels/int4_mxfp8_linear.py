@@ -72,9 +72,10 @@ def int4_weight_only_linear(x: Tensor, packed: Tensor, scale: Tensor, group_size
     """Decode linear `x [..., K] @ dequant(packed int32 [N, K/8], scale [N, K/G])^T -> [..., N]` in x's
     dtype for symmetric `pack-quantized` INT4. On CUDA (bf16 x and scales) one kernel dequantizes in
     registers (`triton_int4_gemv.linear`: no dequantized weight in memory, no host sync) up to
-    `triton_int4_gemv.KERNEL_MAX_ROWS` rows; more rows dequantize the weight once (the same
-    register dequantization, `triton_int4_gemv.dequantize`) for bf16's GEMM, also without a host
-    sync; elsewhere the reference (the same bf16 weight, fp32 sums)."""
+    `triton_int4_gemv.KERNEL_MAX_ROWS` rows, or more while rows x N x K is small (`dequantizes_first`);
+    else the weight is dequantized once (the same register dequantization,
+    `triton_int4_gemv.dequantize`) for bf16's GEMM, also without a host sync; elsewhere the
+    reference (the same bf16 weight, fp32 sums)."""
     _check_int4_linear_args(x, packed, scale, group_size, "int4 linear")
     if packed.ndim != 2:
         raise QuantizationError(f"int4 linear: weight_packed must be [N, K/8], got {tuple(packed.shape)}")
@@ -82,8 +83,8 @@ def int4_weight_only_linear(x: Tensor, packed: Tensor, scale: Tensor, group_size
         from skyq.quant.kernels import triton_int4_gemv as kernels
 
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.shape[0] > kernels.KERNEL_MAX_ROWS:  # the weight dequantized once, then bf16's GEMM
-            n, k = packed.shape[0], packed.shape[1] * int4.CODES_PER_WORD
+        n, k = packed.shape[0], packed.shape[1] * int4.CODES_PER_WORD
+        if kernels.dequantizes_first(x2.shape[0], n, k):  # the weight dequantized once, then bf16's GEMM
             w = kernels.dequantize(packed.contiguous()[None], scale.contiguous()[None], n, k, group_size)
             return torch.nn.functional.linear(x, w[0])
         x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -171,7 +172,11 @@ def mxfp8_kernel_takes(x: Tensor, q: Tensor, scale_u8: Tensor, *others: Tensor) 
 def mxfp8_weight_only_linear(x: Tensor, q: Tensor, scale_u8: Tensor) -> Tensor:
     """Decode linear `x [..., K] @ mxfp8_dequant(q e4m3 [N, K], scale uint8 [N, K/32])^T -> [..., N]` in
     x's dtype. On CUDA one kernel reads the codes and scales and dequantizes in registers (no
-    dequantized weight, no host sync: the weight was checked when it was loaded); elsewhere the
+    dequantized weight, no host sync: the weight was checked when it was loaded) up to
+    `triton_int4_gemv.KERNEL_MAX_ROWS` rows, or more while rows x N x K is small (INT4's rule,
+    `dequantizes_first`: the same Gluon kernel body, whose row tiles each dequantize the whole
+    weight again); else the weight is dequantized once (`dispatch.dequantize_mxfp8`, its finite
+    check deferred inside the engine's steps) for bf16's GEMM: the prefill's bits; elsewhere the
     reference (the same bf16 weight, fp32 sums)."""
     _check_mxfp8_linear_args(x, q, scale_u8, "mxfp8 linear")
     if q.ndim != 2:
@@ -180,6 +185,9 @@ def mxfp8_weight_only_linear(x: Tensor, q: Tensor, scale_u8: Tensor) -> Tensor:
         from skyq.quant.kernels import triton_fp8_gemv, triton_int4_gemv
 
         x2 = x.reshape(-1, x.shape[-1])
+        if triton_int4_gemv.dequantizes_first(x2.shape[0], *q.shape):  # dequantized once, then bf16's GEMM
+            w = _dispatch().dequantize_mxfp8(q, scale_u8, dtype=x.dtype, name="mxfp8 linear weight")
+            return torch.nn.functional.linear(x, w)
         y = triton_int4_gemv.gluon_wo.linear_mxfp8(
             x2,
             q,

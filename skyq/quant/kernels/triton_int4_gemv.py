@@ -187,9 +187,28 @@ def _dequant_kernel(p_ptr, s_ptr, out_ptr, N, K, BN: tl.constexpr, TK: tl.conste
 
 
 KERNEL_MAX_ROWS = 64
-"""`dispatch.int4_weight_only_linear` sends more rows to `dequantize` + bf16's GEMM: each row tile of
-the decode kernels dequantizes the whole weight again (on the H200 at 256 rows the fused q/k/v took
-52.7 us on the Gluon kernel against bf16's 10.5; session 21)."""
+"""`dispatch.int4_weight_only_linear` (and `mxfp8_weight_only_linear`, the same Gluon kernel body)
+take the decode kernel up to this many rows; past it, only while rows x N x K is at most
+`KERNEL_MAX_WORK`, else the weight is dequantized once for bf16's GEMM: each row tile of the decode
+kernels dequantizes the whole weight again (on the H200 at 256 rows the fused q/k/v took 52.7 us on
+the Gluon INT4 kernel against bf16's 10.5; session 21)."""
+
+KERNEL_MAX_WORK = 300_000_000
+"""rows x N x K up to which a decode linear past `KERNEL_MAX_ROWS` rows stays on the kernel: a small
+weight's dequantize + GEMM is mostly two launches' fixed cost. Fitted on the H200 (`benchmarks/
+decode.py --only int4` / `--only mxfp8 --batches 64 65 128 256 --shapes ...`, session 22), us a call,
+kernel / dequantize + linear: INT4 1024 x 1024 at 256 rows 7.0 / 7.7 (2.7e8), 2048 x 2048 at 65
+9.9 / 11.6 (2.7e8) and at 128 11.9 / 11.7, 1536 x 1024 at 256 9.0 / 7.9 (4.0e8); MXFP8 1536 x
+1024 at 128 6.7 / 9.3 and at 256 10.0 / 9.7, 5120 x 2048 at 65 19.0 / 17.9 (6.8e8), 12288 x 2048
+at 65 61.1 / 37.6. (Missed by the rule: INT4 2048 x 4096 at 65 rows, 16.6 / 19.2.)"""
+
+
+def dequantizes_first(rows: int, n: int, k: int) -> bool:
+    """Whether a dense weight-only decode linear of `rows` rows by an N x K weight dequantizes the
+    weight once for bf16's GEMM rather than run the decode kernel (`KERNEL_MAX_ROWS`,
+    `KERNEL_MAX_WORK`)."""
+    return rows > KERNEL_MAX_ROWS and rows * n * k > KERNEL_MAX_WORK
+
 
 DEQUANT_TILE = (32, 256)
 """(BN, TK) of `dequantize`: 8192 weights a program at 4 warps."""
