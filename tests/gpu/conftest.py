@@ -12,6 +12,17 @@ import torch
 from native_fixtures import make_trainer, run_cfg, tiny_checkpoint  # noqa: F401 (trainer fixtures)
 
 
+def replayed(fn):
+    """`fn()` captured in a CUDA graph (its launches only, not run) and then replayed once: the
+    output, for a test that the capture has no host sync and replays the eager bits."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
 @pytest.fixture
 def gen() -> torch.Generator:
     seed = int(os.environ.get("SKYQ_TEST_SEED", secrets.randbits(32)))

@@ -11,6 +11,7 @@ import torch
 
 from skyq.quant import mxfp8
 from skyq.quant.kernels import dispatch, gluon_wo_gemv, triton_fp8_gemv, triton_int4_gemv
+from tests.gpu.conftest import replayed
 from tests.quant import test_mxfp8_gemv as mx
 from tests.quant.test_int4_gemv import operands, within_tolerance
 
@@ -78,21 +79,17 @@ def test_mxfp8_dense_matches_the_dequantized_product(gen, m, n, k, config):
 
 @pytest.mark.parametrize("m", [65, 256])
 def test_mxfp8_more_rows_than_the_kernel_takes_multiply_the_dequantized_weight(gen, m):
-    """Past `KERNEL_MAX_ROWS` the dense MXFP8 linear of a weight past `KERNEL_MAX_WORK` (rows x N x K)
-    dequantizes the weight once and runs bf16's GEMM: bit for bit `F.linear` on the reference's bf16 weight (the prefill's product), and the
-    same bits captured in a graph inside a deferred-check scope (no host sync), as the engine's steps
-    run it."""
+    """Past `KERNEL_MAX_ROWS` rows, and `KERNEL_MAX_WORK` rows x N x K, the dense MXFP8 linear
+    dequantizes the weight once and runs bf16's GEMM: bit for bit `F.linear` on the reference's bf16
+    weight (the prefill's product), and the same bits captured in a graph inside a deferred-check
+    scope (no host sync), as the engine's steps run it."""
     x, q, s = (t.cuda() for t in mx.operands(gen, m, 4096, 2048))
     assert triton_int4_gemv.dequantizes_first(m, 4096, 2048)
     got = dispatch.mxfp8_weight_only_linear(x, q, s)
     w = mxfp8.dequantize(q.cpu(), s.cpu(), dtype=torch.bfloat16).cuda()
     assert torch.equal(got, torch.nn.functional.linear(x, w))
-    graph = torch.cuda.CUDAGraph()
     with dispatch.deferred_finite_checks():
-        with torch.cuda.graph(graph):
-            out = dispatch.mxfp8_weight_only_linear(x, q, s)
-    graph.replay()
-    torch.cuda.synchronize()
+        out = replayed(lambda: dispatch.mxfp8_weight_only_linear(x, q, s))
     assert torch.equal(out, got)
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from skyq.quant.kernels import dispatch, triton_int4_gemv
+from tests.gpu.conftest import replayed
 from tests.quant.test_int4_gemv import operands, within_tolerance
 
 pytestmark = [
@@ -85,28 +86,19 @@ def test_a_captured_launch_replays_the_eager_bits(gen, gluon):
     x, packed, scale = _cuda(*operands(gen, 8, 2048, 2048, 32))
     eager = dispatch.int4_weight_only_linear(x, packed, scale, 32)
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = dispatch.int4_weight_only_linear(x, packed, scale, 32)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager)
+    assert torch.equal(replayed(lambda: dispatch.int4_weight_only_linear(x, packed, scale, 32)), eager)
 
 
 @pytest.mark.parametrize("m", [65, 256])
 def test_more_rows_than_the_kernel_takes_multiply_the_dequantized_weight(gen, m):
-    """Past `KERNEL_MAX_ROWS` the dense linear of a weight past `KERNEL_MAX_WORK` (rows x N x K) dequantizes
-    the weight once (the decode kernels' register dequantization) and runs bf16's GEMM: the float64 product of the dequantized weight
-    within bf16 rounding (cuBLAS may reduce in bf16), captured in a graph (no host sync)."""
+    """Past `KERNEL_MAX_ROWS` rows, and `KERNEL_MAX_WORK` rows x N x K, the dense linear dequantizes
+    the weight once (the decode kernels' register dequantization) and runs bf16's GEMM: the float64
+    product of the dequantized weight within bf16 rounding (cuBLAS may reduce in bf16), captured in
+    a graph (no host sync)."""
     x, packed, scale = _cuda(*operands(gen, m, 4096, 2048, 32))
     assert triton_int4_gemv.dequantizes_first(m, 4096, 2048)
     got = dispatch.int4_weight_only_linear(x, packed, scale, 32)
     w = dispatch.dequantize_int4_packed(packed, scale, (4096, 2048), group_size=32).double()
     ref, mag = x.double() @ w.T, x.double().abs() @ w.abs().T
     assert bool(((got.double() - ref).abs() <= ref.abs() * 2.0**-7 + mag * 2.0**-8).all())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = dispatch.int4_weight_only_linear(x, packed, scale, 32)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, got)
+    assert torch.equal(replayed(lambda: dispatch.int4_weight_only_linear(x, packed, scale, 32)), got)
