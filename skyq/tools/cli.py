@@ -7,8 +7,12 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
+from skyq.checkpoint.fp8_convert import check_fp8_input
 from skyq.checkpoint.hf_config import model_config_from_hf
+from skyq.checkpoint.job import ConversionJob, run_job
+from skyq.checkpoint.pipeline import ShardTransform
 from skyq.checkpoint.reader import ShardedCheckpoint
 from skyq.config.schema import ModelConfig
 
@@ -51,6 +55,45 @@ def add_overwrite(
     p: argparse.ArgumentParser, *, help: str = "replace checkpoint files already in --save-dir"
 ) -> None:
     p.add_argument("--overwrite", action="store_true", help=help)
+
+
+def add_run_options(
+    p: argparse.ArgumentParser, *, overwrite_help: str = "replace checkpoint files already in --save-dir"
+) -> None:
+    """`--max-workers`, `--device` and `--overwrite`: how a converter runs, never what it writes."""
+    add_max_workers(p)
+    add_device(p)
+    add_overwrite(p, help=overwrite_help)
+
+
+def unquantized_source(model_dir: Path) -> ShardedCheckpoint:
+    """The checkpoint a quantizing converter reads, refused if it is already quantized."""
+    source = ShardedCheckpoint(model_dir)
+    check_fp8_input({n: info.dtype for n, info in source.tensors.items()})
+    return source
+
+
+def convert(
+    tool: str,
+    args: argparse.Namespace,
+    source: ShardedCheckpoint,
+    *,
+    options: dict[str, Any],
+    transform: ShardTransform,
+    config: dict[str, Any],
+    save_dir: Path | None = None,
+    **job: Any,
+) -> int:
+    """Run one conversion job with the run options of `add_run_options` (and `args.save_dir` unless
+    `save_dir` is given); exit status 0."""
+    run_job(
+        ConversionJob(
+            tool=tool, source=source, save_dir=save_dir or args.save_dir, options=options,
+            transform=transform, config=config, max_workers=args.max_workers, device=args.device,
+            overwrite=args.overwrite, **job,
+        )
+    )  # fmt: skip
+    return 0
 
 
 def checkpoint_model_config(source: ShardedCheckpoint) -> ModelConfig:

@@ -18,16 +18,8 @@ from skyq.checkpoint.fp8_dequant import (
     pair_fp8_weights,
     strip_quantization_config,
 )
-from skyq.checkpoint.job import ConversionJob, run_job
 from skyq.checkpoint.reader import CONFIG_NAME, ShardedCheckpoint
-from skyq.tools.cli import (
-    add_device,
-    add_max_workers,
-    add_overwrite,
-    add_save_dir,
-    converter_parser,
-    run_tool,
-)
+from skyq.tools.cli import add_run_options, add_save_dir, convert, converter_parser, run_tool
 
 TOOL = "convert_fp8_to_bf16"
 
@@ -35,9 +27,7 @@ TOOL = "convert_fp8_to_bf16"
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = converter_parser(TOOL, __doc__, model_dir_help="FP8 HF checkpoint to read")
     add_save_dir(p)
-    add_max_workers(p)
-    add_device(p)
-    add_overwrite(p)
+    add_run_options(p)
     return p.parse_args(argv)
 
 
@@ -48,19 +38,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     layout = fp8_layout_from_config(config, str(source.dir / CONFIG_NAME))
     pairs = pair_fp8_weights(source.tensors, layout)
     strip_quantization_config(config)
-    job = ConversionJob(
-        tool=TOOL,
-        source=source,
-        save_dir=args.save_dir,
-        options={"scale_suffix": layout.scale_suffix, "block_size": layout.block_size},
-        transform=make_fp8_dequant_transform(source, pairs, layout),
-        config=config,
-        max_workers=args.max_workers,
-        device=args.device,
-        overwrite=args.overwrite,
-    )
-    run_job(job)
-    return 0
+    return convert(
+        TOOL, args, source, options={"scale_suffix": layout.scale_suffix, "block_size": layout.block_size},
+        transform=make_fp8_dequant_transform(source, pairs, layout), config=config,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -17,23 +17,20 @@ from collections.abc import Sequence
 from skyq.checkpoint.fp8_convert import (
     Fp8Options,
     Fp8Strategy,
-    check_fp8_input,
     fp8_quantization_config,
     make_fp8_transform,
 )
-from skyq.checkpoint.job import ConversionJob, run_job
-from skyq.checkpoint.reader import ShardedCheckpoint
 from skyq.checkpoint.selection import select
 from skyq.config.enums import Precision
 from skyq.config.schema import PrecisionConfig
 from skyq.tools.cli import (
-    add_device,
-    add_max_workers,
-    add_overwrite,
+    add_run_options,
     add_save_dir,
     checkpoint_model_config,
+    convert,
     converter_parser,
     run_tool,
+    unquantized_source,
 )
 
 TOOL = "convert_hf_to_fp8"
@@ -44,10 +41,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add_save_dir(p)
     p.add_argument("--strategy", choices=[s.value for s in Fp8Strategy], default="block")
     p.add_argument("--block-size", nargs=2, type=int, default=[128, 128], metavar=("BN", "BK"))
-    add_max_workers(p)
-    add_device(p)
     p.add_argument("--scale-fmt", choices=["ue8m0"], default=None, help="power-of-two scales (block only)")
-    add_overwrite(p)
+    add_run_options(p)
     return p.parse_args(argv)
 
 
@@ -58,30 +53,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         block_size=tuple(args.block_size),
         pow2_scales=args.scale_fmt == "ue8m0",
     )
-    source = ShardedCheckpoint(args.model_dir)
-    check_fp8_input({n: info.dtype for n, info in source.tensors.items()})
+    source = unquantized_source(args.model_dir)
     selection = select(
         source.tensors, checkpoint_model_config(source), PrecisionConfig(name=Precision.fp8_blockwise)
     )
     config = source.config()
     config["quantization_config"] = fp8_quantization_config(opts, selection.kept_modules)
-    job = ConversionJob(
-        tool=TOOL,
-        source=source,
-        save_dir=args.save_dir,
-        options={
-            "strategy": opts.strategy.value,
-            "block_size": list(opts.block_size),
-            "pow2": opts.pow2_scales,
-        },
+    options = {"strategy": opts.strategy.value, "block_size": list(opts.block_size), "pow2": opts.pow2_scales}
+    return convert(
+        TOOL,
+        args,
+        source,
+        options=options,
         transform=make_fp8_transform(selection.quantized, opts),
         config=config,
-        max_workers=args.max_workers,
-        device=args.device,
-        overwrite=args.overwrite,
     )
-    run_job(job)
-    return 0
 
 
 if __name__ == "__main__":

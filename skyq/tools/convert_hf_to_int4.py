@@ -15,7 +15,6 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from skyq.checkpoint.fp8_convert import check_fp8_input
 from skyq.checkpoint.int4_convert import (
     Int4Options,
     check_group_divisibility,
@@ -23,20 +22,18 @@ from skyq.checkpoint.int4_convert import (
     make_int4_transform,
     matches_ignore_rule,
 )
-from skyq.checkpoint.job import ConversionJob, run_job
-from skyq.checkpoint.reader import ShardedCheckpoint
 from skyq.checkpoint.selection import select
 from skyq.config.enums import Int4Grid, Precision
 from skyq.config.schema import PrecisionConfig
 from skyq.quant.layouts import get_layout
 from skyq.tools.cli import (
-    add_device,
-    add_max_workers,
-    add_overwrite,
+    add_run_options,
     add_save_dir,
     checkpoint_model_config,
+    convert,
     converter_parser,
     run_tool,
+    unquantized_source,
 )
 
 TOOL = "convert_hf_to_int4"
@@ -62,9 +59,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--ignore-rules", nargs="+", default=[], help="extra modules kept BF16 (re:<regex> or name)"
     )
-    add_max_workers(p)
-    add_device(p)
-    add_overwrite(p)
+    add_run_options(p)
     args = p.parse_args(argv)
     if args.asymmetric and args.is_symmetric:
         p.error("--asymmetric and --is-symmetric contradict each other")
@@ -76,8 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.asymmetric:
         print(ASYMMETRIC_WARNING, file=sys.stderr)
     opts = Int4Options(group_size=args.group_size, grid=Int4Grid(args.grid), symmetric=not args.asymmetric)
-    source = ShardedCheckpoint(args.model_dir)
-    check_fp8_input({n: info.dtype for n, info in source.tensors.items()})
+    source = unquantized_source(args.model_dir)
     model_cfg = checkpoint_model_config(source)
     selection = select(
         source.tensors,
@@ -97,24 +91,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     config = source.config()
     config["quantization_config"] = int4_quantization_config(opts, ignore)
-    job = ConversionJob(
-        tool=TOOL,
-        source=source,
-        save_dir=args.save_dir,
-        options={
-            "group_size": opts.group_size,
-            "grid": opts.grid.value,
-            "symmetric": opts.symmetric,
-            "ignore_rules": sorted(args.ignore_rules),
-        },  # fmt: skip
+    options = {"group_size": opts.group_size, "grid": opts.grid.value, "symmetric": opts.symmetric,
+               "ignore_rules": sorted(args.ignore_rules)}  # fmt: skip
+    return convert(
+        TOOL,
+        args,
+        source,
+        options=options,
         transform=make_int4_transform(frozenset(quantized), opts),
         config=config,
-        max_workers=args.max_workers,
-        device=args.device,
-        overwrite=args.overwrite,
     )
-    run_job(job)
-    return 0
 
 
 if __name__ == "__main__":

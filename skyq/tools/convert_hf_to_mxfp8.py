@@ -17,26 +17,23 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from skyq.checkpoint.fp8_convert import check_fp8_input
-from skyq.checkpoint.job import ConversionJob, run_job
 from skyq.checkpoint.mxfp8_convert import (
     check_mx_divisibility,
     make_mxfp8_transform,
     mxfp8_quantization_config,
 )
-from skyq.checkpoint.reader import ShardedCheckpoint
 from skyq.checkpoint.selection import select
 from skyq.config.enums import Precision, QuantScope
 from skyq.config.schema import PrecisionConfig
 from skyq.quant.strategies import get_strategy
 from skyq.tools.cli import (
-    add_device,
-    add_max_workers,
-    add_overwrite,
+    add_run_options,
     add_save_dir,
     checkpoint_model_config,
+    convert,
     converter_parser,
     run_tool,
+    unquantized_source,
 )
 
 TOOL = "convert_hf_to_mxfp8"
@@ -51,17 +48,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=QuantScope.routed_experts.value,
         help="linears to quantize, as precision.mxfp8_targets (default: routed_experts)",
     )
-    add_max_workers(p)
-    add_device(p)
-    add_overwrite(p)
+    add_run_options(p)
     return p.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     precision = PrecisionConfig(name=Precision.mxfp8, mxfp8_targets=QuantScope(args.targets))
-    source = ShardedCheckpoint(args.model_dir)
-    check_fp8_input({n: info.dtype for n, info in source.tensors.items()})
+    source = unquantized_source(args.model_dir)
     model_cfg = checkpoint_model_config(source)
     selection = select(source.tensors, model_cfg, precision)
     if not selection.quantized:
@@ -70,19 +64,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     strategy = get_strategy(precision)
     config = source.config()
     config["quantization_config"] = mxfp8_quantization_config(strategy, model_cfg, selection, source.tensors)
-    job = ConversionJob(
-        tool=TOOL,
-        source=source,
-        save_dir=args.save_dir,
-        options={"targets": args.targets, **strategy.wire_settings()},
-        transform=make_mxfp8_transform(selection, strategy),
-        config=config,
-        max_workers=args.max_workers,
-        device=args.device,
-        overwrite=args.overwrite,
-    )
-    run_job(job)
-    return 0
+    return convert(
+        TOOL, args, source, options={"targets": args.targets, **strategy.wire_settings()},
+        transform=make_mxfp8_transform(selection, strategy), config=config,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

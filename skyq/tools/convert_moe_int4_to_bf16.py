@@ -23,9 +23,8 @@ from skyq.checkpoint.int4_dequant import (
     packed_layout_from_block,
     sidecar_block,
 )
-from skyq.checkpoint.job import ConversionJob, run_job
 from skyq.checkpoint.reader import CONFIG_NAME, ShardedCheckpoint, load_json
-from skyq.tools.cli import add_device, add_max_workers, add_overwrite, converter_parser, run_tool
+from skyq.tools.cli import add_run_options, convert, converter_parser, run_tool
 
 TOOL = "convert_moe_int4_to_bf16"
 SIDECAR_NAME = "quantization_config.json"
@@ -38,12 +37,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--config-path", type=Path, default=None, help="config.json holding the quantization_config"
     )
-    add_overwrite(p, help="reconvert shards already in --output-dir")
     p.add_argument(
         "--keep-quantization-config", action="store_true", help="leave the block in config.json too"
     )
-    add_max_workers(p)
-    add_device(p)
+    add_run_options(p, overwrite_help="reconvert shards already in --output-dir")
     return p.parse_args(argv)
 
 
@@ -62,25 +59,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = source.config()
     if not args.keep_quantization_config:
         strip_quantization_config(config)
-    job = ConversionJob(
-        tool=TOOL,
-        source=source,
-        save_dir=output_dir,
-        options={
-            "group_size": layout.group_size,
-            "symmetric": layout.symmetric,
-            "keep_quantization_config": args.keep_quantization_config,
-        },  # fmt: skip
-        transform=make_int4_dequant_transform(source, units, layout),
-        config=config,
-        extra_json={SIDECAR_NAME: sidecar_block(block, source.tensors)},
-        shards=args.files,
-        max_workers=args.max_workers,
-        device=args.device,
-        overwrite=args.overwrite,
-    )
-    run_job(job)
-    return 0
+    options = {"group_size": layout.group_size, "symmetric": layout.symmetric,
+               "keep_quantization_config": args.keep_quantization_config}  # fmt: skip
+    return convert(
+        TOOL, args, source, save_dir=output_dir, options=options,
+        transform=make_int4_dequant_transform(source, units, layout), config=config,
+        extra_json={SIDECAR_NAME: sidecar_block(block, source.tensors)}, shards=args.files,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
