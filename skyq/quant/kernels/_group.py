@@ -42,6 +42,19 @@ def group_member(tbl_ptr, n_tensors, LOG: tl.constexpr):
 
 
 @triton.jit
+def group_input(row, DT: tl.constexpr):
+    """The tensor's input pointer (table column 0) typed by the launch's DT code (`GROUP_DTYPES`)."""
+    p = tl.load(row)
+    if DT == 0:
+        x_ptr = p.to(tl.pointer_type(tl.bfloat16))
+    elif DT == 1:
+        x_ptr = p.to(tl.pointer_type(tl.float16))
+    else:
+        x_ptr = p.to(tl.pointer_type(tl.float32))
+    return x_ptr
+
+
+@triton.jit
 def group_tile(row, local):
     """This program's place in its tensor, from the tensor's table row: (N, the three x strides
     (batch, row, column), programs per matrix, matrix b, tile within it, tile row pid_n, tile column

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from skyq.quant import fp8_blockwise
 from skyq.quant.kernels._common import as_3d, cdiv, new_flag, raise_if_flagged
-from skyq.quant.kernels._group import GroupTable, group_member, group_ok, group_tile
+from skyq.quant.kernels._group import GroupTable, group_input, group_member, group_ok, group_tile
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 _EXPONENT_BITS = tl.constexpr(0x7F800000)
@@ -147,12 +147,7 @@ def _quant_group_kernel(
     scale_inv [B, nN, nK] fp32, both contiguous; bumps `flag_ptr[t]` on a non-finite input.
     ALIGNED: rows load and store as 16-byte vectors (`GroupTable.aligned`)."""
     t, row, local = group_member(tbl_ptr, n_tensors, LOG)
-    if DT == 0:
-        x_ptr = tl.load(row).to(tl.pointer_type(tl.bfloat16))
-    elif DT == 1:
-        x_ptr = tl.load(row).to(tl.pointer_type(tl.float16))
-    else:
-        x_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+    x_ptr = group_input(row, DT)
     q_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float8e4nv))
     s_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
     k = tl.load(row + 4)

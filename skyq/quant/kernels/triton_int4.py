@@ -19,7 +19,7 @@ from torch import Tensor
 from skyq.config.enums import Int4Grid
 from skyq.quant import int4
 from skyq.quant.kernels._common import as_3d, cdiv, new_flag, raise_if_flagged
-from skyq.quant.kernels._group import GroupTable, group_member, group_ok, group_tile
+from skyq.quant.kernels._group import GroupTable, group_input, group_member, group_ok, group_tile
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
 _AMAX_FLOOR = tl.constexpr(1e-10)  # the reference's fp32(1e-10)
@@ -114,12 +114,7 @@ def _quant_pack_group_kernel(
     packed int32 [B, N, K/8] and scale bf16 [B, N, K/G], both contiguous; sets `flag_ptr[t]` on a
     non-finite input. ALIGNED: x rows load as 16-byte vectors (`GroupTable.aligned`)."""
     t, row, local = group_member(tbl_ptr, n_tensors, LOG)
-    if DT == 0:
-        x_ptr = tl.load(row).to(tl.pointer_type(tl.bfloat16))
-    elif DT == 1:
-        x_ptr = tl.load(row).to(tl.pointer_type(tl.float16))
-    else:
-        x_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+    x_ptr = group_input(row, DT)
     p_ptr = tl.load(row + 1).to(tl.pointer_type(tl.int32))
     s_ptr = tl.load(row + 2).to(tl.pointer_type(tl.bfloat16))
     k = tl.load(row + 4)

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from skyq.quant import mxfp8
 from skyq.quant.kernels._common import as_3d, cdiv, new_flag, raise_if_flagged
-from skyq.quant.kernels._group import GroupTable, group_member, group_ok, group_tile
+from skyq.quant.kernels._group import GroupTable, group_input, group_member, group_ok, group_tile
 from skyq.quant.kernels.triton_fp8_blockwise import to_e4m3
 
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
@@ -89,12 +89,7 @@ def _quant_group_kernel(
     contiguous; bumps `flag_ptr[t]` on a non-finite input. ALIGNED: rows move as 16-byte vectors
     (`GroupTable.aligned`; K is a multiple of 32)."""
     t, row, local = group_member(tbl_ptr, n_tensors, LOG)
-    if DT == 0:
-        x_ptr = tl.load(row).to(tl.pointer_type(tl.bfloat16))
-    elif DT == 1:
-        x_ptr = tl.load(row).to(tl.pointer_type(tl.float16))
-    else:
-        x_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+    x_ptr = group_input(row, DT)
     q_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float8e4nv))
     s_ptr = tl.load(row + 2).to(tl.pointer_type(tl.uint8))
     k = tl.load(row + 4)
