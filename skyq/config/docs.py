@@ -58,15 +58,19 @@ def _section(cls: type, prefix: str, lines: list[str]) -> None:
     lines += [
         f"### `{prefix.rstrip('.') or '(top level)'}`",
         "",
-        "| key | type | default | meaning |",
-        "|---|---|---|---|",
+        "| key | type | default | allowed | meaning |",
+        "|---|---|---|---|---|",
     ]
     for f in dataclasses.fields(cls):
         sub = getattr(schema, str(f.type), None)
         if isinstance(sub, type) and dataclasses.is_dataclass(sub):
             nested.append((sub, f"{prefix}{f.name}."))
             continue
-        lines.append(f"| `{prefix}{f.name}` | {_type_name(str(f.type))} | {_default(f)} | {docs[f.name]} |")
+        rng = f.metadata.get("range")
+        allowed = str(rng).replace("<", "&lt;") if rng is not None else ""
+        lines.append(
+            f"| `{prefix}{f.name}` | {_type_name(str(f.type))} | {_default(f)} | {allowed} | {docs[f.name]} |"
+        )
     lines.append("")
     for sub, sub_prefix in nested:
         _section(sub, sub_prefix, lines)
@@ -78,7 +82,8 @@ def render() -> str:
         "",
         "Generated from the field docstrings of `skyq/config/schema.py` by `make docs`",
         "(`python -m skyq.config.docs`); a test fails when this file is stale. Every default lives in",
-        "exactly one dataclass field. Config groups (`conf/<group>/<option>.yaml`) only pick and",
+        'exactly one dataclass field; "allowed" is a numeric field\'s range, which `validate` checks',
+        "before a run starts. Config groups (`conf/<group>/<option>.yaml`) only pick and",
         "override: " + ", ".join(f"`{g}`" for g in GROUPS) + ", plus `recipe` (`recipes/`).",
         "The seed scripts' flags map to these keys in [seed_flags.md](seed_flags.md).",
         "",

@@ -36,6 +36,56 @@ from skyq.config.enums import (
 CONFIG_VERSION = 1
 
 
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric field may take: `low` and `high` bounds (None = unbounded), each
+    inclusive unless `low_open` / `high_open`. Checked for every field that declares one by
+    `skyq.config.validate` and listed in docs/configuration.md."""
+
+    low: float | None = None
+    """Lowest allowed value (None = unbounded below)."""
+    high: float | None = None
+    """Highest allowed value (None = unbounded above)."""
+    low_open: bool = False
+    """`low` itself is excluded."""
+    high_open: bool = False
+    """`high` itself is excluded."""
+
+    def __contains__(self, value: float) -> bool:
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        if self.low is None:
+            return f"{'<' if self.high_open else '<='} {self.high:g}"
+        return (
+            f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        )
+
+
+def bounded(
+    default,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+):
+    """A numeric field's default and its `Range` (one of ge / gt, and optionally one of le / lt)."""
+    rng = Range(
+        low=gt if gt is not None else ge,
+        high=lt if lt is not None else le,
+        low_open=gt is not None,
+        high_open=lt is not None,
+    )
+    if default is not None and default not in rng:
+        raise ValueError(f"schema: default {default!r} outside its own range {rng}")
+    return field(default=default, metadata={"range": rng})
+
+
 @dataclass
 class PrecisionConfig:
     name: Precision = Precision.bf16
@@ -46,7 +96,7 @@ class PrecisionConfig:
     """FP8 blockwise scale format: fp32, or ue8m0 (power-of-two scales)."""
     block_size: list[int] = field(default_factory=lambda: [128, 128])
     """FP8 blockwise weight block [rows, cols]."""
-    activation_tile: int = 128
+    activation_tile: int = bounded(128, ge=1)
     """FP8 blockwise activation tile length along K (1 x tile)."""
     fp8_targets: QuantScope = QuantScope.all_linear
     """Linears FP8 blockwise quantizes (all_linear covers attention and experts)."""
@@ -70,85 +120,85 @@ class ModelConfig:
     """Model preset name."""
     family: ModelFamily = ModelFamily.qwen3_moe
     """Architecture family; selects the quantization layout."""
-    vocab_size: int = 32
+    vocab_size: int = bounded(32, ge=1)
     """Vocabulary size."""
-    hidden_size: int = 64
+    hidden_size: int = bounded(64, ge=1)
     """Hidden size."""
-    num_layers: int = 2
+    num_layers: int = bounded(2, ge=1)
     """Number of decoder layers."""
-    num_attention_heads: int = 4
+    num_attention_heads: int = bounded(4, ge=1)
     """Attention heads."""
-    num_key_value_heads: int = 2
+    num_key_value_heads: int = bounded(2, ge=1)
     """Key/value heads (GQA)."""
-    head_dim: int = 16
+    head_dim: int = bounded(16, ge=1)
     """Per-head dimension (Qwen3 attention)."""
-    intermediate_size: int = 128
+    intermediate_size: int = bounded(128, ge=1)
     """Dense MLP width (the leading dense layers of deepseek_v3; shared experts use moe_intermediate_size)."""
-    moe_intermediate_size: int = 64
+    moe_intermediate_size: int = bounded(64, ge=1)
     """Routed-expert MLP width."""
-    num_experts: int = 4
+    num_experts: int = bounded(4, ge=1)
     """Routed experts per MoE layer."""
-    num_experts_per_tok: int = 2
+    num_experts_per_tok: int = bounded(2, ge=1)
     """Experts each token is routed to (top-k)."""
-    num_shared_experts: int = 0
+    num_shared_experts: int = bounded(0, ge=0)
     """Shared experts per MoE layer (deepseek_v3)."""
-    first_k_dense_replace: int = 0
+    first_k_dense_replace: int = bounded(0, ge=0)
     """Leading layers with a dense MLP instead of MoE (deepseek_v3)."""
-    max_position_embeddings: int = 512
+    max_position_embeddings: int = bounded(512, ge=1)
     """Longest sequence (prompt + response) the model takes."""
-    rope_theta: float = 1000000.0
+    rope_theta: float = bounded(1000000.0, gt=0)
     """RoPE base."""
-    rms_norm_eps: float = 1e-6
+    rms_norm_eps: float = bounded(1e-6, gt=0)
     """RMSNorm epsilon."""
     tie_word_embeddings: bool = False
     """Share the embedding and lm_head weights."""
-    q_lora_rank: Optional[int] = None
+    q_lora_rank: Optional[int] = bounded(None, ge=1)
     """MLA query low-rank dimension (deepseek_v3; None = no q compression)."""
-    kv_lora_rank: int = 0
+    kv_lora_rank: int = bounded(0, ge=0)
     """MLA key/value low-rank dimension (deepseek_v3)."""
-    qk_nope_head_dim: int = 0
+    qk_nope_head_dim: int = bounded(0, ge=0)
     """MLA non-rotary query/key head dimension (deepseek_v3)."""
-    qk_rope_head_dim: int = 0
+    qk_rope_head_dim: int = bounded(0, ge=0)
     """MLA rotary query/key head dimension (deepseek_v3)."""
-    v_head_dim: int = 0
+    v_head_dim: int = bounded(0, ge=0)
     """MLA value head dimension (deepseek_v3)."""
-    num_nextn_predict_layers: int = 0
+    num_nextn_predict_layers: int = bounded(0, ge=0)
     """Multi-token-prediction layers in the checkpoint (never quantized)."""
     text_prefix: str = ""
     """Prefix of text weights in the checkpoint (Kimi-K2.6: `language_model.`)."""
-    vision_num_layers: int = 0
+    vision_num_layers: int = bounded(0, ge=0)
     """Vision-tower blocks (0 = text-only model)."""
-    vision_hidden_size: int = 0
+    vision_hidden_size: int = bounded(0, ge=0)
     """Vision-tower hidden size."""
-    vision_intermediate_size: int = 0
+    vision_intermediate_size: int = bounded(0, ge=0)
     """Vision-tower MLP width."""
-    init_seed: int = 0
+    init_seed: int = bounded(0, ge=0)
     """Seed of the random init when skyq builds a tiny checkpoint itself."""
-    init_sft_steps: int = 100
+    init_sft_steps: int = bounded(100, ge=0)
     """Supervised warm-up steps on the task when skyq builds a tiny checkpoint (0 = random init)."""
 
 
 @dataclass
 class ParallelConfig:
-    tp: int = 1
+    tp: int = bounded(1, ge=1)
     """Trainer tensor parallel size."""
-    pp: int = 1
+    pp: int = bounded(1, ge=1)
     """Trainer pipeline parallel size."""
-    cp: int = 1
+    cp: int = bounded(1, ge=1)
     """Trainer context parallel size."""
-    ep: int = 1
+    ep: int = bounded(1, ge=1)
     """Trainer expert parallel size (must divide the expert count)."""
-    etp: int = 1
+    etp: int = bounded(1, ge=1)
     """Trainer expert tensor parallel size."""
-    dp: Optional[int] = None
+    dp: Optional[int] = bounded(None, ge=1)
     """Trainer data parallel size (None = trainer GPUs / (tp*pp*cp))."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (with tp > 1)."""
     vision_dp_when_tp: bool = False
     """Run the vision tower data-parallel across the TP group."""
-    first_stage_layers: Optional[int] = None
+    first_stage_layers: Optional[int] = bounded(None, ge=1)
     """Decoder layers on the first pipeline stage (None = even split)."""
-    last_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = bounded(None, ge=1)
     """Decoder layers on the last pipeline stage (None = even split)."""
 
 
@@ -158,15 +208,15 @@ class TopologyConfig:
     """Topology preset name."""
     device: Device = Device.cpu
     """Device kind the run needs."""
-    num_nodes: int = 1
+    num_nodes: int = bounded(1, ge=1)
     """Nodes in the cluster."""
-    gpus_per_node: int = 0
+    gpus_per_node: int = bounded(0, ge=0)
     """GPUs per node (0 on a CPU topology)."""
     placement: Placement = Placement.split
     """Trainer and rollout on the same GPUs (colocated) or on separate ones (split)."""
-    trainer_gpus: int = 0
+    trainer_gpus: int = bounded(0, ge=0)
     """GPUs the trainer uses."""
-    rollout_gpus: int = 0
+    rollout_gpus: int = bounded(0, ge=0)
     """GPUs the rollout engines use (colocated: the same GPUs as the trainer)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Trainer parallel layout."""
@@ -178,9 +228,9 @@ class WeightSyncConfig:
     """Full sync every step, or incremental (delta; bf16 only)."""
     transport: TransportKind = TransportKind.auto
     """How buckets move: auto (in_process when trainer and engine share one GPU, else broadcast), in_process, broadcast (gloo/NCCL), cuda_ipc."""
-    bucket_bytes: int = 64 * 1024 * 1024
+    bucket_bytes: int = bounded(64 * 1024 * 1024, ge=1)
     """Target bytes per bucket."""
-    timeout_s: float = 120.0
+    timeout_s: float = bounded(120.0, gt=0)
     """Deadline for every wait of a sync."""
     verify_checksum: bool = True
     """Receiver checks the manifest checksum of every bucket."""
@@ -190,19 +240,19 @@ class WeightSyncConfig:
 class RolloutConfig:
     backend: RolloutBackend = RolloutBackend.embedded
     """Rollout engine backend."""
-    gpus_per_engine: int = 1
+    gpus_per_engine: int = bounded(1, ge=1)
     """GPUs per rollout engine."""
-    tp_size: Optional[int] = None
+    tp_size: Optional[int] = bounded(None, ge=1)
     """Engine tensor parallel size (None = gpus_per_engine)."""
-    dp_size: int = 1
+    dp_size: int = bounded(1, ge=1)
     """Engine attention data parallel size."""
-    ep_size: int = 1
+    ep_size: int = bounded(1, ge=1)
     """Engine expert parallel size."""
-    gpu_memory_fraction: float = 0.7
+    gpu_memory_fraction: float = bounded(0.7, gt=0, le=1)
     """Fraction of GPU memory the engine may take."""
-    temperature: float = 1.0
+    temperature: float = bounded(1.0, gt=0)
     """Sampling temperature."""
-    top_p: float = 1.0
+    top_p: float = bounded(1.0, gt=0, le=1)
     """Nucleus sampling threshold."""
     cuda_graphs: bool = True
     """Embedded engine on a GPU: replay its decode step from a CUDA graph (false: every step eager)."""
@@ -216,17 +266,17 @@ class RolloutConfig:
 
 @dataclass
 class OptimizerConfig:
-    weight_decay: float = 0.0
+    weight_decay: float = bounded(0.0, ge=0)
     """AdamW weight decay."""
-    adam_beta1: float = 0.9
+    adam_beta1: float = bounded(0.9, ge=0, lt=1)
     """Adam beta1."""
-    adam_beta2: float = 0.98
+    adam_beta2: float = bounded(0.98, ge=0, lt=1)
     """Adam beta2."""
-    adam_eps: float = 1e-8
+    adam_eps: float = bounded(1e-8, gt=0)
     """Adam epsilon."""
-    grad_clip: float = 1.0
+    grad_clip: float = bounded(1.0, gt=0)
     """Max global gradient norm."""
-    lr_warmup_steps: int = 0
+    lr_warmup_steps: int = bounded(0, ge=0)
     """Linear learning-rate warm-up steps."""
     cpu_offload: bool = False
     """Keep optimizer state on the CPU."""
@@ -242,7 +292,7 @@ class RecomputeConfig:
     """Activation recompute granularity."""
     method: RecomputeMethod = RecomputeMethod.uniform
     """How recomputed layers are chosen."""
-    num_layers: int = 1
+    num_layers: int = bounded(1, ge=1)
     """Layers per recompute unit."""
 
 
@@ -250,7 +300,7 @@ class RecomputeConfig:
 class TrainerConfig:
     backend: TrainerBackend = TrainerBackend.torch
     """Trainer backend."""
-    micro_batch_size: int = 128
+    micro_batch_size: int = bounded(128, ge=1)
     """Sequences per forward/backward micro-batch."""
     compute_dtype: ComputeDtype = ComputeDtype.bf16
     """Torch trainer forward/backward dtype: bf16 (the rollout engine's activations, so trainer and engine compute the same function; fp32 master weights and optimizer) or fp32."""
@@ -262,7 +312,7 @@ class TrainerConfig:
     """Activation recompute."""
     moe_token_dispatcher: str = "alltoall"
     """Megatron MoE token dispatcher (alltoall, flex for DeepEP)."""
-    deepep_max_dispatch_tokens: int = 0
+    deepep_max_dispatch_tokens: int = bounded(0, ge=0)
     """DeepEP dispatch tokens per rank (0 = DeepEP off)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for trainer processes."""
@@ -272,19 +322,19 @@ class TrainerConfig:
 class AlgorithmConfig:
     name: str = "grpo"
     """RL algorithm."""
-    num_steps: int = 120
+    num_steps: int = bounded(120, ge=1)
     """Training steps (one rollout batch and one update each)."""
-    group_size: int = 8
+    group_size: int = bounded(8, ge=2)
     """Responses sampled per prompt."""
-    global_batch_size: int = 256
+    global_batch_size: int = bounded(256, ge=1)
     """Responses per training step (prompts x group_size)."""
-    lr: float = 3e-3
+    lr: float = bounded(3e-3, gt=0)
     """Learning rate."""
-    kl_coef: float = 0.0
+    kl_coef: float = bounded(0.0, ge=0)
     """Weight of the KL-to-reference loss (0 = no reference model)."""
-    clip_eps_low: float = 0.2
+    clip_eps_low: float = bounded(0.2, gt=0, lt=1)
     """PPO clip lower epsilon."""
-    clip_eps_high: float = 0.28
+    clip_eps_high: float = bounded(0.28, gt=0)
     """PPO clip upper epsilon."""
     normalize_adv_std: bool = True
     """Divide group advantages by the group's std."""
@@ -306,9 +356,9 @@ class AlgorithmConfig:
 class EvalConfig:
     dataset: Optional[str] = None
     """Eval dataset (path or name; None = the task's built-in eval split)."""
-    interval: int = 0
+    interval: int = bounded(0, ge=0)
     """Evaluate every N steps (0 = never)."""
-    num_samples: int = 1
+    num_samples: int = bounded(1, ge=1)
     """Samples per eval prompt."""
 
 
@@ -326,13 +376,13 @@ class TaskConfig:
     """Dataset key of the reference answer."""
     image_key: Optional[str] = None
     """Dataset key of images (multimodal tasks)."""
-    max_image_tokens: int = 0
+    max_image_tokens: int = bounded(0, ge=0)
     """Image-token budget per sample (multimodal tasks)."""
     apply_chat_template: bool = False
     """Wrap prompts with the tokenizer's chat template."""
-    max_prompt_length: int = 8
+    max_prompt_length: int = bounded(8, ge=1)
     """Longest prompt in tokens."""
-    max_response_length: int = 4
+    max_response_length: int = bounded(4, ge=1)
     """Longest response in tokens."""
     arith_op: ArithOp = ArithOp.add_mod10
     """arith task: the operation the model must learn."""
@@ -366,7 +416,7 @@ class CheckpointConfig:
     """Trainer checkpoint to resume from (Megatron/torch format)."""
     save: Optional[str] = None
     """Where trainer checkpoints go (None = <run dir>/checkpoints)."""
-    save_interval: int = 20
+    save_interval: int = bounded(20, ge=0)
     """Save a checkpoint every N steps (0 = only at the end)."""
     async_save: bool = True
     """Write trainer.pt in the background from a CPU snapshot while the run goes on (false: block)."""
@@ -396,7 +446,7 @@ class TrainConfig:
     """Logging."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint paths."""
-    seed: int = 0
+    seed: int = bounded(0, ge=0)
     """Global seed (data order, sampling, init)."""
     dry_run: bool = False
     """Print the resolved plan and exit without touching a GPU."""

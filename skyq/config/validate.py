@@ -7,6 +7,7 @@ the report's `skipped` when the path does not exist (a dry run on a laptop).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from skyq.config.checkpoint_rules import checkpoint_errors
@@ -49,8 +50,9 @@ def num_engines(cfg: TrainConfig) -> int:
 def validate(cfg: TrainConfig) -> ValidationReport:
     """Check every cross-field rule; raise ConfigValidationError listing all failures."""
     report = ValidationReport()
-    errors: list[str] = []
+    errors: list[str] = _range_errors(cfg)
     errors += _precision_errors(cfg)
+    errors += _model_errors(cfg)
     errors += _topology_errors(cfg)
     errors += _length_errors(cfg)
     errors += _algorithm_errors(cfg)
@@ -65,6 +67,25 @@ def validate(cfg: TrainConfig) -> ValidationReport:
     if errors:
         raise ConfigValidationError(errors)
     return report
+
+
+def _range_errors(node: object, prefix: str = "") -> list[str]:
+    """Every numeric field outside the `Range` its schema field declares (`schema.bounded`), named by
+    its full key, with the allowed values and what the field means."""
+    errors = []
+    for f in dataclasses.fields(node):  # type: ignore[arg-type]
+        value, key = getattr(node, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            errors += _range_errors(value, f"{key}.")
+        rng = f.metadata.get("range")
+        if rng is not None and value is not None and value not in rng:
+            from skyq.config.docs import field_docs  # the schema's docstrings, read only for a message
+
+            meaning = field_docs(type(node)).get(f.name, "")
+            errors.append(
+                f"{key}={value!r} must be {rng}" + (f" ({meaning.rstrip('.')})." if meaning else ".")
+            )
+    return errors
 
 
 def _transport_errors(cfg: TrainConfig) -> list[str]:
@@ -102,8 +123,26 @@ def _precision_errors(cfg: TrainConfig) -> list[str]:
         )
     if p.int4_group_size not in (32, 64, 128, 256):
         errors.append(f"precision.int4_group_size={p.int4_group_size} must be one of 32, 64, 128, 256.")
-    if p.activation_tile <= 0:
-        errors.append(f"precision.activation_tile={p.activation_tile} must be positive (128 is standard).")
+    return errors
+
+
+def _model_errors(cfg: TrainConfig) -> list[str]:
+    """The model's sizes that must fit each other (each one's own range is `_range_errors`')."""
+    m, errors = cfg.model, []
+    if 1 <= m.num_experts < m.num_experts_per_tok:
+        errors.append(
+            f"model.num_experts_per_tok={m.num_experts_per_tok} exceeds model.num_experts={m.num_experts}: a token "
+            "is routed to top-k distinct experts. Fix: a top-k <= the expert count."
+        )
+    if m.num_key_value_heads >= 1 and m.num_attention_heads % m.num_key_value_heads:
+        errors.append(
+            f"model.num_attention_heads={m.num_attention_heads} is not a multiple of model.num_key_value_heads="
+            f"{m.num_key_value_heads} (grouped-query attention shares each key/value head among whole groups)."
+        )
+    if m.first_k_dense_replace > m.num_layers:
+        errors.append(
+            f"model.first_k_dense_replace={m.first_k_dense_replace} exceeds model.num_layers={m.num_layers}."
+        )
     return errors
 
 
@@ -177,8 +216,6 @@ def _topology_errors(cfg: TrainConfig) -> list[str]:
         )
     if m.num_experts % r.ep_size:
         errors.append(f"rollout.ep_size={r.ep_size} does not divide model.num_experts={m.num_experts}.")
-    if not 0.0 < r.gpu_memory_fraction <= 1.0:
-        errors.append(f"rollout.gpu_memory_fraction={r.gpu_memory_fraction} must be in (0, 1].")
     return errors
 
 
@@ -226,17 +263,11 @@ def _length_errors(cfg: TrainConfig) -> list[str]:
 
 def _algorithm_errors(cfg: TrainConfig) -> list[str]:
     a, errors = cfg.algorithm, []
-    if a.group_size < 2:
-        errors.append(f"algorithm.group_size={a.group_size}: GRPO needs >= 2 responses per prompt.")
-    elif a.global_batch_size % a.group_size:
+    if a.group_size >= 2 and a.global_batch_size >= 1 and a.global_batch_size % a.group_size:
         errors.append(
             f"algorithm.global_batch_size={a.global_batch_size} is not a multiple of algorithm.group_size="
             f"{a.group_size} (the batch is whole groups)."
         )
-    if a.lr <= 0:
-        errors.append(f"algorithm.lr={a.lr} must be > 0.")
-    if a.kl_coef < 0:
-        errors.append(f"algorithm.kl_coef={a.kl_coef} must be >= 0.")
     if a.kl_coef > 0 and cfg.checkpoint.ref_load is None and cfg.model.name != "tiny_moe":
         errors.append(
             f"algorithm.kl_coef={a.kl_coef} needs a reference model: set checkpoint.ref_load (a BF16 checkpoint)."

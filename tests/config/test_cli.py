@@ -84,3 +84,15 @@ def test_dry_run_says_what_the_trainer_computes_in(tmp_path):
         assert out.returncode == 0, out.stderr
         line = next(x for x in out.stdout.splitlines() if x.startswith("trainer numerics:"))
         assert f"forward/backward in {dtype}," in line and needle in line
+
+
+def test_a_value_out_of_range_stops_the_command_before_any_run_directory(tmp_path):
+    """`algorithm.num_steps=-1` used to run an empty run (exit 0); now the command exits 2 naming the key
+    and its range, and writes no run directory."""
+    out = _run("-m", "skyq.train", "algorithm.num_steps=-1", "rollout.top_p=2", f"output_root={tmp_path}")
+    assert out.returncode == 2, out.stderr
+    assert (
+        "algorithm.num_steps=-1 must be >= 1" in out.stderr
+        and "rollout.top_p=2.0 must be in (0, 1]" in out.stderr
+    )
+    assert list(tmp_path.iterdir()) == []

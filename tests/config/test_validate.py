@@ -289,3 +289,82 @@ def test_qat_scope_must_equal_what_the_rollout_checkpoint_quantizes(tmp_path):
     cfg_bad = _cfg("precision=int4_qat", f"checkpoint.rollout_checkpoint={path}")
     with pytest.raises(ConfigValidationError, match="precision.qat_scope=routed_experts"):
         preflight.check(model=cfg_bad.model, precision=cfg_bad.precision, checkpoint=cfg_bad.checkpoint)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("algorithm.num_steps=0", "algorithm.num_steps=0 must be >= 1 (Training steps"),
+        ("algorithm.num_steps=-1", "algorithm.num_steps=-1 must be >= 1"),
+        ("algorithm.global_batch_size=0", "algorithm.global_batch_size=0 must be >= 1"),
+        ("algorithm.group_size=1", "algorithm.group_size=1 must be >= 2 (Responses sampled per prompt)"),
+        ("algorithm.lr=0", "algorithm.lr=0.0 must be > 0"),
+        ("algorithm.clip_eps_low=1.0", "algorithm.clip_eps_low=1.0 must be in (0, 1)"),
+        ("rollout.temperature=0", "rollout.temperature=0.0 must be > 0 (Sampling temperature)"),
+        ("rollout.top_p=1.5", "rollout.top_p=1.5 must be in (0, 1]"),
+        ("rollout.gpu_memory_fraction=0", "rollout.gpu_memory_fraction=0.0 must be in (0, 1]"),
+        ("rollout.weight_sync.timeout_s=0", "rollout.weight_sync.timeout_s=0.0 must be > 0"),
+        ("trainer.optimizer.adam_beta1=1", "trainer.optimizer.adam_beta1=1.0 must be in [0, 1)"),
+        ("trainer.optimizer.grad_clip=0", "trainer.optimizer.grad_clip=0.0 must be > 0"),
+        ("trainer.micro_batch_size=0", "trainer.micro_batch_size=0 must be >= 1"),
+        ("model.hidden_size=-64", "model.hidden_size=-64 must be >= 1 (Hidden size)"),
+        ("topology.parallel.dp=0", "topology.parallel.dp=0 must be >= 1"),
+        ("task.max_response_length=0", "task.max_response_length=0 must be >= 1"),
+        ("task.eval.num_samples=0", "task.eval.num_samples=0 must be >= 1"),
+        ("precision.activation_tile=0", "precision.activation_tile=0 must be >= 1"),
+        ("seed=-3", "seed=-3 must be >= 0"),
+    ],
+)
+def test_a_value_outside_its_fields_range_is_refused_naming_key_range_and_meaning(override, message):
+    """Every numeric field declares its range in the schema (`schema.bounded`); one value outside it
+    is refused before anything starts, the message naming the full key, the value, the range and what
+    the field means. (Before, e.g. num_steps=-1 ran an empty run and exited 0, and temperature=0 failed
+    only when the trainer actor was built.)"""
+    _refused(_cfg(override), message)
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["algorithm.kl_coef=0", "task.eval.interval=0", "checkpoint.save_interval=0", "model.init_sft_steps=0",
+     "trainer.optimizer.weight_decay=0", "algorithm.clip_eps_high=5", "rollout.top_p=1", "seed=0"],
+)  # fmt: skip
+def test_the_ranges_admit_their_documented_edge_values(override):
+    """Zero where a field documents it (off / never / no warm-up), and the closed ends of a range."""
+    validate(_cfg(override))
+
+
+def test_range_bounds_and_their_text():
+    from skyq.config.schema import Range
+
+    unit = Range(low=0, high=1, low_open=True)
+    assert (0 in unit, 1e-9 in unit, 1 in unit, 1.0000001 in unit) == (False, True, True, False)
+    assert str(unit) == "in (0, 1]"
+    assert str(Range(low=2)) == ">= 2" and str(Range(low=0, low_open=True)) == "> 0"
+    assert str(Range(low=0, high=1, high_open=True)) == "in [0, 1)" and str(Range(high=3)) == "<= 3"
+
+
+def test_every_bounded_default_lies_in_its_range_and_every_recipe_too():
+    """The schema's own defaults are valid (`bounded` refuses one that is not, at import), and so are
+    the values every model, precision and topology option sets (the recipes compose and validate in
+    tests/config/test_compose.py)."""
+    import dataclasses
+
+    from skyq.config import schema
+
+    for cls in (c for c in vars(schema).values() if isinstance(c, type) and dataclasses.is_dataclass(c)):
+        for f in dataclasses.fields(cls):
+            rng = f.metadata.get("range")
+            if rng is not None and f.default is not None:
+                assert f.default in rng, (cls.__name__, f.name)
+    with pytest.raises(ValueError, match="outside its own range"):
+        schema.bounded(0, ge=1)
+
+
+def test_the_models_sizes_must_fit_each_other():
+    _refused(_cfg("model.num_experts_per_tok=5"), "model.num_experts_per_tok=5 exceeds model.num_experts=4")
+    _refused(_cfg("model.num_key_value_heads=3"), "model.num_attention_heads=4 is not a multiple of")
+    _refused(
+        _cfg("model.first_k_dense_replace=3"), "model.first_k_dense_replace=3 exceeds model.num_layers=2"
+    )
+    errors = _refused(_cfg("algorithm.num_steps=0", "rollout.temperature=-1"), "num_steps", "temperature")
+    assert errors.count("\n  - ") == 2  # every problem at once
