@@ -7,6 +7,9 @@ wrong types fail at compose time with the full key path.
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
+import tempfile
 import uuid
 from pathlib import Path
 
@@ -35,10 +38,32 @@ def register() -> None:
     if not OmegaConf.has_resolver("skyq_uid"):
         # A random run-directory suffix, resolved once per config (two runs in one second differ).
         OmegaConf.register_new_resolver("skyq_uid", lambda: uuid.uuid4().hex[:8], use_cache=True)
+    if not OmegaConf.has_resolver("skyq_output_root"):
+        OmegaConf.register_new_resolver("skyq_output_root", writable_output_root)
     cs = ConfigStore.instance()
     cs.store(name="base_train", node=schema.TrainConfig)
     for group, node in GROUPS.items():
         cs.store(group=group, name=f"base_{group}", node=node)
+
+
+def writable_output_root(root: str) -> str:
+    """`output_root` itself, once a run directory can be made in it (created if missing). Only the
+    command line resolves it (the `hydra.run.dir` / `hydra.sweep.dir` of conf/train.yaml, before Hydra
+    makes the run directory), so a bad root ends the command as every config error does: `error: ...`
+    naming the key, the path and the OS's reason on stderr, exit 2 (an exception raised here would reach
+    the user as Hydra's traceback of its interpolation)."""
+    path = Path(root).expanduser()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix=".skyq-probe-", dir=path))  # what a run directory needs
+    except OSError as exc:
+        print(
+            f"error: output_root={root!r}: cannot make a run directory there ({exc.strerror}). "
+            "Fix: output_root=<a writable directory>",
+            file=sys.stderr,
+        )
+        raise SystemExit(2) from None
+    return root
 
 
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:

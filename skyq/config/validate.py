@@ -11,7 +11,15 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from skyq.config.checkpoint_rules import checkpoint_errors
-from skyq.config.enums import Device, Placement, Precision, RolloutBackend, TrainerBackend, WeightSyncMode
+from skyq.config.enums import (
+    Device,
+    Placement,
+    Precision,
+    RolloutBackend,
+    TaskName,
+    TrainerBackend,
+    WeightSyncMode,
+)
 from skyq.config.resolve import resolve_transport
 from skyq.config.schema import TrainConfig
 from skyq.config.shard_rules import ShardCheck, shard_checks, shard_errors
@@ -57,6 +65,7 @@ def validate(cfg: TrainConfig) -> ValidationReport:
     errors += _length_errors(cfg)
     errors += _algorithm_errors(cfg)
     errors += _transport_errors(cfg)
+    errors += _choice_errors(cfg)
     gpu = cfg.topology.device is Device.cuda
     report.shard_checks = shard_checks(
         model=cfg.model, precision=cfg.precision, parallel=cfg.topology.parallel, rollout=cfg.rollout, gpu=gpu
@@ -85,6 +94,49 @@ def _range_errors(node: object, prefix: str = "") -> list[str]:
             errors.append(
                 f"{key}={value!r} must be {rng}" + (f" ({meaning.rstrip('.')})." if meaning else ".")
             )
+    return errors
+
+
+MOE_TOKEN_DISPATCHERS = ("alltoall", "allgather", "flex")
+"""Megatron's MoE token dispatchers (`trainer.moe_token_dispatcher`; flex is DeepEP's)."""
+
+WANDB_MODES = ("online", "offline", "disabled")
+"""wandb's run modes (`logger.wandb_mode`)."""
+
+
+def _choice_errors(cfg: TrainConfig) -> list[str]:
+    """String keys with a fixed set of values, and settings the chosen backends would silently ignore."""
+    errors = []
+    if cfg.algorithm.name != "grpo":
+        errors.append(
+            f"algorithm.name={cfg.algorithm.name!r}: skyq implements grpo only. Fix: algorithm.name=grpo."
+        )
+    if cfg.trainer.moe_token_dispatcher not in MOE_TOKEN_DISPATCHERS:
+        errors.append(
+            f"trainer.moe_token_dispatcher={cfg.trainer.moe_token_dispatcher!r} must be one of "
+            f"{', '.join(MOE_TOKEN_DISPATCHERS)}."
+        )
+    if cfg.logger.wandb_mode not in WANDB_MODES:
+        errors.append(f"logger.wandb_mode={cfg.logger.wandb_mode!r} must be one of {', '.join(WANDB_MODES)}.")
+    task = cfg.task
+    if task.name is TaskName.arith and (task.dataset is not None or task.eval.dataset is not None):
+        key, value = (
+            ("task.dataset", task.dataset)
+            if task.dataset is not None
+            else ("task.eval.dataset", task.eval.dataset)
+        )
+        errors.append(
+            f"{key}={value!r} with task.name=arith, "
+            "which generates its own prompts and reads no dataset (it would be ignored). Fix: task=dapo_math "
+            "for a JSONL file of {prompt, label} records, or drop the key."
+        )
+    native = cfg.rollout.backend is RolloutBackend.embedded and cfg.trainer.backend is TrainerBackend.torch
+    if native and (task.eval.interval or task.eval.dataset is not None):
+        errors.append(
+            f"task.eval.interval={task.eval.interval}, task.eval.dataset={task.eval.dataset!r}: the embedded run "
+            "(rollout=embedded, trainer=torch) has no evaluation loop, so these would be ignored. Fix: "
+            "task.eval.interval=0 and no task.eval.dataset; the run's reward curve is in metrics.jsonl."
+        )
     return errors
 
 

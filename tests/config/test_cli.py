@@ -96,3 +96,14 @@ def test_a_value_out_of_range_stops_the_command_before_any_run_directory(tmp_pat
         and "rollout.top_p=2.0 must be in (0, 1]" in out.stderr
     )
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_output_root_no_run_directory_can_be_made_in_is_one_line_exit_2(tmp_path):
+    """Was Hydra's traceback of its run-directory creation (exit 1); now `error: output_root=...` with the
+    OS's reason, exit 2, as every config error."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    out = _run("-m", "skyq.train", f"output_root={blocker}/runs", "dry_run=true")
+    assert out.returncode == 2, out.stderr
+    assert f"error: output_root='{blocker}/runs': cannot make a run directory there" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -368,3 +368,23 @@ def test_the_models_sizes_must_fit_each_other():
     )
     errors = _refused(_cfg("algorithm.num_steps=0", "rollout.temperature=-1"), "num_steps", "temperature")
     assert errors.count("\n  - ") == 2  # every problem at once
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["algorithm.name=ppo"], "algorithm.name='ppo': skyq implements grpo only"),
+        (
+            ["trainer.moe_token_dispatcher=alltoal"],
+            "trainer.moe_token_dispatcher='alltoal' must be one of alltoall",
+        ),
+        (["logger.wandb_mode=offlne"], "logger.wandb_mode='offlne' must be one of online, offline, disabled"),
+        (["task.dataset=data/train.jsonl"], "task.dataset='data/train.jsonl' with task.name=arith"),
+        (["task.eval.dataset=data/eval.jsonl"], "task.eval.dataset='data/eval.jsonl' with task.name=arith"),
+        (["task.eval.interval=10"], "task.eval.interval=10, task.eval.dataset=None: the embedded run"),
+    ],
+)
+def test_settings_nothing_would_read_are_refused(overrides, message):
+    """A string key outside its fixed values, and a setting the chosen task or backends would silently
+    ignore (before: each of these ran the default GRPO / generated arithmetic / no evaluation, exit 0)."""
+    _refused(_cfg(*overrides), message)
