@@ -357,9 +357,11 @@ class EvalConfig:
     dataset: Optional[str] = None
     """Eval dataset (path or name; None = the task's built-in eval split)."""
     interval: int = bounded(0, ge=0)
-    """Evaluate every N steps (0 = never)."""
+    """Evaluate every N steps (0 = never): before the step's rollout, on the weights of the updates so far (step 0: the starting model)."""
     num_samples: int = bounded(1, ge=1)
     """Samples per eval prompt."""
+    temperature: float = bounded(0.0, ge=0)
+    """Eval sampling temperature (0 = greedy); top_p is rollout.top_p."""
 
 
 @dataclass

@@ -130,13 +130,6 @@ def _choice_errors(cfg: TrainConfig) -> list[str]:
             "which generates its own prompts and reads no dataset (it would be ignored). Fix: task=dapo_math "
             "for a JSONL file of {prompt, label} records, or drop the key."
         )
-    native = cfg.rollout.backend is RolloutBackend.embedded and cfg.trainer.backend is TrainerBackend.torch
-    if native and (task.eval.interval or task.eval.dataset is not None):
-        errors.append(
-            f"task.eval.interval={task.eval.interval}, task.eval.dataset={task.eval.dataset!r}: the embedded run "
-            "(rollout=embedded, trainer=torch) has no evaluation loop, so these would be ignored. Fix: "
-            "task.eval.interval=0 and no task.eval.dataset; the run's reward curve is in metrics.jsonl."
-        )
     return errors
 
 

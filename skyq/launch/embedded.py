@@ -22,6 +22,7 @@ from skyq.config.enums import RolloutBackend, TrainerBackend, WeightSyncMode
 from skyq.config.schema import (
     AlgorithmConfig,
     CheckpointConfig,
+    EvalConfig,
     LoggerConfig,
     ModelConfig,
     PrecisionConfig,
@@ -145,6 +146,10 @@ def run_step(
     sync = pair.sync(version)
     if verify_sync:
         pair.verify_engine_matches_trainer()
+    ev = task_cfg.eval
+    scores = (
+        evaluate(pair, task, ev, task_cfg, rollout, seed) if ev.interval and step % ev.interval == 0 else {}
+    )
     group = algorithm.group_size
     prompts = task.prompts(step, algorithm.global_batch_size // group)
     samples = pair.generate(
@@ -178,10 +183,45 @@ def run_step(
         "mismatch/k3_kl": train["mismatch_k3"],
         "mismatch/max_abs_dlogp": train["mismatch_max"],
         **sync,
+        **scores,
         "time/step_s": done - start,
-        "time/rollout_s": rolled_out - start - sync["sync/total_s"],
+        "time/rollout_s": rolled_out - start - sync["sync/total_s"] - scores.get("eval/time_s", 0.0),
         "time/train_s": done - rolled_out,
         **{f"train/{k}": v for k, v in train.items()},
+    }
+
+
+def eval_seed(seed: int) -> int:
+    """The engine's sampling seed of every eval of a run (the same draws each time: evals differ only
+    by the weights)."""
+    return rollout_seed(seed, -1)
+
+
+def evaluate(
+    pair: WorkerPair, task: Task, ev: EvalConfig, task_cfg: TaskConfig, rollout: RolloutConfig, seed: int
+) -> dict[str, float]:
+    """Score the engine's current weights on the task's eval prompts (`Task.eval_prompts`):
+    `task.eval.num_samples` responses each at `task.eval.temperature` (0 = greedy) and rollout.top_p.
+    eval/reward is the mean reward of all responses, eval/best_of_n the mean over prompts of the best
+    one's, eval/time_s the wall time."""
+    start = time.perf_counter()
+    prompts = task.eval_prompts()
+    n = ev.num_samples
+    samples = pair.generate(
+        [p.token_ids for p in prompts],
+        n=n,
+        max_new_tokens=task_cfg.max_response_length,
+        temperature=ev.temperature,
+        top_p=rollout.top_p,
+        seed=eval_seed(seed),
+    )
+    rewards = [task.reward(prompts[i // n], s.response_ids) for i, s in enumerate(samples)]
+    best = [max(rewards[i : i + n]) for i in range(0, len(rewards), n)]
+    return {
+        "eval/reward": sum(rewards) / len(rewards),
+        "eval/best_of_n": sum(best) / len(best),
+        "eval/prompts": float(len(prompts)),
+        "eval/time_s": time.perf_counter() - start,
     }
 
 

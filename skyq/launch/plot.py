@@ -54,10 +54,15 @@ def _panel(ax: Any, rows: list[dict[str, Any]], key: str, label: str | None) -> 
 
 
 def plot_run(rows: list[dict[str, Any]], out: Path, *, title: str) -> Path:
-    """Reward and mismatch against step, one panel each."""
+    """Reward and mismatch against step, one panel each; the evals' reward (`task.eval.*`), where the run
+    has any, as points on the reward panel."""
     fig, axes = _pyplot().subplots(1, len(RUN_PANELS), figsize=(10, 3.6))
+    evals = [(r["step"], r["eval/reward"]) for r in rows if "eval/reward" in r]
     for ax, (key, ylabel) in zip(axes, RUN_PANELS):
-        _panel(ax, rows, key, None)
+        _panel(ax, rows, key, "train" if evals and key == "reward" else None)
+        if evals and key == "reward":
+            ax.plot([s for s, _ in evals], [v for _, v in evals], marker="o", linestyle="--", label="eval")
+            ax.legend(fontsize=8)
         ax.set_xlabel("step")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)

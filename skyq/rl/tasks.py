@@ -10,7 +10,7 @@ import hashlib
 import json
 import random
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -69,6 +69,10 @@ class Task(ABC):
     def supervised_examples(self, n: int, rng: random.Random) -> list[SupervisedExample]:
         """`n` (prompt, correct response) pairs for a supervised warm-up."""
 
+    def eval_prompts(self) -> list[Prompt]:
+        """The fixed prompts evaluation scores (`task.eval.*`), the same at every eval of a run."""
+        raise TaskError(f"task {type(self).__name__} has no eval set: set task.eval.interval=0")
+
     def response_text(self, response_ids: list[int]) -> str:
         """The response as text, cut at the first eos."""
         eos = self.tokenizer.eos_token_id
@@ -80,6 +84,17 @@ class Task(ABC):
     def reward(self, prompt: Prompt, response_ids: list[int]) -> float:
         """Reward of one response to `prompt`."""
         return self.reward_fn(self.response_text(response_ids), prompt.answer)
+
+
+class _Fixed:
+    """A stand-in for `random.Random` whose `randrange` hands out given digits in turn (`ArithTask._make`
+    draws a, then b): one specific problem from the same code that draws random ones."""
+
+    def __init__(self, *digits: int) -> None:
+        self._digits = iter(digits)
+
+    def randrange(self, _stop: int) -> int:
+        return next(self._digits)
 
 
 class ArithTask(Task):
@@ -122,6 +137,16 @@ class ArithTask(Task):
         rng = step_rng(self.seed, step)
         return [self._make(rng)[0] for _ in range(n)]
 
+    def eval_prompts(self) -> list[Prompt]:
+        """Every distinct problem of the op once (100 for add_mod10, 10 for copy), in digit order: the
+        whole problem space, so an eval's reward is the policy's accuracy, not a sample of it."""
+        pairs = (
+            [(a, 0) for a in range(10)]
+            if self.op is ArithOp.copy
+            else [(a, b) for a in range(10) for b in range(10)]
+        )
+        return [self._make(_Fixed(a, b))[0] for a, b in pairs]
+
     def supervised_examples(self, n: int, rng: random.Random) -> list[SupervisedExample]:
         examples = []
         for _ in range(n):
@@ -143,6 +168,18 @@ class DapoMathTask(Task):
     ) -> None:
         super().__init__(tokenizer=tokenizer, reward_fn=reward_fn, seed=seed)
         self.records = load_prompt_records(task_cfg, tokenizer)
+        eval_file = task_cfg.eval.dataset
+        self.eval_records = (
+            None
+            if eval_file is None
+            else load_prompt_records(replace(task_cfg, dataset=eval_file), tokenizer)
+        )
+
+    def eval_prompts(self) -> list[Prompt]:
+        """The records of `task.eval.dataset` (a local JSONL file, read as the training one), in file order."""
+        if self.eval_records is None:
+            raise TaskError("task dapo_math evaluates task.eval.dataset=<a local .jsonl file>; none is set")
+        return self.eval_records
 
     def _order(self, epoch: int) -> list[int]:
         order = list(range(len(self.records)))

@@ -87,3 +87,29 @@ def test_dapo_math_never_downloads(tmp_path):
         build_task(cfg, seed=0, tokenizer=ArithTokenizer())
     with pytest.raises(TaskError, match="tokenizer"):
         build_task(cfg, seed=0)
+
+
+@pytest.mark.parametrize(("op", "count"), [(ArithOp.add_mod10, 100), (ArithOp.copy, 10)])
+def test_arith_eval_prompts_are_the_whole_problem_space_once(op, count):
+    """Every distinct problem exactly once, each with its right answer, the same for any seed."""
+    task = build_task(TaskConfig(arith_op=op), seed=0)
+    prompts = task.eval_prompts()
+    texts = [task.tokenizer.decode(p.token_ids) for p in prompts]
+    assert len(prompts) == count and len(set(texts)) == count
+    for text, p in zip(texts, prompts, strict=True):
+        digits = [int(c) for c in text if c.isdigit()]
+        assert p.answer == str(sum(digits) % 10 if op is ArithOp.add_mod10 else digits[0]), text
+    assert build_task(TaskConfig(arith_op=op), seed=7).eval_prompts() == prompts
+
+
+def test_dapo_math_evaluates_the_eval_dataset_and_needs_one(tmp_path):
+    train, held_out = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text("\n".join(json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}) for i in range(5)))
+    held_out.write_text("\n".join(json.dumps({"prompt": f"{i}+2=", "label": str(i + 2)}) for i in range(3)))
+    cfg = TaskConfig(name=TaskName.dapo_math, reward=RewardName.math, dataset=str(train))
+    cfg.eval.dataset = str(held_out)
+    task = build_task(cfg, seed=0, tokenizer=ArithTokenizer())
+    assert [p.answer for p in task.eval_prompts()] == ["2", "3", "4"]  # file order
+    cfg.eval.dataset = None
+    with pytest.raises(TaskError, match="task.eval.dataset"):
+        build_task(cfg, seed=0, tokenizer=ArithTokenizer()).eval_prompts()
