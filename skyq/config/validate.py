@@ -130,6 +130,11 @@ def _choice_errors(cfg: TrainConfig) -> list[str]:
             "which generates its own prompts and reads no dataset (it would be ignored). Fix: task=dapo_math "
             "for a JSONL file of {prompt, label} records, or drop the key."
         )
+    if task.eval.interval and task.name is not TaskName.arith and task.eval.dataset is None:
+        errors.append(
+            f"task.eval.interval={task.eval.interval} with task.name={task.name.value} needs task.eval.dataset="
+            "<a local .jsonl file> (only arith brings its own eval set). Fix: set it, or task.eval.interval=0."
+        )
     return errors
 
 

@@ -381,6 +381,10 @@ def test_the_models_sizes_must_fit_each_other():
         (["logger.wandb_mode=offlne"], "logger.wandb_mode='offlne' must be one of online, offline, disabled"),
         (["task.dataset=data/train.jsonl"], "task.dataset='data/train.jsonl' with task.name=arith"),
         (["task.eval.dataset=data/eval.jsonl"], "task.eval.dataset='data/eval.jsonl' with task.name=arith"),
+        (
+            ["task=dapo_math", "task.eval.interval=5"],
+            "task.eval.interval=5 with task.name=dapo_math needs task.eval",
+        ),
     ],
 )
 def test_settings_nothing_would_read_are_refused(overrides, message):
