@@ -47,8 +47,8 @@ from skyq.launch.rundir import (
     release_run_dir,
     save_resolved_config,
 )
-from skyq.rl.batch import collate
-from skyq.rl.tasks import Task, build_task
+from skyq.rl.batch import Sample, collate
+from skyq.rl.tasks import Prompt, Task, build_task
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,15 +152,8 @@ def run_step(
     )
     group = algorithm.group_size
     prompts = task.prompts(step, algorithm.global_batch_size // group)
-    samples = pair.generate(
-        [p.token_ids for p in prompts],
-        n=group,
-        max_new_tokens=task_cfg.max_response_length,
-        temperature=rollout.temperature,
-        top_p=rollout.top_p,
-        seed=rollout_seed(seed, step),
-    )
-    rewards = [task.reward(prompts[i // group], s.response_ids) for i, s in enumerate(samples)]
+    samples, rewards = _sampled(pair, task, prompts, group, task_cfg.max_response_length,
+                                temperature=rollout.temperature, top_p=rollout.top_p, seed=rollout_seed(seed, step))  # fmt: skip
     batch = collate(
         samples,
         rewards,
@@ -191,6 +184,14 @@ def run_step(
     }
 
 
+def _sampled(
+    pair: WorkerPair, task: Task, prompts: list[Prompt], n: int, max_new_tokens: int, **sampling: Any
+) -> tuple[list[Sample], list[float]]:
+    """`n` engine samples of each prompt (in prompt order) and each sample's reward."""
+    samples = pair.generate([p.token_ids for p in prompts], n=n, max_new_tokens=max_new_tokens, **sampling)
+    return samples, [task.reward(prompts[i // n], s.response_ids) for i, s in enumerate(samples)]
+
+
 def eval_seed(seed: int) -> int:
     """The engine's sampling seed of every eval of a run (the same draws each time: evals differ only
     by the weights)."""
@@ -207,15 +208,8 @@ def evaluate(
     start = time.perf_counter()
     prompts = task.eval_prompts()
     n = ev.num_samples
-    samples = pair.generate(
-        [p.token_ids for p in prompts],
-        n=n,
-        max_new_tokens=task_cfg.max_response_length,
-        temperature=ev.temperature,
-        top_p=rollout.top_p,
-        seed=eval_seed(seed),
-    )
-    rewards = [task.reward(prompts[i // n], s.response_ids) for i, s in enumerate(samples)]
+    _, rewards = _sampled(pair, task, prompts, n, task_cfg.max_response_length,
+                          temperature=ev.temperature, top_p=rollout.top_p, seed=eval_seed(seed))  # fmt: skip
     best = [max(rewards[i : i + n]) for i in range(0, len(rewards), n)]
     return {
         "eval/reward": sum(rewards) / len(rewards),
