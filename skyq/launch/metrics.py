@@ -27,6 +27,7 @@ from typing import Any
 from skyq.checkpoint.atomic import atomic_write_bytes
 from skyq.config.enums import LoggerBackend
 from skyq.config.schema import LoggerConfig
+from skyq.config.validate import WANDB_MODES
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -121,8 +122,8 @@ def _wants_wandb(logger_cfg: LoggerConfig) -> bool:
 def _start_wandb(logger_cfg: LoggerConfig, config: dict[str, Any], run_dir: Path, run_name: str) -> Any:
     import wandb
 
-    if logger_cfg.wandb_mode not in ("online", "offline"):
-        raise ValueError(f"logger.wandb_mode={logger_cfg.wandb_mode!r}: use online, offline or disabled")
+    if logger_cfg.wandb_mode not in WANDB_MODES:  # `validate` refuses it first; this guards direct calls
+        raise ValueError(f"logger.wandb_mode={logger_cfg.wandb_mode!r}: use {', '.join(WANDB_MODES)}")
     # No console capture, command line, git or code snapshot: any of them could carry a secret
     # (e.g. a key passed as an override) into the run directory.
     settings = wandb.Settings(

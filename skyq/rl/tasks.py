@@ -86,17 +86,6 @@ class Task(ABC):
         return self.reward_fn(self.response_text(response_ids), prompt.answer)
 
 
-class _Fixed:
-    """A stand-in for `random.Random` whose `randrange` hands out given digits in turn (`ArithTask._make`
-    draws a, then b): one specific problem from the same code that draws random ones."""
-
-    def __init__(self, *digits: int) -> None:
-        self._digits = iter(digits)
-
-    def randrange(self, _stop: int) -> int:
-        return next(self._digits)
-
-
 class ArithTask(Task):
     """`<bos>a+b=` -> `(a+b) mod 10` (add_mod10) or `<bos>a=` -> `a` (copy), digits 0-9."""
 
@@ -126,6 +115,10 @@ class ArithTask(Task):
 
     def _make(self, rng: random.Random) -> tuple[Prompt, list[int]]:
         a, b = rng.randrange(10), rng.randrange(10)
+        return self._problem(a, b)
+
+    def _problem(self, a: int, b: int) -> tuple[Prompt, list[int]]:
+        """(prompt, target tokens) of the problem on digits a and b (b unused by copy)."""
         if self.op is ArithOp.copy:
             text, answer = f"{a}=", str(a)
         else:
@@ -145,7 +138,7 @@ class ArithTask(Task):
             if self.op is ArithOp.copy
             else [(a, b) for a in range(10) for b in range(10)]
         )
-        return [self._make(_Fixed(a, b))[0] for a, b in pairs]
+        return [self._problem(a, b)[0] for a, b in pairs]
 
     def supervised_examples(self, n: int, rng: random.Random) -> list[SupervisedExample]:
         examples = []
