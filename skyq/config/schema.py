@@ -232,6 +232,8 @@ class WeightSyncConfig:
     """Target bytes per bucket."""
     timeout_s: float = bounded(120.0, gt=0)
     """Deadline for every wait of a sync."""
+    worker_call_timeout_s: float = bounded(1800.0, gt=0)
+    """Deadline for each other call the driver makes into the trainer or the engine (start-up, generate, train_step, a checkpoint save or load, a whole sync); past it the run stops naming the worker and the call."""
     verify_checksum: bool = True
     """Receiver checks the manifest checksum of every bucket."""
 
