@@ -84,8 +84,14 @@ def json_bytes(obj: Any) -> bytes:
 
 
 def remove_stale_temp_files(directory: Path) -> list[Path]:
-    """Delete temp files a killed writer left in `directory`; returns what was removed."""
-    stale = sorted(p for p in directory.iterdir() if TEMP_MARKER in p.name and p.is_file())
+    """Delete temp files a killed writer left in `directory` and its folders (never following a
+    symlink out of it); returns what was removed."""
+    stale = sorted(
+        Path(root) / name
+        for root, _, names in os.walk(directory)
+        for name in names
+        if TEMP_MARKER in name and not (Path(root) / name).is_symlink()
+    )
     for p in stale:
         p.unlink(missing_ok=True)
     return stale

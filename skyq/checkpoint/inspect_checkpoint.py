@@ -4,7 +4,9 @@ Reports the format (bf16, fp8 blockwise / per-channel / per-tensor, mxfp8, int4 
 and kept tensors by role, scale sanity (finite, positive, powers of two where `scale_fmt: ue8m0`
 claims so; no 0xFF byte in E8M0 scales), index and config consistency (total_size in bytes, quantized tensors <=> config
 block, skip/ignore lists <=> tensors) and bytes. `verify=True` also reads every tensor (finite
-values, no e4m3 NaN codes) and checks every file against `skyq_manifest.json`.
+values, no e4m3 NaN codes) and checks every file against `skyq_manifest.json`: its sha256 and size,
+that every shard of the index is listed, and that every shard was converted from the same inputs
+(a shard of another conversion makes the output a mix of two checkpoints).
 """
 
 from __future__ import annotations
@@ -224,7 +226,17 @@ def _verify(source: ShardedCheckpoint, report: InspectReport) -> None:
     manifest_path = source.dir / MANIFEST_NAME
     if manifest_path.exists():
         try:
-            problems = verify_files(source.dir, read_manifest(manifest_path))
+            manifest = read_manifest(manifest_path)
+            problems = verify_files(source.dir, manifest)
+            problems += [
+                f"{source.dir / s}: in the index but not in {MANIFEST_NAME} (not written by this conversion)"
+                for s in source.shard_names
+                if s not in manifest["files"]
+            ]
+            if manifest.get("inputs_id") is None:
+                report.lines.append(
+                    "provenance: not recorded (an older skyq); a mixed output cannot be detected"
+                )
         except CheckpointError as e:
             problems = [str(e)]
         report.problems += problems

@@ -2,7 +2,8 @@
 
 Each converter builds a `ConversionJob` (its options, its per-shard transform and the config it
 writes) after validating the input from shard headers alone, so bad input is refused before any
-output file exists. `run_job` does the rest the same way for every converter.
+output file exists. `run_job` does the rest the same way for every converter, and refuses to
+finish (no index, config or manifest) when an input shard changed while it was being converted.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from typing import Any
 
 from skyq.checkpoint.atomic import TEMP_MARKER
 from skyq.checkpoint.device import resolve_device
+from skyq.checkpoint.errors import CheckpointError
 from skyq.checkpoint.manifest import MANIFEST_NAME
 from skyq.checkpoint.output import DONE_LOG_NAME, ConversionOutput
 from skyq.checkpoint.pipeline import ConversionStats, ShardTransform, run_conversion
-from skyq.checkpoint.reader import CONFIG_NAME, INDEX_NAME, ShardedCheckpoint
+from skyq.checkpoint.reader import CONFIG_NAME, INDEX_NAME, ShardedCheckpoint, check_inside_model_tree
 
 _NEVER_COPIED = {INDEX_NAME, CONFIG_NAME, MANIFEST_NAME, DONE_LOG_NAME}
 
@@ -41,17 +43,24 @@ class ConversionJob:
     device: str | None = None
     """Where the arithmetic runs (`cpu`, `cuda[:N]`; None: cuda if available); never changes the output."""
 
+    def __post_init__(self) -> None:
+        if self.max_workers < 1:
+            raise ValueError(f"--max-workers {self.max_workers}: must be at least 1 (converter threads)")
+
 
 def files_to_copy(model_dir: Path, skip: set[str]) -> list[str]:
-    """Relative paths of the non-weight files (tokenizer, generation config, code...) to carry over."""
+    """Relative paths of the non-weight files (tokenizer, generation config, code...) to carry over;
+    refuses one that a symlink takes outside the model dir (its bytes would land in the output)."""
     out = []
     for path in sorted(model_dir.rglob("*")):
         rel = path.relative_to(model_dir)
-        if not path.is_file() or any(part.startswith(".") for part in rel.parts) or TEMP_MARKER in path.name:
+        if any(part.startswith(".") for part in rel.parts) or TEMP_MARKER in path.name:
             continue
-        if path.suffix == ".safetensors" or str(rel) in _NEVER_COPIED | skip:
+        if path.is_symlink():
+            check_inside_model_tree(model_dir, path, "a file to copy")
+        if not path.is_file() or path.suffix == ".safetensors" or rel.as_posix() in _NEVER_COPIED | skip:
             continue
-        out.append(str(rel))
+        out.append(rel.as_posix())
     return out
 
 
@@ -61,10 +70,10 @@ def run_job(job: ConversionJob) -> ConversionStats:
     device = resolve_device(job.device)
     source.verify_checksums()
     all_shards = source.shard_names
-    sources = {s: source.shard_bytes(s) for s in all_shards}
     output = ConversionOutput(
-        save_dir=job.save_dir, model_dir=source.dir, tool=job.tool, options=job.options, sources=sources,
-        overwrite=job.overwrite,
+        save_dir=job.save_dir, model_dir=source.dir, tool=job.tool, options=job.options,
+        inputs=source.identity(), config=job.config, extra_json=job.extra_json,
+        copied=files_to_copy(source.dir, set(job.extra_json)), overwrite=job.overwrite,
     )  # fmt: skip
     selected = all_shards if job.shards is None else [s for s in all_shards if s in set(job.shards)]
     stats = run_conversion(
@@ -76,9 +85,12 @@ def run_job(job: ConversionJob) -> ConversionStats:
         print(f"{job.tool}: {len(missing)} of {len(all_shards)} shard(s) still to convert (e.g. {missing[0]}); "
               "index and config are written once all are done")  # fmt: skip
     else:
-        copied = files_to_copy(source.dir, set(job.extra_json))
-        for rel in copied:
-            output.copy_file(rel)
-        output.finalize(shards=all_shards, config=job.config, extra_json=job.extra_json, copied=copied)
+        changed = source.changed_inputs()
+        if changed:
+            raise CheckpointError(
+                f"{changed[0]}: changed while it was being converted; the output is left unfinished "
+                "(no index or config): run the command again with --overwrite to convert the new input"
+            )
+        output.finalize()
     print(stats.summary(job.tool), file=sys.stdout, flush=True)
     return stats

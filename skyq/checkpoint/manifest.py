@@ -3,13 +3,18 @@
 safetensors validates only a file's header and offsets, so a zero-filled or bit-flipped payload
 loads silently; the manifest is what catches it (`inspect --verify`, and every converter reading a
 skyq-written input). It is written after the index and config: its presence marks a finished run.
+
+It also records what the output was converted from: `inputs` (each input shard's identity, see
+`reader.stat_identity`; no path, so a published checkpoint names no local directory) and `inputs_id`, a digest of the conversion and its inputs,
+which every shard's record repeats. A shard whose `inputs_id` differs from the manifest's came from
+another conversion: the output is a mix of two checkpoints (`mixed_shards`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from skyq.checkpoint.errors import CheckpointError
@@ -32,15 +37,40 @@ def file_record(path: Path) -> dict[str, Any]:
     return {"sha256": sha256_file(path), "bytes": path.stat().st_size}
 
 
-def build_manifest(*, tool: str, fingerprint: str, options: dict[str, Any], files: dict[str, dict]) -> dict:
-    """The manifest object; `files` maps a file name to `file_record(...)`."""
+def build_manifest(
+    *, tool: str, fingerprint: str, options: dict[str, Any], files: dict[str, dict], inputs: dict[str, Any],
+    inputs_id: str,
+) -> dict:  # fmt: skip
+    """The manifest object; `files` maps a file name to `file_record(...)` (a shard's record also
+    carries its `inputs_id`); `inputs` maps each input shard to its identity."""
     return {
         "skyq_manifest_version": MANIFEST_VERSION,
         "tool": tool,
         "fingerprint": fingerprint,
         "options": options,
+        "inputs": inputs,
+        "inputs_id": inputs_id,
         "files": dict(sorted(files.items())),
     }
+
+
+def mixed_shards(manifest: dict[str, Any]) -> list[str]:
+    """Shards the manifest records as converted from other inputs than the checkpoint as a whole."""
+    expected = manifest.get("inputs_id")
+    return [
+        f"{name} was converted from other inputs (inputs_id {record.get('inputs_id')}) than the rest of "
+        f"the checkpoint ({expected}): the output mixes two conversions"
+        for name, record in sorted(manifest["files"].items())
+        if name.endswith(".safetensors") and expected is not None and record.get("inputs_id") != expected
+    ]
+
+
+def is_plain_relative(name: object) -> bool:
+    """True for a relative path that stays inside the dir it is relative to (no `..`, no root)."""
+    if not isinstance(name, str) or not name or "\\" in name or "\0" in name:
+        return False
+    path = PurePosixPath(name)
+    return not path.is_absolute() and all(part not in ("", ".", "..") for part in path.parts)
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
@@ -52,6 +82,9 @@ def read_manifest(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: not a skyq manifest of version {MANIFEST_VERSION}")
     if not isinstance(manifest.get("files"), dict):
         raise CheckpointError(f"{path}: manifest has no 'files' object")
+    bad = [name for name in manifest["files"] if not is_plain_relative(name)]
+    if bad:
+        raise CheckpointError(f"{path}: lists {bad[0]!r}, which is not a file inside its directory")
     return manifest
 
 
@@ -68,4 +101,4 @@ def verify_files(directory: Path, manifest: dict[str, Any]) -> list[str]:
             )
         elif sha256_file(path) != record["sha256"]:
             problems.append(f"{path}: sha256 differs from {MANIFEST_NAME} (corrupt payload)")
-    return problems
+    return problems + [f"{directory}: {m}" for m in mixed_shards(manifest)]
