@@ -29,6 +29,7 @@ from skyq.tools.cli import (
     checkpoint_model_config,
     convert,
     converter_parser,
+    positive_int,
     run_tool,
     unquantized_source,
 )
@@ -40,7 +41,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = converter_parser(TOOL, __doc__, model_dir_help="BF16 HF checkpoint to read")
     add_save_dir(p)
     p.add_argument("--strategy", choices=[s.value for s in Fp8Strategy], default="block")
-    p.add_argument("--block-size", nargs=2, type=int, default=[128, 128], metavar=("BN", "BK"))
+    p.add_argument("--block-size", nargs=2, type=positive_int, default=[128, 128], metavar=("BN", "BK"))
     p.add_argument("--scale-fmt", choices=["ue8m0"], default=None, help="power-of-two scales (block only)")
     add_run_options(p)
     return p.parse_args(argv)

@@ -32,6 +32,7 @@ from skyq.tools.cli import (
     checkpoint_model_config,
     convert,
     converter_parser,
+    positive_int,
     run_tool,
     unquantized_source,
 )
@@ -47,7 +48,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = converter_parser(TOOL, __doc__, model_dir_help="BF16 HF checkpoint to read")
     add_save_dir(p)
     p.add_argument(
-        "--group-size", type=int, default=32, help="INT4 group along K (seed default 32; Qwen3: 128)"
+        "--group-size", type=positive_int, default=32, help="INT4 group along K (seed default 32; Qwen3: 128)"
     )
     p.add_argument(
         "--grid", choices=[g.value for g in Int4Grid], default="kimi", help="kimi: /7 [-7,7]; rtn: /7.5"
