@@ -163,9 +163,10 @@ class ConversionOutput:
         self.done: dict[str, str] = {}  # shard -> sha256 of a verified, durable output shard
 
         # Decide, touching nothing.
-        if self.dir.exists() and not self.dir.is_dir():
+        blocking = next((p for p in [self.dir, *self.dir.parents] if p.exists() and not p.is_dir()), None)
+        if blocking is not None:
             raise CheckpointError(
-                f"--save-dir {self.dir}: exists and is not a directory; choose a new or an empty directory"
+                f"--save-dir {self.dir}: {blocking} is a file, not a directory; choose a new or an empty directory"
             )
         for rel in sorted(self.writes):
             self._check_target(rel)
