@@ -13,6 +13,7 @@ GPU through skyq.quant's kernel dispatch, and for BF16 blockwise on the CPU thro
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -24,8 +25,15 @@ from skyq.checkpoint import fp8_cpu_kernel
 from skyq.checkpoint.chunking import quantize_by_rows
 from skyq.checkpoint.errors import CheckpointError
 from skyq.checkpoint.pipeline import ShardTransform, tensorwise_transform
+from skyq.checkpoint.reader import TensorInfo
+from skyq.config.enums import Precision, ScaleFormat
+from skyq.config.schema import PrecisionConfig
+from skyq.config.shard_rules import ShardCheck
 from skyq.quant import fp8_blockwise
 from skyq.quant.kernels import dispatch
+from skyq.quant.layouts import Role
+from skyq.quant.plan import QuantPlan
+from skyq.quant.strategies import get_strategy
 
 
 class Fp8Strategy(str, Enum):
@@ -46,6 +54,14 @@ class Fp8Options:
             raise ValueError(
                 f"--scale-fmt ue8m0 needs --strategy block, got --strategy {self.strategy.value}"
             )
+
+    def precision_config(self) -> PrecisionConfig:
+        """The fp8_blockwise precision whose scope and plan this conversion follows (block size and
+        scale format are the block strategy's; the scope is the same for every strategy)."""
+        scale_format = ScaleFormat.ue8m0 if self.pow2_scales else ScaleFormat.fp32
+        return PrecisionConfig(
+            name=Precision.fp8_blockwise, block_size=list(self.block_size), scale_format=scale_format
+        )
 
     def scale_suffix(self) -> str:
         return "_scale_inv" if self.strategy is Fp8Strategy.block else "_scale"
@@ -114,21 +130,76 @@ _CHANNEL_GROUP = {
 }  # fmt: skip
 
 
-def fp8_quantization_config(opts: Fp8Options, kept_modules: tuple[str, ...]) -> dict[str, Any]:
-    """The `quantization_config` block FORMATS.md fixes for each strategy (lists sorted)."""
+def fp8_quantization_config(opts: Fp8Options, plan: QuantPlan) -> dict[str, Any]:
+    """The `quantization_config` block of each strategy, for a plan of `opts.precision_config()`.
+
+    `block` is the fp8_blockwise strategy's own block (the one a run's engine boots from, the
+    strategy being the one owner of it); `tensor` is that block without `weight_block_size` (one
+    scale per tensor: vLLM's per-tensor FP8). `channel` is compressed-tensors `float-quantized`
+    with the plan's ignore list; no run precision serves it, so no strategy owns it.
+    """
     if opts.strategy is Fp8Strategy.channel:
         return {
             "config_groups": {"group_0": copy.deepcopy(_CHANNEL_GROUP)},
             "format": "float-quantized",
-            "ignore": list(kept_modules),
+            "ignore": plan.ignore_list(),
             "kv_cache_scheme": None,
             "quant_method": "compressed-tensors",
             "quantization_status": "compressed",
         }
-    block: dict[str, Any] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
-    if opts.strategy is Fp8Strategy.block:
-        block["weight_block_size"] = list(opts.block_size)
-        if opts.pow2_scales:
-            block["scale_fmt"] = "ue8m0"
-    block["modules_to_not_convert"] = list(kept_modules)
+    block = get_strategy(opts.precision_config()).quantization_config(plan)
+    if opts.strategy is Fp8Strategy.tensor:
+        del block["weight_block_size"]
     return block
+
+
+MERGED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Sibling projections vLLM loads as one linear (qkv_proj, gate_up_proj; routed experts' w13)."""
+
+
+def merged_row_warnings(
+    quantized: frozenset[str], tensors: dict[str, TensorInfo], roles: dict[str, Role], *, block_rows: int
+) -> list[str]:
+    """One warning per (projection, rows) whose members vLLM will refuse to boot with blockwise FP8.
+
+    vLLM merges q/k/v and gate/up into one linear and requires each member's rows per TP shard to
+    be a multiple of the block's rows: always for routed experts (w13), and for the others every
+    member but the last at TP 1 (the last only when sharded). A member whose rows are not a multiple
+    of the block at TP 1 is a multiple at no TP. The arithmetic is `shard_rules.ShardCheck`'s, the
+    rule config validation applies to a run's shards.
+    """
+    members: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+    for name in quantized:
+        parent, _, leaf = name.removesuffix(".weight").rpartition(".")
+        family = next((f for f in MERGED_PROJECTIONS if leaf in f), None)
+        if family is not None:
+            members.setdefault((parent, family), []).append(leaf)
+    failing: dict[tuple[str, int, bool], list[str]] = {}
+    for (parent, family), leaves in members.items():
+        present = [leaf for leaf in family if leaf in leaves]
+        if len(present) < 2:
+            continue
+        for leaf in present:
+            name = f"{parent}.{leaf}.weight"
+            rows = tensors[name].shape[0]
+            if rows % block_rows:
+                tp1_exempt = leaf == present[-1] and roles[name] is not Role.routed_expert
+                failing.setdefault((leaf, rows, tp1_exempt), []).append(name)
+    warnings = []
+    for (leaf, rows, tp1_exempt), names in sorted(failing.items()):
+        check = ShardCheck(
+            side="engine", tensor=leaf, dim_key=f"{leaf} rows", dim=rows, shards=1, shards_key="engine TP",
+            divisor=block_rows, divisor_key="--block-size BN",
+        )  # fmt: skip
+        verdict = (
+            "vLLM accepts this member at TP 1 only (the last member of a merged linear is exempt there)"
+            if tp1_exempt
+            else "vLLM refuses this member at every TP"
+        )
+        merged = "/".join(next(f for f in MERGED_PROJECTIONS if leaf in f))
+        warnings.append(
+            f"warning: {len(names)} {leaf} weight(s) (e.g. {sorted(names)[0]!r}), merged as {merged} by "
+            f"vLLM: {check.arithmetic()}; {verdict}. Fix: a --block-size BN dividing {rows} "
+            f"(e.g. {math.gcd(rows, block_rows)})"
+        )
+    return warnings

@@ -18,9 +18,12 @@ from skyq.checkpoint.chunking import quantize_by_rows
 from skyq.checkpoint.errors import CheckpointError
 from skyq.checkpoint.pipeline import ShardTransform, tensorwise_transform
 from skyq.checkpoint.reader import TensorInfo
-from skyq.config.enums import Int4Grid
+from skyq.config.enums import Int4Grid, Precision
+from skyq.config.schema import PrecisionConfig
 from skyq.quant import int4
 from skyq.quant.kernels import dispatch
+from skyq.quant.plan import QuantPlan
+from skyq.quant.strategies import get_strategy
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,10 @@ class Int4Options:
     group_size: int
     grid: Int4Grid = Int4Grid.kimi
     symmetric: bool = True
+
+    def precision_config(self) -> PrecisionConfig:
+        """The int4_qat precision whose scope, plan and block this conversion follows."""
+        return PrecisionConfig(name=Precision.int4_qat, int4_group_size=self.group_size, int4_grid=self.grid)
 
 
 def matches_ignore_rule(module: str, rule: str) -> bool:
@@ -77,25 +84,12 @@ def make_int4_transform(quantized: frozenset[str], opts: Int4Options) -> ShardTr
     return tensorwise_transform(lambda name, tensors: quantize(name, tensors[name]), converts=quantized)
 
 
-def int4_quantization_config(opts: Int4Options, ignore: list[str]) -> dict[str, Any]:
-    """compressed-tensors `pack-quantized` block (FORMATS.md "INT4 W4A16")."""
-    weights = {
-        "actorder": None, "block_structure": None, "dynamic": False, "group_size": opts.group_size,
-        "num_bits": 4, "observer": "minmax", "observer_kwargs": {}, "strategy": "group",
-        "symmetric": opts.symmetric, "type": "int",
-    }  # fmt: skip
-    return {
-        "config_groups": {
-            "group_0": {
-                "input_activations": None,
-                "output_activations": None,
-                "targets": ["Linear"],
-                "weights": weights,
-            }
-        },
-        "format": "pack-quantized",
-        "ignore": ignore,
-        "kv_cache_scheme": None,
-        "quant_method": "compressed-tensors",
-        "quantization_status": "compressed",
-    }
+def int4_quantization_config(opts: Int4Options, plan: QuantPlan, ignore_rules: list[str]) -> dict[str, Any]:
+    """The int4_qat strategy's block for `plan` (the one owner of it: the engine of an int4_qat run
+    boots from it), with the converter's two options applied: the user's `--ignore-rules` appended
+    verbatim to `ignore` (they match the modules kept bf16 beyond the plan), and `symmetric: false`
+    for `--asymmetric` (compatibility output only; the strategy never writes zero points)."""
+    block = get_strategy(opts.precision_config()).quantization_config(plan)
+    block["ignore"] = [*block["ignore"], *sorted(set(ignore_rules))]
+    block["config_groups"]["group_0"]["weights"]["symmetric"] = opts.symmetric
+    return block

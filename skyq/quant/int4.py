@@ -292,6 +292,26 @@ def quantize_asymmetric(w: Tensor, *, group_size: int, name: str = "tensor") -> 
     hi = groups.amax(dim=-1, keepdim=True).clamp(min=0)
     span = torch.maximum(hi - lo, torch.full_like(hi, AMAX_FLOOR))
     scale = (span / torch.full_like(span, 15.0)).to(torch.bfloat16)
+    _check_asymmetric_range(scale, lo, hi, group_size, name)
     zp = torch.round(-8 - lo / scale.float()).clamp(-8, 7)
     q = torch.round(groups / scale.float() + zp).clamp(-8, 7).to(torch.int8)
     return q.flatten(-2), scale.squeeze(-1), zp.squeeze(-1).to(torch.int8)
+
+
+_BF16_MAX = torch.finfo(torch.bfloat16).max
+
+
+def _check_asymmetric_range(scale: Tensor, lo: Tensor, hi: Tensor, group_size: int, name: str) -> None:
+    """Refuse groups whose range the asymmetric grid cannot hold: `max - min` overflowing fp32 makes
+    the scale inf, and any `15 * scale` past bf16's max makes dequantized codes (`(q - zp) * scale`,
+    |q - zp| <= 15, in bf16) inf. Checked before any code is computed, so nothing inf is returned."""
+    bad = ~(scale.float() * 15 <= _BF16_MAX)
+    if bool(bad.any()):
+        at = tuple(int(i) for i in bad.nonzero()[0])  # (..., row, group, 0)
+        where = ", ".join(map(str, at[:-2])) + f", {at[-2] * group_size}:{(at[-2] + 1) * group_size}"
+        raise QuantizationError(
+            f"{name}[{where}]: asymmetric INT4 range max - min = {float(hi[at]):.4g} - ({float(lo[at]):.4g}) "
+            f"gives scale {float(scale[at]):.4g}, whose codes overflow bf16 ({int(bad.sum())} group(s)); "
+            "values this large are not trained weights - check the checkpoint, or quantize symmetric "
+            "(the default)"
+        )

@@ -19,10 +19,9 @@ from skyq.checkpoint.fp8_convert import (
     Fp8Strategy,
     fp8_quantization_config,
     make_fp8_transform,
+    merged_row_warnings,
 )
-from skyq.checkpoint.selection import select
-from skyq.config.enums import Precision
-from skyq.config.schema import PrecisionConfig
+from skyq.checkpoint.selection import checked_plan, select
 from skyq.tools.cli import (
     add_run_options,
     add_save_dir,
@@ -55,11 +54,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         pow2_scales=args.scale_fmt == "ue8m0",
     )
     source = unquantized_source(args.model_dir)
-    selection = select(
-        source.tensors, checkpoint_model_config(source), PrecisionConfig(name=Precision.fp8_blockwise)
-    )
+    model_cfg, precision = checkpoint_model_config(source), opts.precision_config()
+    selection = select(source.tensors, model_cfg, precision)
+    plan = checked_plan(model_cfg, precision, selection, source.tensors)
+    if opts.strategy is Fp8Strategy.block:
+        for warning in merged_row_warnings(
+            selection.quantized, source.tensors, selection.roles, block_rows=opts.block_size[0]
+        ):
+            print(warning, file=sys.stderr)
     config = source.config()
-    config["quantization_config"] = fp8_quantization_config(opts, selection.kept_modules)
+    config["quantization_config"] = fp8_quantization_config(opts, plan)
     options = {"strategy": opts.strategy.value, "block_size": list(opts.block_size), "pow2": opts.pow2_scales}
     return convert(
         TOOL,

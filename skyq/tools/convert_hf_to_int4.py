@@ -22,9 +22,8 @@ from skyq.checkpoint.int4_convert import (
     make_int4_transform,
     matches_ignore_rule,
 )
-from skyq.checkpoint.selection import select
-from skyq.config.enums import Int4Grid, Precision
-from skyq.config.schema import PrecisionConfig
+from skyq.checkpoint.selection import checked_plan, select
+from skyq.config.enums import Int4Grid
 from skyq.quant.layouts import get_layout
 from skyq.tools.cli import (
     add_run_options,
@@ -73,12 +72,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(ASYMMETRIC_WARNING, file=sys.stderr)
     opts = Int4Options(group_size=args.group_size, grid=Int4Grid(args.grid), symmetric=not args.asymmetric)
     source = unquantized_source(args.model_dir)
-    model_cfg = checkpoint_model_config(source)
-    selection = select(
-        source.tensors,
-        model_cfg,
-        PrecisionConfig(name=Precision.int4_qat, int4_group_size=opts.group_size, int4_grid=opts.grid),
-    )
+    model_cfg, precision = checkpoint_model_config(source), opts.precision_config()
+    selection = select(source.tensors, model_cfg, precision)
     module_of = get_layout(model_cfg.family).module_name
     user_ignored = {
         n for n in selection.quantized if any(matches_ignore_rule(module_of(n), r) for r in args.ignore_rules)
@@ -86,12 +81,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     quantized = selection.quantized - user_ignored
     if not quantized:
         raise ValueError(f"{source.dir}: no routed-expert linear left to quantize (check --ignore-rules)")
-    check_group_divisibility(quantized, source.tensors, opts.group_size)
-    ignore = sorted(set(selection.kept_modules) | {module_of(n) for n in user_ignored}) + sorted(
-        args.ignore_rules
-    )
+    check_group_divisibility(selection.quantized, source.tensors, opts.group_size)
+    plan = checked_plan(model_cfg, precision, selection, source.tensors)
     config = source.config()
-    config["quantization_config"] = int4_quantization_config(opts, ignore)
+    config["quantization_config"] = int4_quantization_config(opts, plan, args.ignore_rules)
     options = {"group_size": opts.group_size, "grid": opts.grid.value, "symmetric": opts.symmetric,
                "ignore_rules": sorted(args.ignore_rules)}  # fmt: skip
     return convert(

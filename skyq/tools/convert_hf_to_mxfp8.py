@@ -17,12 +17,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from skyq.checkpoint.mxfp8_convert import (
-    check_mx_divisibility,
-    make_mxfp8_transform,
-    mxfp8_quantization_config,
-)
-from skyq.checkpoint.selection import select
+from skyq.checkpoint.mxfp8_convert import check_mx_divisibility, make_mxfp8_transform
+from skyq.checkpoint.selection import checked_plan, select
 from skyq.config.enums import Precision, QuantScope
 from skyq.config.schema import PrecisionConfig
 from skyq.quant.strategies import get_strategy
@@ -63,7 +59,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_mx_divisibility(selection.quantized, source.tensors)
     strategy = get_strategy(precision)
     config = source.config()
-    config["quantization_config"] = mxfp8_quantization_config(strategy, model_cfg, selection, source.tensors)
+    config["quantization_config"] = strategy.quantization_config(
+        checked_plan(model_cfg, precision, selection, source.tensors)
+    )
     return convert(
         TOOL, args, source, options={"targets": args.targets, **strategy.wire_settings()},
         transform=make_mxfp8_transform(selection, strategy), config=config,
