@@ -13,6 +13,7 @@ import hashlib
 import io
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from skyq.checkpoint.atomic import atomic_replace
 from skyq.config.enums import ComputeDtype, Fp8Gemm
 from skyq.config.resolve import WorkerResolution, resolve_worker
 from skyq.config.schema import AlgorithmConfig, ModelConfig, OptimizerConfig, PrecisionConfig
-from skyq.launch.checkpointing import RunCheckpointError
+from skyq.launch.checkpointing import PendingCheckpoint, RunCheckpointError
 from skyq.quant.plan import build_plan
 from skyq.quant.strategies import get_strategy
 from skyq.rl.batch import RolloutBatch, Sample
@@ -60,6 +61,7 @@ class TrainerWorker:
         fp8_gemm: Fp8Gemm = Fp8Gemm.off,
         compute_dtype: ComputeDtype = ComputeDtype.fp32,
     ) -> None:
+        start = time.perf_counter()
         torch.manual_seed(seed)
         self.trainer = NativeTrainer(
             model_cfg=model_cfg,
@@ -78,6 +80,8 @@ class TrainerWorker:
         self.plan = build_plan(model_cfg, precision_cfg)
         self.serialize = plan_serializer(get_strategy(precision_cfg), self.plan)
         self.resolution = resolve_on_device(precision_cfg, device)
+        self.build_s = time.perf_counter() - start
+        """Seconds the constructor took (model build): start-up feedback."""
         self._store = None
         self._channel: Channel | None = None
         self._sender: WeightSender | None = None
@@ -86,6 +90,9 @@ class TrainerWorker:
 
     def report_resolution(self) -> WorkerResolution:
         return self.resolution
+
+    def build_seconds(self) -> float:
+        return self.build_s
 
     def open_sync_store(self, timeout_s: float) -> int:
         """Start the rendezvous store on a free loopback port (held from now on); returns the port."""
@@ -143,17 +150,18 @@ class TrainerWorker:
         self._refuse_while_saving("save_state")
         return write_trainer_state(Path(path), self.snapshot_state())
 
-    def start_save_state(self, path: str) -> None:
-        """Snapshot the state now and write it to `path` on a background thread; returns at once.
+    def start_save_state(self, checkpoint: PendingCheckpoint) -> None:
+        """Snapshot the state now and write it as `checkpoint`'s trainer.pt on a background thread,
+        which then finishes the checkpoint (run_state.json, rename into place) at once; returns at once.
 
-        The file is what `save_state` would have written at this moment. `wait_save_state` gives its
-        sha256 (or the write's error); one background save at a time."""
+        The file is what `save_state` would have written at this moment. `wait_save_state` gives the
+        checkpoint's directory (or the error); one background save at a time."""
         self._refuse_while_saving("start_save_state")
-        self._saving = _BackgroundSave(Path(path), self.snapshot_state())
+        self._saving = _BackgroundSave(checkpoint, self.snapshot_state())
 
     def wait_save_state(self) -> str:
-        """Wait for the background save; returns the sha256 of the file as written, or raises
-        `RunCheckpointError` naming the file and the error."""
+        """Wait for the background save; returns the finished checkpoint's directory, or raises
+        `RunCheckpointError` naming the file and the error (the temp directory is then gone)."""
         saving, self._saving = self._saving, None
         if saving is None:
             raise RuntimeError("wait_save_state: no background save in flight (start_save_state first)")
@@ -227,12 +235,14 @@ def write_trainer_state(path: Path, state: dict[str, Any]) -> str:
 
 
 class _BackgroundSave:
-    """One `write_trainer_state` on a daemon thread; the snapshot is dropped once it is written."""
+    """One `write_trainer_state` on a daemon thread, then the checkpoint finished (committed) on the
+    same thread; the snapshot is dropped once it is written."""
 
-    def __init__(self, path: Path, state: dict[str, Any]) -> None:
-        self.path = path
+    def __init__(self, checkpoint: PendingCheckpoint, state: dict[str, Any]) -> None:
+        self.checkpoint = checkpoint
+        self.path = checkpoint.trainer_path
         self._state: dict[str, Any] | None = state
-        self._sha256: str | None = None
+        self._final: Path | None = None
         self._error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="skyq-checkpoint-write", daemon=True)
         self.thread.start()
@@ -240,21 +250,26 @@ class _BackgroundSave:
     def _run(self) -> None:
         try:
             assert self._state is not None
-            self._sha256 = write_trainer_state(self.path, self._state)
+            try:
+                sha256 = write_trainer_state(self.path, self._state)
+            except BaseException as exc:
+                raise RunCheckpointError(
+                    f"{self.path}: writing the trainer state in the background failed: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            finally:
+                self._state = None
+            self._final = self.checkpoint.finish(sha256)
         except BaseException as exc:  # handed to the caller of `result`
+            self.checkpoint.abort()
             self._error = exc
-        finally:
-            self._state = None
 
     def result(self) -> str:
         self.thread.join()
         if self._error is not None:
-            raise RunCheckpointError(
-                f"{self.path}: writing the trainer state in the background failed: "
-                f"{type(self._error).__name__}: {self._error}"
-            ) from self._error
-        assert self._sha256 is not None
-        return self._sha256
+            raise self._error
+        assert self._final is not None
+        return str(self._final)
 
 
 class EngineWorker:
@@ -270,6 +285,7 @@ class EngineWorker:
         cuda_graphs: bool = True,
         fp8_codes_decode: bool = True,
     ) -> None:
+        start = time.perf_counter()
         self.engine = EmbeddedEngine(
             model_cfg=model_cfg,
             precision_cfg=precision_cfg,
@@ -280,12 +296,17 @@ class EngineWorker:
         )
         self.expected = expected_units(build_plan(model_cfg, precision_cfg))
         self.resolution = resolve_on_device(precision_cfg, device)
+        self.build_s = time.perf_counter() - start
+        """Seconds the constructor took (engine boot): start-up feedback."""
         self._channel: Channel | None = None
         self._receiver: WeightReceiver | None = None
         """One receiver per channel: it keeps the layout of the last committed sync."""
 
     def report_resolution(self) -> WorkerResolution:
         return self.resolution
+
+    def build_seconds(self) -> float:
+        return self.build_s
 
     def use_channel(self, channel: Channel) -> None:
         """Receive over `channel` (an in-process pair's receiver end)."""

@@ -10,6 +10,8 @@ The newest verified one is what a resume continues from. The last `KEEP` are kep
 A save is either synchronous (`save_run_checkpoint`) or split in three around a trainer that writes
 trainer.pt in the background (`begin_run_checkpoint` -> the trainer writes -> `finish_run_checkpoint`,
 or `abort_run_checkpoint` if the write failed); until it is finished only the temp directory exists.
+The background writer finishes the checkpoint itself as soon as trainer.pt is on disk
+(`PendingCheckpoint`), not when the driver next looks.
 
 Versions: the weights saved after step s (s+1 updates) are weight version s+2 — the version the
 next step syncs before its rollouts — so a resume re-syncs the engine at the saved version first.
@@ -50,6 +52,32 @@ class RunState:
     seed: int
     trainer_sha256: str
     """Digest of trainer.pt, checked before it is loaded."""
+
+
+@dataclass(frozen=True, slots=True)
+class PendingCheckpoint:
+    """A checkpoint begun by `begin_run_checkpoint` (its temp dir `tmp`) and what finishing it needs.
+
+    The trainer of an asynchronous save finishes it itself the moment trainer.pt is written
+    (`TrainerWorker.start_save_state`), so a save is usable as soon as it is complete."""
+
+    root: Path
+    tmp: Path
+    next_step: int
+    seed: int
+
+    @property
+    def trainer_path(self) -> Path:
+        return self.tmp / TRAINER_STATE
+
+    def finish(self, trainer_sha256: str) -> Path:
+        """`finish_run_checkpoint` of this checkpoint; returns its final directory."""
+        return finish_run_checkpoint(
+            self.root, self.tmp, next_step=self.next_step, seed=self.seed, trainer_sha256=trainer_sha256
+        )
+
+    def abort(self) -> None:
+        abort_run_checkpoint(self.tmp)
 
 
 def checkpoint_root(run_dir: Path, save: str | None) -> Path:

@@ -18,6 +18,7 @@ from typing import Any
 from skyq.config.resolve import agree
 from skyq.launch.actors import EngineWorker, TrainerWorker
 from skyq.launch.pair import PairSpec, WorkerPair, describe_error
+from skyq.launch.redaction import is_public_env_name
 from skyq.sync.errors import SyncError
 from skyq.sync.in_process import in_process_pair
 
@@ -27,8 +28,10 @@ def merged_worker_env(trainer_env: dict[str, str], rollout_env: dict[str, str]) 
     clashes = sorted(k for k in trainer_env.keys() & rollout_env.keys() if trainer_env[k] != rollout_env[k])
     if clashes:
         key = clashes[0]
+        # A worker env value is a secret unless allow-listed: an error message must not print it.
+        shown = (f"={trainer_env[key]!r}", f"={rollout_env[key]!r}") if is_public_env_name(key) else ("", "")
         raise ValueError(
-            f"trainer.env.{key}={trainer_env[key]!r} but rollout.env.{key}={rollout_env[key]!r}: with the "
+            f"trainer.env.{key}{shown[0]} but rollout.env.{key}{shown[1]} differ: with the "
             "trainer and the engine in one process (one GPU, in_process transport) a variable has one value. "
             "Give both the same value, or use a topology with a GPU per worker."
         )

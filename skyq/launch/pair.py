@@ -23,11 +23,10 @@ from skyq.config.schema import (
 )
 from skyq.launch.checkpointing import (
     TRAINER_STATE,
+    PendingCheckpoint,
     RunCheckpointError,
     RunState,
-    abort_run_checkpoint,
     begin_run_checkpoint,
-    finish_run_checkpoint,
     save_run_checkpoint,
 )
 from skyq.launch.placement import Placement
@@ -77,16 +76,6 @@ class PairSpec:
         }
 
 
-@dataclass(frozen=True, slots=True)
-class _PendingCheckpoint:
-    """A checkpoint begun by `WorkerPair.start_checkpoint`: its temp dir and what finishing needs."""
-
-    root: Path
-    tmp: Path
-    next_step: int
-    seed: int
-
-
 class WorkerPair(ABC):
     """A trainer worker and an engine worker (`skyq.launch.actors`), wherever they live."""
 
@@ -123,7 +112,7 @@ class WorkerPair(ABC):
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         return self._call("trainer", "train_step", batch)
 
-    _pending: _PendingCheckpoint | None = None
+    _pending: PendingCheckpoint | None = None
     """The asynchronous checkpoint whose trainer.pt is being written, if any (one at a time)."""
 
     def save_checkpoint(self, root: Path, *, next_step: int, seed: int) -> Path:
@@ -138,36 +127,34 @@ class WorkerPair(ABC):
 
     def start_checkpoint(self, root: Path, *, next_step: int, seed: int) -> None:
         """Begin a checkpoint of the trainer's state as it is now; its trainer.pt is written in the
-        background while the run goes on, and `finish_checkpoint` completes it. The previous
-        asynchronous one is finished first."""
+        background while the run goes on, and the trainer commits the checkpoint the moment the file
+        is complete. The previous asynchronous one is waited for first."""
         self.finish_checkpoint()
-        tmp = begin_run_checkpoint(root, next_step)
+        pending = PendingCheckpoint(root=root, tmp=begin_run_checkpoint(root, next_step), next_step=next_step, seed=seed)  # fmt: skip
         try:
-            self._call("trainer", "start_save_state", str(tmp / TRAINER_STATE))
+            self._call("trainer", "start_save_state", pending)
         except BaseException:
-            abort_run_checkpoint(tmp)
+            pending.abort()
             raise
-        self._pending = _PendingCheckpoint(root=root, tmp=tmp, next_step=next_step, seed=seed)
+        self._pending = pending
 
     def finish_checkpoint(self) -> Path | None:
-        """Complete the checkpoint `start_checkpoint` began (waiting for its trainer.pt); returns its
-        directory, or None if none was in flight. A failed write raises `RunCheckpointError` naming
-        the file and the error; the checkpoints before it are left as they were."""
+        """Wait for the checkpoint `start_checkpoint` began (committed by the trainer once written);
+        returns its directory, or None if none was in flight. A failed write raises
+        `RunCheckpointError` naming the file and the error; the checkpoints before it are left as
+        they were."""
         pending, self._pending = self._pending, None
         if pending is None:
             return None
         try:
-            sha = self._call("trainer", "wait_save_state")
+            return Path(self._call("trainer", "wait_save_state"))
         except Exception as exc:
-            abort_run_checkpoint(pending.tmp)
+            pending.abort()
             raise RunCheckpointError(
                 f"the checkpoint of step {pending.next_step} was not saved: {self._describe_worker_error(exc)}. "
                 f"The run stops rather than go on without checkpoints; the earlier ones under {pending.root} "
                 "are intact (resume continues from the newest)"
             ) from exc
-        return finish_run_checkpoint(
-            pending.root, pending.tmp, next_step=pending.next_step, seed=pending.seed, trainer_sha256=sha
-        )
 
     def _describe_worker_error(self, exc: BaseException) -> str:
         """One line for an error a worker call raised."""

@@ -1,6 +1,6 @@
 """Asynchronous run checkpoints (`checkpoint.async_save`, the default): the trainer snapshots its state
-at the save step and writes trainer.pt on a background thread while the run goes on; the driver
-completes the checkpoint at the next save or the run's end. Same files as a synchronous save, a failed
+at the save step and writes trainer.pt on a background thread while the run goes on, and commits the
+checkpoint as soon as the file is written. Same files as a synchronous save, a failed
 write stops the run naming the file, and a kill mid-write leaves the previous checkpoint in charge."""
 
 from __future__ import annotations
@@ -10,14 +10,16 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from skyq.launch import actors, pair
+from skyq.launch import actors, embedded, pair
 from skyq.launch.checkpointing import TRAINER_STATE, RunCheckpointError, latest_checkpoint
 from skyq.launch.metrics import read_metrics
+from skyq.launch.ray_local import local_ray
 from skyq.launch.rundir import METRICS_FILE
 
 from .run_helpers import run
@@ -110,6 +112,29 @@ def test_async_and_sync_saves_write_the_same_bytes_snapshotted_at_the_save_step(
     assert not [p for p in (async_dir / "checkpoints").iterdir() if p.name.startswith(".")]
 
 
+def test_an_async_save_is_committed_before_the_next_save_begins(tmp_path, base_overrides, monkeypatch):
+    """The step-2 checkpoint is in place while step 2 runs, without waiting for the next save (at
+    the run's end here): a run killed before then resumes from it."""
+    root = tmp_path / "run" / "checkpoints"
+    real_run_step = embedded.run_step
+    seen: list[list[str]] = []
+
+    def run_step(pair, task, step, **kwargs):
+        if step == 2:
+            deadline = time.monotonic() + 60
+            while not (root / "step_000002").is_dir() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            seen.append(sorted(p.name for p in root.iterdir()))
+        return real_run_step(pair, task, step, **kwargs)
+
+    monkeypatch.setattr(embedded, "run_step", run_step)
+    run(
+        [*base_overrides, IN_PROCESS, "algorithm.num_steps=3", "checkpoint.save_interval=2"], tmp_path / "run"
+    )
+    assert seen == [["step_000002"]]
+    assert latest_checkpoint(root)[1].next_step == 3
+
+
 def test_a_failed_background_write_stops_the_run_naming_the_file(tmp_path, base_overrides, monkeypatch):
     real_write = actors.write_trainer_state
 
@@ -135,11 +160,8 @@ def test_a_failed_background_write_stops_the_run_naming_the_file(tmp_path, base_
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+    with local_ray():
+        yield
 
 
 def test_a_failed_write_in_the_trainer_actor_is_raised_by_the_driver(

@@ -12,6 +12,7 @@ from skyq.launch.actors import _BackgroundSave, write_trainer_state
 from skyq.launch.checkpointing import (
     RUN_STATE,
     TRAINER_STATE,
+    PendingCheckpoint,
     RunCheckpointError,
     abort_run_checkpoint,
     begin_run_checkpoint,
@@ -121,13 +122,32 @@ def test_trainer_state_is_hashed_as_it_is_written(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [TRAINER_STATE]  # no temp file left
 
 
+def pending(root, next_step: int) -> PendingCheckpoint:
+    return PendingCheckpoint(
+        root=root, tmp=begin_run_checkpoint(root, next_step), next_step=next_step, seed=0
+    )
+
+
 def test_a_background_write_that_fails_names_the_file(tmp_path):
-    target = tmp_path / "gone" / TRAINER_STATE
-    saving = _BackgroundSave(target, {"w": torch.zeros(3)})
+    gone = pending(tmp_path, 2)
+    gone.tmp.rmdir()
+    saving = _BackgroundSave(gone, {"w": torch.zeros(3)})
     with pytest.raises(
         RunCheckpointError,
-        match=r"gone/trainer\.pt: writing the trainer state in the background failed: FileNotFoundError",
+        match=r"\.tmp-step_000002-\w+/trainer\.pt: writing the trainer state in the background failed: "
+        "FileNotFoundError",
     ):
         saving.result()
-    ok = _BackgroundSave(tmp_path / TRAINER_STATE, {"w": torch.zeros(3)})
-    assert ok.result() == sha256_file(tmp_path / TRAINER_STATE)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_background_save_is_committed_as_soon_as_it_is_written(tmp_path):
+    """Nobody waits for the save: once its thread has written trainer.pt the checkpoint is in place,
+    so a run killed before its next save resumes from it."""
+    saving = _BackgroundSave(pending(tmp_path, 2), {"w": torch.arange(3.0)})
+    saving.thread.join()
+    ckpt, state = latest_checkpoint(tmp_path)
+    assert ckpt.name == "step_000002" and state.next_step == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["step_000002"]  # the temp dir became it
+    assert torch.load(ckpt / TRAINER_STATE, weights_only=True)["w"].tolist() == [0.0, 1.0, 2.0]
+    assert saving.result() == str(ckpt) and state.trainer_sha256 == sha256_file(ckpt / TRAINER_STATE)

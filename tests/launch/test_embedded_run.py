@@ -17,6 +17,7 @@ import ray
 from skyq.launch import embedded
 from skyq.launch.checkpointing import latest_checkpoint
 from skyq.launch.metrics import read_metrics
+from skyq.launch.ray_local import local_ray
 from skyq.launch.rundir import CONFIG_JSON, CONFIG_YAML, LOCK_FILE, METRICS_FILE, PLOT_FILE
 from skyq.report import write_report
 from skyq.sync.errors import SyncError
@@ -34,10 +35,9 @@ FIRST_LAST = 8
 
 
 @pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
+def cluster():
+    with local_ray():  # the run's own loopback cluster, kept for the module
+        yield
 
 
 @pytest.fixture(scope="module")

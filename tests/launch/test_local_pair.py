@@ -60,10 +60,13 @@ def test_a_transport_that_cannot_work_is_refused_naming_the_key(topology, transp
     assert needle in str(info.value)
 
 
-def test_conflicting_worker_env_in_one_process_is_refused():
+def test_conflicting_worker_env_in_one_process_is_refused_without_printing_a_secret():
     assert merged_worker_env({"A": "1"}, {"A": "1", "B": "2"}) == {"A": "1", "B": "2"}
-    with pytest.raises(ValueError, match=r"trainer.env.A='1' but rollout.env.A='2'"):
-        merged_worker_env({"A": "1"}, {"A": "2"})
+    with pytest.raises(ValueError, match=r"^trainer.env.A but rollout.env.A differ: ") as failure:
+        merged_worker_env({"A": "sk-one"}, {"A": "sk-two"})
+    assert "sk-one" not in str(failure.value) and "sk-two" not in str(failure.value)
+    with pytest.raises(ValueError, match=r"trainer.env.NCCL_DEBUG='INFO' but rollout.env.NCCL_DEBUG='WARN'"):
+        merged_worker_env({"NCCL_DEBUG": "INFO"}, {"NCCL_DEBUG": "WARN"})  # allow-listed: shown
 
 
 def test_in_process_run_learns_checkpoints_and_resumes_without_ray(tmp_path, base_overrides):

@@ -71,17 +71,34 @@ def test_saved_config_never_holds_an_env_secret(tmp_path, container, monkeypatch
     monkeypatch.setenv("WANDB_API_KEY", secret)
     monkeypatch.setenv("MY_SERVICE_TOKEN", "tok-98765432100000")
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # not a credential: "disabled" stays a word
-    container["trainer"]["env"] = {"WANDB_API_KEY": secret, "PLAIN": "1"}
-    container["rollout"]["env"] = {"NOTE": f"uses {secret} inline", "OTHER": "tok-98765432100000"}
+    container["trainer"]["env"] = {"WANDB_API_KEY": secret, "NCCL_DEBUG": "INFO"}
+    # Every worker env value is a secret, whatever its name, unless allow-listed (NCCL_*, ...).
+    container["rollout"]["env"] = {
+        "MY_DB_PASS": "hunter2-db",
+        "SERVICE_AUTH": "bearer-abc",
+        "wandb_api_key": "lower-case-key",
+        "NCCL_SOCKET_IFNAME": "lo",
+        "NCCL_AUTH_TOKEN": "nccl-secret-1",  # allow-listed prefix, secret word: still a secret
+    }
+    container["task"]["dataset"] = "/data/hunter2-db/train.jsonl"  # a secret inside another value
+    container["logger"]["project"] = f"uses {secret} inline"
     container["logger"]["wandb_mode"] = "disabled"
     save_resolved_config(tmp_path, container)
+    clear = [secret, "tok-98765432100000", "hunter2-db", "bearer-abc", "lower-case-key", "nccl-secret-1"]
     for name in (CONFIG_JSON, CONFIG_YAML):
         text = (tmp_path / name).read_text()
-        assert secret not in text and "tok-98765432100000" not in text, name
+        assert [s for s in clear if s in text] == [], name
     saved = load_saved_config(tmp_path)
-    assert saved["trainer"]["env"] == {"WANDB_API_KEY": "<redacted WANDB_API_KEY>", "PLAIN": "1"}
-    assert saved["rollout"]["env"]["NOTE"] == "uses <redacted $WANDB_API_KEY> inline"
-    assert saved["rollout"]["env"]["OTHER"] == "<redacted $MY_SERVICE_TOKEN>"
+    assert saved["trainer"]["env"] == {"WANDB_API_KEY": "<redacted WANDB_API_KEY>", "NCCL_DEBUG": "INFO"}
+    assert saved["rollout"]["env"] == {
+        "MY_DB_PASS": "<redacted MY_DB_PASS>",
+        "SERVICE_AUTH": "<redacted SERVICE_AUTH>",
+        "wandb_api_key": "<redacted wandb_api_key>",
+        "NCCL_SOCKET_IFNAME": "lo",
+        "NCCL_AUTH_TOKEN": "<redacted NCCL_AUTH_TOKEN>",
+    }
+    assert saved["task"]["dataset"] == "/data/<redacted $MY_DB_PASS>/train.jsonl"
+    assert saved["logger"]["project"] == "uses <redacted $WANDB_API_KEY> inline"
     # Schema fields that merely contain a secret word are config, not secrets.
     assert saved["model"]["num_key_value_heads"] == container["model"]["num_key_value_heads"]
     assert saved["logger"]["wandb_mode"] == "disabled"

@@ -8,6 +8,8 @@ import time
 import pytest
 import ray
 
+from skyq.launch.ray_local import local_ray
+
 from . import ray_peers, wire_fixtures
 from .ray_peers import ReceiverPeer, SenderPeer, serialized_state
 
@@ -15,13 +17,12 @@ TIMEOUT_S = 3.0
 
 
 @pytest.fixture(scope="module", autouse=True)
-def local_ray():
+def cluster():
     # The peers live in this test package, which Ray workers cannot import: ship them by value.
     ray.cloudpickle.register_pickle_by_value(ray_peers)
     ray.cloudpickle.register_pickle_by_value(wire_fixtures)
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
-    yield
-    ray.shutdown()
+    with local_ray():  # skyq's loopback-only cluster
+        yield
 
 
 def start_pair(timeout_s: float = TIMEOUT_S):
