@@ -48,7 +48,7 @@ from skyq.launch.rundir import (
     save_resolved_config,
 )
 from skyq.rl.batch import Sample, collate
-from skyq.rl.tasks import Prompt, Task, build_task
+from skyq.rl.tasks import Prompt, Task, build_task, tokenizer_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +246,11 @@ def run_embedded(
     """
     check_supported(rollout=rollout, trainer=trainer, algorithm=algorithm)
     placement = placement_for(topology, rollout.weight_sync.transport)
+    # The task (its tokenizer and dataset) is checked before the run directory is touched.
+    tokenizer = tokenizer_for(
+        task, checkpoint_dir=checkpoint.hf_checkpoint, model_vocab_size=model.vocab_size
+    )
+    task_obj = build_task(task, seed=seed, tokenizer=tokenizer)
     started = time.perf_counter()
     run_dir = Path(run_dir).expanduser().resolve()
     ckpt_root = checkpoint_root(run_dir, checkpoint.save)
@@ -267,7 +272,6 @@ def run_embedded(
             keep_rows_before(run_dir / METRICS_FILE, start_step)
         # On resume this records the (compatible) config the run continues with, e.g. more steps.
         save_resolved_config(run_dir, config_container)
-        task_obj = build_task(task, seed=seed)
         print(describe(placement))
         spec = PairSpec(
             model=model,

@@ -17,7 +17,7 @@ from typing import Protocol
 from skyq.config.enums import ArithOp, RewardName, TaskName
 from skyq.config.schema import TaskConfig
 from skyq.rl.rewards import RewardFn, get_reward_fn
-from skyq.rl.tokenizer import ArithTokenizer
+from skyq.rl.tokenizer import EOS_ID, ArithTokenizer, HFTokenizer, load_tokenizer
 
 
 class TaskError(ValueError):
@@ -151,8 +151,9 @@ class ArithTask(Task):
 class DapoMathTask(Task):
     """{prompt, label} records from a local JSONL file, graded by the math-answer reward.
 
-    A prompt is a string or a chat message list (its message contents joined). Records whose
-    prompt exceeds `task.max_prompt_length` tokens are skipped, as DAPO's overlong filter does.
+    A prompt is a string or a chat message list, rendered by the tokenizer's chat template when
+    `task.apply_chat_template` is set (else its message contents joined). Records whose prompt
+    exceeds `task.max_prompt_length` tokens are skipped, as DAPO's overlong filter does.
     Each epoch visits the records in a seed-determined order.
     """
 
@@ -198,14 +199,30 @@ class DapoMathTask(Task):
         ]
 
 
-def _prompt_text(value: object, path: Path, line: int) -> str:
+def _messages(value: object, path: Path, line: int) -> list[dict[str, object]]:
+    """A record's prompt as chat messages (a plain string is one user message)."""
     if isinstance(value, str):
-        return value
+        return [{"role": "user", "content": value}]
     if isinstance(value, list) and all(isinstance(m, dict) and "content" in m for m in value):
-        return "\n".join(str(m["content"]) for m in value)
+        return value
     raise TaskError(
         f"{path}:{line}: prompt must be a string or a list of chat messages, got {type(value).__name__}"
     )
+
+
+def _prompt_ids(
+    tokenizer: TextTokenizer, messages: list[dict[str, object]], chat_template: bool
+) -> list[int]:
+    """The prompt's tokens: rendered by the tokenizer's chat template (`task.apply_chat_template`), or
+    the message contents joined by newlines."""
+    if not chat_template:
+        return tokenizer.encode("\n".join(str(m["content"]) for m in messages))
+    if not isinstance(tokenizer, HFTokenizer):
+        raise TaskError(
+            f"task.apply_chat_template=true needs a model tokenizer with a chat template, not "
+            f"{type(tokenizer).__name__}. Fix: task.apply_chat_template=false"
+        )
+    return tokenizer.encode(tokenizer.chat_prompt(messages))
 
 
 def load_prompt_records(task_cfg: TaskConfig, tokenizer: TextTokenizer) -> list[Prompt]:
@@ -227,12 +244,43 @@ def load_prompt_records(task_cfg: TaskConfig, tokenizer: TextTokenizer) -> list[
             for key in (task_cfg.prompt_key, task_cfg.label_key):
                 if key not in row:
                     raise TaskError(f"{path}:{line_no}: record has no key {key!r} (keys: {sorted(row)})")
-            ids = tokenizer.encode(_prompt_text(row[task_cfg.prompt_key], path, line_no))
+            messages = _messages(row[task_cfg.prompt_key], path, line_no)
+            ids = _prompt_ids(tokenizer, messages, task_cfg.apply_chat_template)
             if len(ids) <= task_cfg.max_prompt_length:
                 records.append(Prompt(token_ids=ids, answer=str(row[task_cfg.label_key])))
     if not records:
         raise TaskError(f"{path}: no record fits task.max_prompt_length={task_cfg.max_prompt_length} tokens")
     return records
+
+
+def tokenizer_for(
+    task_cfg: TaskConfig, *, checkpoint_dir: str | None, model_vocab_size: int
+) -> ArithTokenizer | HFTokenizer:
+    """The tokenizer `build_task` needs for `task_cfg`, checked against the model: arith's own, or for a
+    dataset task the model's, read from its checkpoint directory (`checkpoint.hf_checkpoint`).
+
+    The embedded engine stops a response at token id EOS_ID (`skyq.rollout.embedded`), so a tokenizer
+    whose eos is another id is refused: the engine would not stop at its eos and GRPO would train on
+    whatever the model sampled after the answer.
+    """
+    if TaskName(task_cfg.name) is TaskName.arith:
+        tokenizer: ArithTokenizer | HFTokenizer = ArithTokenizer()
+    elif checkpoint_dir is None:
+        raise TaskError(
+            f"task {task_cfg.name.value} tokenizes with the model's own tokenizer, read from "
+            "checkpoint.hf_checkpoint, which is not set (skyq's self-built tiny checkpoints have none). "
+            "Fix: checkpoint.hf_checkpoint=<dir with the model's weights and tokenizer files>"
+        )
+    else:
+        tokenizer = load_tokenizer(checkpoint_dir)
+        if tokenizer.eos_token_id != EOS_ID:
+            raise TaskError(
+                f"the tokenizer in {checkpoint_dir} ends responses with token id {tokenizer.eos_token_id}, "
+                f"but the embedded engine stops at id {EOS_ID}; it would sample past the answer. Fix: a "
+                f"tokenizer whose eos id is {EOS_ID}"
+            )
+    tokenizer.check_fits(model_vocab_size)
+    return tokenizer
 
 
 def build_task(task_cfg: TaskConfig, *, seed: int, tokenizer: TextTokenizer | None = None) -> Task:
