@@ -174,32 +174,30 @@ def merged_row_warnings(
         family = next((f for f in MERGED_PROJECTIONS if leaf in f), None)
         if family is not None:
             members.setdefault((parent, family), []).append(leaf)
-    failing: dict[tuple[str, int, bool], list[str]] = {}
+    failing: dict[tuple[ShardCheck, tuple[str, ...], bool], list[str]] = {}
     for (parent, family), leaves in members.items():
         present = [leaf for leaf in family if leaf in leaves]
         if len(present) < 2:
             continue
         for leaf in present:
             name = f"{parent}.{leaf}.weight"
-            rows = tensors[name].shape[0]
-            if rows % block_rows:
+            check = ShardCheck(
+                side="engine", tensor=leaf, dim_key=f"{leaf} rows", dim=tensors[name].shape[0], shards=1,
+                shards_key="engine TP", divisor=block_rows, divisor_key="--block-size BN",
+            )  # fmt: skip
+            if not check.ok:
                 tp1_exempt = leaf == present[-1] and roles[name] is not Role.routed_expert
-                failing.setdefault((leaf, rows, tp1_exempt), []).append(name)
+                failing.setdefault((check, family, tp1_exempt), []).append(name)
     warnings = []
-    for (leaf, rows, tp1_exempt), names in sorted(failing.items()):
-        check = ShardCheck(
-            side="engine", tensor=leaf, dim_key=f"{leaf} rows", dim=rows, shards=1, shards_key="engine TP",
-            divisor=block_rows, divisor_key="--block-size BN",
-        )  # fmt: skip
+    for (check, family, tp1_exempt), names in sorted(failing.items(), key=lambda item: sorted(item[1])[0]):
         verdict = (
             "vLLM accepts this member at TP 1 only (the last member of a merged linear is exempt there)"
             if tp1_exempt
             else "vLLM refuses this member at every TP"
         )
-        merged = "/".join(next(f for f in MERGED_PROJECTIONS if leaf in f))
         warnings.append(
-            f"warning: {len(names)} {leaf} weight(s) (e.g. {sorted(names)[0]!r}), merged as {merged} by "
-            f"vLLM: {check.arithmetic()}; {verdict}. Fix: a --block-size BN dividing {rows} "
-            f"(e.g. {math.gcd(rows, block_rows)})"
+            f"warning: {len(names)} {check.tensor} weight(s) (e.g. {sorted(names)[0]!r}), merged as "
+            f"{'/'.join(family)} by vLLM: {check.arithmetic()}; {verdict}. Fix: a --block-size BN "
+            f"dividing {check.dim} (e.g. {math.gcd(check.dim, block_rows)})"
         )
     return warnings
