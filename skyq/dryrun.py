@@ -1,8 +1,10 @@
 """`dry_run=true`: the resolved plan of a run, printed without touching a GPU.
 
-Placement and parallel layout, the per-parameter quantization plan (from the model config alone),
-bytes per weight sync, a per-GPU memory estimate, the shard-divisibility table, the env vars and the
-packing alignment each GPU generation would resolve to (the driver never guesses which it has).
+Placement and parallel layout as the chosen backends will really run them (the embedded pair: one
+trainer and one engine, whatever the topology's GPU count), the per-parameter quantization plan (from
+the model config alone), bytes per weight sync, a per-GPU memory estimate, the shard-divisibility
+table, the env vars and the packing alignment each GPU generation would resolve to (the driver never
+guesses which it has).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ GIB = 2**30
 CAPABILITIES = {"SM90 (Hopper)": (9, 0), "SM100 (Blackwell)": (10, 0)}
 
 
-def render_plan(cfg: TrainConfig, report: ValidationReport) -> str:
-    plan = build_plan(cfg.model, cfg.precision)
+def render_plan(cfg: TrainConfig, report: ValidationReport, plan: QuantPlan | None = None) -> str:
+    """The dry run's text; `plan` is the run's (from `preflight.check`), built here when not given."""
+    plan = plan if plan is not None else build_plan(cfg.model, cfg.precision)
     sections = [
         f"skyq dry run: model={cfg.model.name} precision={cfg.precision.name.value} topology={cfg.topology.name} "
         f"trainer={cfg.trainer.backend.value} rollout={cfg.rollout.backend.value} task={cfg.task.name.value}",
@@ -38,14 +41,34 @@ def render_plan(cfg: TrainConfig, report: ValidationReport) -> str:
     return "\n\n".join(sections)
 
 
+def _embedded(cfg: TrainConfig) -> bool:
+    return cfg.trainer.backend is TrainerBackend.torch and cfg.rollout.backend is RolloutBackend.embedded
+
+
 def _placement(cfg: TrainConfig) -> str:
     t, p, r = cfg.topology, cfg.topology.parallel, cfg.rollout
+    if _embedded(cfg):
+        from skyq.launch.placement import describe, placement_for
+
+        placed = placement_for(t, r.weight_sync.transport)
+        where = describe(placed)
+        if t.device is Device.cpu:
+            return f"placement: CPU; {where}"
+        gpus = t.num_nodes * t.gpus_per_node
+        used = 1 if placed.in_process or placed.trainer_gpus < 1 else 2
+        idle = f"; {gpus - used} of the topology's {gpus} GPUs stay idle" if gpus > used else ""
+        return "\n".join(
+            [
+                f"placement: the embedded pair on {used} of {gpus} GPU(s){idle}",
+                f"  trainer: one process on {placed.trainer_gpus:g} GPU, the whole model (no TP/PP/EP/DP)",
+                f"  rollout: one embedded engine on {placed.engine_gpus:g} GPU, the whole model",
+                f"  sync: {where}",
+            ]
+        )
     if r.backend is RolloutBackend.embedded:
         from skyq.launch.placement import describe, placement_for
 
         where = describe(placement_for(t, r.weight_sync.transport))
-        if t.device is Device.cpu:
-            return f"placement: CPU; {where}"
     else:
         where = f"weights to the {r.backend.value} engines (transport {r.weight_sync.transport.value})"
     engine_tp = r.tp_size or r.gpus_per_engine
@@ -85,10 +108,22 @@ def _sync_bytes(plan: QuantPlan) -> str:
 
 
 def _memory(cfg: TrainConfig, plan: QuantPlan) -> str:
-    """Per-GPU estimate: bf16 weights, fp32 grads, Adam (fp32 master + moments) over the DP shards."""
+    """Per-GPU estimate: bf16 weights, fp32 grads, Adam (fp32 master + moments) over the DP shards;
+    for the embedded pair, what its one trainer and its one engine hold."""
     t, p = cfg.topology, cfg.topology.parallel
     if t.device is Device.cpu:
         return f"memory: {plan.bf16_bytes / 2 / 1e6:.2f} M parameters on the CPU"
+    if _embedded(cfg):
+        from skyq.preflight import embedded_trainer_bytes
+
+        trainer = embedded_trainer_bytes(cfg, plan.bf16_bytes / 2)
+        return "\n".join(
+            [
+                "memory estimate (the embedded pair: the whole model on each side):",
+                f"  trainer GPU: {trainer / GIB:.2f} GiB (fp32 weights, grads, AdamW moments, compute copy)",
+                f"  engine GPU: {plan.wire_bytes / GIB:.2f} GiB ({plan.precision.value} wire format)",
+            ]
+        )
     expert = sum(x.bf16_bytes // 2 for x in plan if x.role is Role.routed_expert)
     dense = sum(x.bf16_bytes // 2 for x in plan) - expert
     per_gpu = dense / (p.tp * p.pp) + expert / (p.ep * p.etp * p.pp)

@@ -1,16 +1,25 @@
 """Checks that need the quantization plan (so they cannot live in skyq.config, which imports nothing).
 
-The INT4 QAT contract: the trainer's fake-quant scope and the rollout checkpoint's quantized set are
-the same modules. Both are compared through the one per-parameter plan.
+- The INT4 QAT contract: the trainer's fake-quant scope and the rollout checkpoint's quantized set are
+  the same modules, both compared through the one per-parameter plan.
+- The embedded pair's fit: trainer=torch holds the whole model (fp32 master weights, gradients, AdamW
+  moments and the compute copy) in one process on one device, and rollout=embedded the whole model
+  in its wire format in another (or the same one): a model past what that placement holds is
+  refused with its numbers, before a dry run prints a plan the backend would not follow.
 """
 
 from __future__ import annotations
 
 from skyq.config.checkpoint_info import read_checkpoint_quantization
-from skyq.config.enums import Precision
-from skyq.config.schema import CheckpointConfig, ModelConfig, PrecisionConfig
+from skyq.config.enums import ComputeDtype, Device, Precision, RolloutBackend, TrainerBackend
+from skyq.config.schema import CheckpointConfig, ModelConfig, PrecisionConfig, TrainConfig
 from skyq.config.validate import ConfigValidationError
-from skyq.quant.plan import build_plan
+from skyq.quant.plan import QuantPlan, build_plan
+
+EMBEDDED_MAX_PARAMS = 2e9
+"""Largest model the embedded native trainer + engine pair is meant to hold (one device each side)."""
+
+GB = 1e9
 
 
 def plan_errors(*, model: ModelConfig, precision: PrecisionConfig, checkpoint: CheckpointConfig) -> list[str]:
@@ -36,7 +45,45 @@ def plan_errors(*, model: ModelConfig, precision: PrecisionConfig, checkpoint: C
     ]
 
 
-def check(*, model: ModelConfig, precision: PrecisionConfig, checkpoint: CheckpointConfig) -> None:
-    errors = plan_errors(model=model, precision=precision, checkpoint=checkpoint)
+def embedded_trainer_bytes(cfg: TrainConfig, params: float) -> float:
+    """What trainer=torch keeps per model: fp32 master weights, fp32 gradients and two fp32 AdamW
+    moments (16 B a parameter), the compute-dtype copy the forward runs on, and the frozen KL
+    reference in the compute dtype when algorithm.kl_coef > 0."""
+    compute = 2 if cfg.trainer.compute_dtype is ComputeDtype.bf16 else 4
+    return params * (16 + compute + (compute if cfg.algorithm.kl_coef > 0 else 0))
+
+
+def fit_errors(cfg: TrainConfig, plan: QuantPlan) -> list[str]:
+    """The embedded pair's model-size limit, with the bytes each side would hold."""
+    if cfg.trainer.backend is not TrainerBackend.torch and cfg.rollout.backend is not RolloutBackend.embedded:
+        return []
+    params = plan.bf16_bytes / 2
+    if params <= EMBEDDED_MAX_PARAMS:
+        return []
+    where = "this machine's CPU" if cfg.topology.device is Device.cpu else "one GPU"
+    sides = []
+    if cfg.trainer.backend is TrainerBackend.torch:
+        sides.append(
+            f"trainer=torch holds all of it on {where} ({embedded_trainer_bytes(cfg, params) / GB:.0f} GB: "
+            "fp32 weights, gradients and AdamW moments plus the compute copy)"
+        )
+    if cfg.rollout.backend is RolloutBackend.embedded:
+        sides.append(
+            f"rollout=embedded all of it on {where} ({plan.wire_bytes / GB:.0f} GB in the "
+            f"{plan.precision.value} wire format)"
+        )
+    return [
+        f"model={cfg.model.name} has {params / 1e9:.1f}B parameters: {' and '.join(sides)}; the embedded pair "
+        f"is meant for models up to {EMBEDDED_MAX_PARAMS / 1e9:.0f}B (e.g. model=tiny_moe, small_moe) and uses "
+        "no model parallelism. Fix: trainer=megatron rollout=vllm on a GPU topology, or a smaller model."
+    ]
+
+
+def check(cfg: TrainConfig) -> QuantPlan:
+    """Every plan-level check of a run (after `validate`); returns the plan for the dry run."""
+    plan = build_plan(cfg.model, cfg.precision)
+    errors = plan_errors(model=cfg.model, precision=cfg.precision, checkpoint=cfg.checkpoint)
+    errors += fit_errors(cfg, plan)
     if errors:
         raise ConfigValidationError(errors)
+    return plan

@@ -1,8 +1,11 @@
 """`python -m skyq.train`: compose -> validate -> (dry run | build and run).
 
 python -m skyq.train                                   # the embedded default: tiny MoE, CPU
-python -m skyq.train precision=mxfp8 model=qwen3_30b topology=8gpu dry_run=true
+python -m skyq.train precision=mxfp8 model=qwen3_30b topology=8gpu trainer=megatron rollout=vllm dry_run=true
 python -m skyq.train --help
+
+Importing this module pulls in Hydra and the config schema only: torch and the quantization plan are
+imported once a run or a dry run needs them, so `--help` answers without loading torch.
 """
 
 from __future__ import annotations
@@ -15,10 +18,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from skyq import preflight
-from skyq.config.enums import Device, ModelFamily, RolloutBackend, TrainerBackend
+from skyq.config.enums import Device, RolloutBackend, TrainerBackend
 from skyq.config.schema import TrainConfig
-from skyq.config.store import register, strict
+from skyq.config.store import recipe_file_argv, register, strict
 from skyq.config.validate import ConfigValidationError, validate
 from skyq.launch.guards import MismatchError
 
@@ -29,28 +31,9 @@ class HardwareMissingError(RuntimeError):
     """The run needs hardware or a backend this machine does not have."""
 
 
-EMBEDDED_MAX_PARAMS = 2e9
-"""Largest model the embedded native trainer + engine pair is meant to hold on one device."""
-
-
 def check_hardware(cfg: TrainConfig) -> None:
     """Refuse what this machine or this build cannot run, before anything starts."""
-    if cfg.trainer.backend is TrainerBackend.torch and cfg.model.family is not ModelFamily.qwen3_moe:
-        raise HardwareMissingError(
-            f"model={cfg.model.name} (model.family={cfg.model.family.value}) with trainer=torch: the native "
-            "trainer builds qwen3_moe models only. Use trainer=megatron on a GPU cluster, or add dry_run=true "
-            "to print the plan."
-        )
     if cfg.topology.device is Device.cpu:
-        from skyq.quant.plan import build_plan
-
-        params = build_plan(cfg.model, cfg.precision).bf16_bytes / 2
-        if params > EMBEDDED_MAX_PARAMS:
-            raise HardwareMissingError(
-                f"model={cfg.model.name} has {params / 1e9:.1f}B parameters; topology=cpu runs the embedded "
-                f"trainer and engine on this machine's CPU (meant for models up to {EMBEDDED_MAX_PARAMS / 1e9:.0f}B, "
-                "e.g. model=tiny_moe). Pick a GPU topology, or add dry_run=true to print the plan."
-            )
         return
     import torch
 
@@ -73,14 +56,16 @@ def check_hardware(cfg: TrainConfig) -> None:
 
 def run(cfg: DictConfig, run_dir: Path) -> None:
     """Validate, then dry-run or run. Raises on any configuration problem."""
+    from skyq import preflight  # the quantization plan, and with it torch
+
     cfg = strict(cfg)
     obj: TrainConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-    report = validate(obj)
-    preflight.check(model=obj.model, precision=obj.precision, checkpoint=obj.checkpoint)
+    report = validate(obj, run_here=not obj.dry_run)
+    plan = preflight.check(obj)
     if obj.dry_run:
         from skyq.dryrun import render_plan
 
-        print(render_plan(obj, report))
+        print(render_plan(obj, report, plan))
         return
     check_hardware(obj)
     from skyq.launch.embedded import run_embedded
@@ -140,13 +125,30 @@ def resumed_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     return merged
 
 
+def check_run_dir(run_dir: Path) -> None:
+    """A new run's directory is one Hydra just made: anything already in it (`hydra.run.dir` pointed at
+    an existing folder) belongs to someone else, and a run would write among it."""
+    held = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+    if held:
+        shown = ", ".join(held[:5]) + (f", ... ({len(held)} entries)" if len(held) > 5 else "")
+        raise ValueError(
+            f"hydra.run.dir={run_dir} is not empty (holds {shown}); every run needs a directory of its own. "
+            "Fix: drop hydra.run.dir (a fresh one under output_root is made), or name a new directory; "
+            "resume=<run dir> continues a run."
+        )
+
+
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    global _task_started
+    _task_started = True
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
         if cfg.resume:
             cfg = resumed_config(cfg, list(hydra_cfg.overrides.task))
+        else:
+            check_run_dir(run_dir)
         run(cfg, run_dir)
     except (ConfigValidationError, HardwareMissingError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -159,5 +161,59 @@ def main(cfg: DictConfig) -> None:
             run_dir.rmdir()  # a dry run or a refused config leaves no empty run directory behind
 
 
+_task_started = False
+"""Set once Hydra hands the composed config to `main` (errors before that are Hydra's own)."""
+
+
+def cli() -> None:
+    """`main` with Hydra's own errors (an override it cannot parse, a group option that does not exist,
+    an `output_root=${...}` that does not resolve) as one `error:` line and exit 2, like every config
+    error, instead of Hydra's traceback (which, for an unresolvable run directory, even fails to format)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if {"--help", "-h"} & set(sys.argv[1:]):
+        print(app_help())
+        return
+    sys.argv[1:] = recipe_file_argv(sys.argv[1:])  # recipe=<path to a .yaml>
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra re-raises instead of printing its own trace
+    try:
+        main()
+    except (HydraException, OmegaConfBaseException) as exc:
+        if _task_started:
+            raise
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        sys.exit(2)
+
+
+def app_help() -> str:
+    """The text of `--help`: conf/train.yaml's `hydra.help` header and footer around each config group's
+    options. Hydra renders the same from its config repository, deep-copied once per group it lists
+    (about five seconds of a two-core machine); the options are the files of conf/<group>/."""
+    import yaml
+
+    from skyq.config.store import CONF_DIR
+
+    help_cfg = yaml.safe_load((CONF_DIR / "train.yaml").read_text())["hydra"]["help"]
+    groups = [
+        f"{d.name}: {', '.join(sorted(p.stem for p in d.glob('*.yaml')))}"
+        for d in sorted(CONF_DIR.iterdir())
+        if d.is_dir() and any(d.glob("*.yaml"))
+    ]
+    return "\n".join(
+        [help_cfg["header"].rstrip(), "", "== Config groups ==", *groups, "", help_cfg["footer"]]
+    )
+
+
+def _one_line(exc: Exception) -> str:
+    from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(exc, OmegaConfBaseException) and exc.full_key:
+        key = exc.full_key
+        hint = " (made from output_root)" if key.startswith(("hydra.run.", "hydra.sweep.")) else ""
+        return f"config key `{key}`{hint}: {str(exc.msg).splitlines()[0]}"
+    return " ".join(str(exc).split("\nConfig search path")[0].split())
+
+
 if __name__ == "__main__":
-    main()
+    cli()

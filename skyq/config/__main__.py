@@ -1,4 +1,9 @@
-"""`python -m skyq.config ls | show [overrides...] | validate <recipe file> [overrides...] | cp <recipe> <dest>`."""
+"""`python -m skyq.config ls | show [overrides...] | validate <recipe file> [overrides...] | cp <recipe> <dest>`.
+
+The config-level checks only (`skyq.config.validate`): skyq.config imports nothing else of skyq, so the
+checks that need the quantization plan (the INT4 checkpoint's ignore list against
+precision.qat_scope, the embedded pair's model-size limit) run in `python -m skyq.train ... dry_run=true`.
+"""
 
 from __future__ import annotations
 
@@ -31,13 +36,13 @@ def cmd_ls(_: argparse.Namespace) -> int:
 
 
 def _report(overrides: list[str]) -> int:
-    obj = to_object(compose(overrides))
-    report = validate(obj)
-    from skyq import preflight  # the plan-level checks (skyq.config itself imports nothing of skyq)
-
-    preflight.check(model=obj.model, precision=obj.precision, checkpoint=obj.checkpoint)
+    report = validate(to_object(compose(overrides)))
     for note in report.skipped:
         print(f"not checked: {note}")
+    print(
+        "not checked here: the plan-level checks (INT4 ignore list vs precision.qat_scope, the embedded "
+        "pair's model size); `python -m skyq.train <the same overrides> dry_run=true` makes them."
+    )
     return 0
 
 
@@ -67,9 +72,16 @@ def cmd_cp(args: argparse.Namespace) -> int:
     if not src.is_file():
         raise ValueError(f"no recipe `{args.recipe}`; `python -m skyq.config ls` lists them")
     dest = Path(args.dest)
+    if dest.is_dir():
+        dest = dest / src.name  # `cp <recipe> <folder>` puts it in the folder, as cp(1) does
     if dest.exists():
         raise ValueError(f"{dest} exists; refusing to overwrite it")
-    shutil.copy(src, dest)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with dest.open("xb") as out:
+            out.write(src.read_bytes())
+    except OSError as exc:
+        raise ValueError(f"cannot write {dest}: {exc.strerror}") from None
     print(f"copied {src} -> {dest}")
     return 0
 

@@ -2,17 +2,27 @@
 
 `validate(cfg)` collects every problem and raises one ConfigValidationError (a ValueError) whose
 lines each name the keys, the values and the fix. Checks that need a checkpoint on disk are listed in
-the report's `skipped` when the path does not exist (a dry run on a laptop).
+the report's `skipped` when the path does not exist (a dry run on a laptop); `validate(cfg,
+run_here=True)`, what `python -m skyq.train` calls before a real run, refuses them instead, with the
+other facts of this machine a run needs (wandb's API key for logger.wandb_mode=online).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import netrc
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
 
+from skyq.config.backends import ignored_setting_errors
 from skyq.config.checkpoint_rules import checkpoint_errors
 from skyq.config.enums import (
     Device,
+    LoggerBackend,
+    ModelFamily,
     Placement,
     Precision,
     RolloutBackend,
@@ -55,8 +65,12 @@ def num_engines(cfg: TrainConfig) -> int:
     return cfg.topology.rollout_gpus // cfg.rollout.gpus_per_engine
 
 
-def validate(cfg: TrainConfig) -> ValidationReport:
-    """Check every cross-field rule; raise ConfigValidationError listing all failures."""
+def validate(cfg: TrainConfig, *, run_here: bool = False) -> ValidationReport:
+    """Check every cross-field rule; raise ConfigValidationError listing all failures.
+
+    `run_here`: the config is about to run on this machine, so every checkpoint path it reads must
+    exist here (else it is a skipped check, as in a dry run) and wandb online needs its API key.
+    """
     report = ValidationReport()
     errors: list[str] = _range_errors(cfg)
     errors += _precision_errors(cfg)
@@ -66,26 +80,43 @@ def validate(cfg: TrainConfig) -> ValidationReport:
     errors += _algorithm_errors(cfg)
     errors += _transport_errors(cfg)
     errors += _choice_errors(cfg)
+    errors += _backend_errors(cfg)
+    if run_here:
+        errors += _this_machine_errors(cfg)
     gpu = cfg.topology.device is Device.cuda
     report.shard_checks = shard_checks(
         model=cfg.model, precision=cfg.precision, parallel=cfg.topology.parallel, rollout=cfg.rollout, gpu=gpu
     )
     errors += shard_errors(report.shard_checks)
-    ckpt_errors, report.skipped = checkpoint_errors(precision=cfg.precision, checkpoint=cfg.checkpoint)
+    ckpt_errors, report.skipped = checkpoint_errors(
+        precision=cfg.precision, model=cfg.model, checkpoint=cfg.checkpoint
+    )
     errors += ckpt_errors
     if errors:
         raise ConfigValidationError(errors)
     return report
 
 
+INT64 = (-(2**63), 2**63 - 1)
+"""The integers a run can hand to torch, numpy and the checkpoint files (a Python int has no bound)."""
+
+
 def _range_errors(node: object, prefix: str = "") -> list[str]:
     """Every numeric field outside the `Range` its schema field declares (`schema.bounded`), named by
-    its full key, with the allowed values and what the field means."""
+    its full key, with the allowed values and what the field means; and, for every field, a float
+    that is nan or infinite (no range admits it, and `nan < x` is False for every bound) or an int
+    beyond int64 (which the run would only meet as an OverflowError once its workers start)."""
     errors = []
     for f in dataclasses.fields(node):  # type: ignore[arg-type]
         value, key = getattr(node, f.name), f"{prefix}{f.name}"
         if dataclasses.is_dataclass(value):
             errors += _range_errors(value, f"{key}.")
+        if isinstance(value, float) and not math.isfinite(value):
+            errors.append(f"{key}={value} must be a finite number.")
+            continue
+        if isinstance(value, int) and not isinstance(value, bool) and not INT64[0] <= value <= INT64[1]:
+            errors.append(f"{key}={value} does not fit in 64 bits (must be in [{INT64[0]}, {INT64[1]}]).")
+            continue
         rng = f.metadata.get("range")
         if rng is not None and value is not None and value not in rng:
             from skyq.config.docs import field_docs  # the schema's docstrings, read only for a message
@@ -136,6 +167,49 @@ def _choice_errors(cfg: TrainConfig) -> list[str]:
             "<a local .jsonl file> (only arith brings its own eval set). Fix: set it, or task.eval.interval=0."
         )
     return errors
+
+
+def _backend_errors(cfg: TrainConfig) -> list[str]:
+    """Settings the chosen backends would ignore (`skyq.config.backends`), and models they cannot build."""
+    errors = ignored_setting_errors(cfg)
+    if cfg.trainer.backend is TrainerBackend.torch and cfg.model.family is not ModelFamily.qwen3_moe:
+        errors.append(
+            f"model={cfg.model.name} (model.family={cfg.model.family.value}) with trainer=torch: the native "
+            "trainer builds qwen3_moe models only. Fix: trainer=megatron rollout=vllm (a GPU cluster)."
+        )
+    return errors
+
+
+def _this_machine_errors(cfg: TrainConfig) -> list[str]:
+    """What a run needs of this machine that a dry run elsewhere cannot check: the checkpoint paths it
+    reads exist, and wandb online has an API key (else wandb fails or prompts once the workers are up)."""
+    errors = []
+    for key in ("hf_checkpoint", "rollout_checkpoint", "ref_load", "load"):
+        path = getattr(cfg.checkpoint, key)
+        if path is not None and not Path(path).expanduser().exists():
+            errors.append(
+                f"checkpoint.{key}={path} does not exist on this machine. Fix: the path of the checkpoint "
+                "directory here, or dry_run=true to check the config without it."
+            )
+    log = cfg.logger
+    if log.backend is LoggerBackend.wandb and log.wandb_mode == "online" and not _wandb_key_present():
+        errors.append(
+            "logger.wandb_mode=online needs a wandb API key: none in WANDB_API_KEY or ~/.netrc. "
+            "Fix: export WANDB_API_KEY=..., run `wandb login`, or logger.wandb_mode=offline."
+        )
+    return errors
+
+
+def _wandb_key_present() -> bool:
+    """wandb's own sources of a key: the environment, then the netrc entry `wandb login` writes for
+    its host (WANDB_BASE_URL's, api.wandb.ai by default)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+    try:
+        return host in netrc.netrc(os.environ.get("NETRC") or None).hosts
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 def _transport_errors(cfg: TrainConfig) -> list[str]:

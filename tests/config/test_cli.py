@@ -27,20 +27,23 @@ def test_dry_run_of_a_gpu_recipe_prints_the_plan_and_exits_0(tmp_path):
         "precision=mxfp8",
         "model=qwen3_30b",
         "topology=8gpu",
+        "trainer=megatron",
+        "rollout=vllm",
         "dry_run=true",
         f"output_root={tmp_path}",
     )
     assert out.returncode == 0, out.stderr
     assert "routed_expert" in out.stdout and "bytes per weight sync" in out.stdout
+    assert "TP1 PP1 CP1 DP8 EP8" in out.stdout
     assert list(tmp_path.iterdir()) == []  # a dry run leaves no run directory
 
 
 def test_gpu_topology_without_gpus_says_what_is_missing_and_mentions_dry_run(tmp_path):
     out = _run(
-        "-m", "skyq.train", "precision=mxfp8", "model=qwen3_30b", "topology=8gpu", f"output_root={tmp_path}"
+        "-m", "skyq.train", "precision=mxfp8", "model=small_moe", "topology=2gpu", f"output_root={tmp_path}"
     )
     assert out.returncode != 0
-    assert "needs 8 CUDA GPUs" in out.stderr and "dry_run=true" in out.stderr
+    assert "needs 2 CUDA GPUs" in out.stderr and "dry_run=true" in out.stderr
 
 
 def test_invalid_config_exits_nonzero_naming_the_key(tmp_path):
@@ -69,11 +72,67 @@ def test_config_ls_show_validate(tmp_path):
     assert bad.returncode == 2 and "precision.int4_group_size" in bad.stderr
 
 
-def test_a_big_model_on_the_cpu_topology_is_refused_before_anything_starts(tmp_path):
-    out = _run("-m", "skyq.train", "model=qwen3_30b", f"output_root={tmp_path}")
-    assert out.returncode == 2 and "30.5B parameters" in out.stderr and "dry_run=true" in out.stderr
+def test_a_model_the_embedded_pair_cannot_hold_is_refused_dry_run_or_not(tmp_path):
+    """The dry run printed a plan for a 30B model on the embedded pair (which holds all of it on one
+    device per side); both the run and the dry run now refuse it with the numbers."""
+    for extra in ([], ["dry_run=true"]):
+        out = _run("-m", "skyq.train", "model=qwen3_30b", "topology=2gpu", *extra, f"output_root={tmp_path}")
+        assert out.returncode == 2 and "30.5B parameters" in out.stderr and "GB" in out.stderr, out.stderr
     kimi = _run("-m", "skyq.train", "model=kimi_k26", "topology=1gpu", f"output_root={tmp_path}")
     assert kimi.returncode == 2 and "qwen3_moe models only" in kimi.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_embedded_dry_run_shows_one_trainer_and_one_engine(tmp_path):
+    out = _run(
+        "-m",
+        "skyq.train",
+        "topology=8gpu",
+        "topology.parallel.ep=1",
+        "dry_run=true",
+        f"output_root={tmp_path}",
+    )
+    assert out.returncode == 0, out.stderr
+    assert "the embedded pair on 2 of 8 GPU(s); 6 of the topology's 8 GPUs stay idle" in out.stdout
+    assert "DP8" not in out.stdout and "engine(s)" not in out.stdout
+
+
+def test_hydra_level_errors_are_one_line_exit_2(tmp_path):
+    """`output_root=${nope}` was Hydra's traceback (its formatter even failed), a missing group option a
+    multi-line message; both now one `error:` line and exit 2, no run directory."""
+    out = _run("-m", "skyq.train", "output_root=${nope}", "dry_run=true", cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "error: config key `hydra.run.dir` (made from output_root): Interpolation key 'nope' not found"
+    ]
+    out = _run("-m", "skyq.train", "precision=nope", f"output_root={tmp_path}")
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    assert "Could not find 'precision/nope'" in out.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_dir_holding_someone_elses_files_is_refused(tmp_path):
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("keep me")
+    out = _run("-m", "skyq.train", f"hydra.run.dir={foreign}", "dry_run=true")
+    assert out.returncode == 2, out.stderr
+    assert f"hydra.run.dir={foreign} is not empty (holds thesis.tex)" in out.stderr
+    assert [p.name for p in foreign.iterdir()] == ["thesis.tex"]
+
+
+def test_config_cp_into_a_folder_that_does_not_exist_creates_it(tmp_path):
+    dest = tmp_path / "new" / "folder" / "mine.yaml"
+    out = _run("-m", "skyq.config", "cp", "tiny_moe_fp8_blockwise_cpu", str(dest))
+    assert out.returncode == 0 and dest.is_file(), out.stderr
+    into = _run("-m", "skyq.config", "cp", "tiny_moe_fp8_blockwise_cpu", str(dest.parent))
+    assert into.returncode == 0 and (dest.parent / "tiny_moe_fp8_blockwise_cpu.yaml").is_file()
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    bad = _run("-m", "skyq.config", "cp", "tiny_moe_fp8_blockwise_cpu", str(blocker / "x.yaml"))
+    assert (
+        bad.returncode == 2 and bad.stderr.startswith("error: cannot write") and "Traceback" not in bad.stderr
+    )
 
 
 def test_dry_run_says_what_the_trainer_computes_in(tmp_path):

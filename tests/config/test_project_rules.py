@@ -60,3 +60,36 @@ def test_conf_yaml_holds_no_defaults_of_its_own():
         text = path.read_text()
         assert f"- base_{path.parent.name}" in text, path
         assert "_target_" not in text and "oc.env" not in text, path
+
+
+def test_every_schema_key_is_read_by_some_backend_or_universal():
+    """Item of the backend table (skyq.config.backends): a key nothing reads is a setting accepted and
+    silently ignored. A new schema field needs a reader declared there; a new backend adds its entry."""
+    from skyq.config.backends import READS, UNIVERSAL, is_universal, leaf_fields, matches, readers
+
+    keys = [key for key, _ in leaf_fields()]
+    unread = [k for k in keys if not is_universal(k) and not readers(k)]
+    assert unread == [], f"schema keys no backend reads (declare them in skyq/config/backends.py): {unread}"
+    for pattern in (*UNIVERSAL, *(p for patterns in READS.values() for p in patterns)):
+        assert any(matches(pattern, k) for k in keys), f"backends.py names no schema key: {pattern}"
+    both = [k for k in keys if is_universal(k) and readers(k)]
+    assert both == [], f"universal and backend-specific at once: {both}"
+
+
+def test_help_imports_no_torch_and_the_config_cli_nothing_beyond_skyq_config():
+    """`python -m skyq.train --help` loaded torch (through preflight -> quant.plan) and Hydra's help
+    deep-copied its config repository once per option; `skyq.config`'s CLI reached into skyq.quant."""
+    code = (
+        "import runpy, sys, io, contextlib\n"
+        "sys.argv = ['skyq.train', '--help']\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        "    runpy.run_module('skyq.train', run_name='__main__')\n"
+        "assert 'precision: bf16' in out.getvalue(), out.getvalue()\n"
+        "import skyq.config.__main__\n"
+        "outside = sorted(m for m in sys.modules if m.startswith('skyq.') and not m.startswith('skyq.config')"
+        " and m not in ('skyq.train', 'skyq.launch', 'skyq.launch.guards'))\n"
+        "assert 'torch' not in sys.modules and not outside, outside\n"
+        "print('lean')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and "lean" in out.stdout, out.stderr

@@ -59,6 +59,10 @@ def _int4_block(symmetric=True, group_size=128):
 
 
 QWEN_INT4 = ["recipe=qwen3_30b_int4_qat_8gpu"]
+AT_SCALE = ["model=qwen3_30b", "topology=8gpu", "trainer=megatron", "rollout=vllm"]
+"""The backends a topology=8gpu layout is for (trainer=torch reads none of topology.parallel)."""
+TINY_VLLM = ["topology=1gpu", "trainer=megatron", "rollout=vllm"]
+"""tiny_moe on the backends that read checkpoint.rollout_checkpoint."""
 
 
 def test_int4_rollout_checkpoint_must_be_symmetric_with_reconvert_command(tmp_path):
@@ -142,7 +146,7 @@ def test_delta_sync_with_quantized_wire_is_refused():
         "rollout.weight_sync.mode=delta",
         "precision.name=fp8_blockwise",
     )
-    validate(_cfg("precision=bf16", "rollout.weight_sync.mode=delta"))
+    validate(_cfg(*AT_SCALE, "precision=bf16", "rollout.weight_sync.mode=delta"))
 
 
 def test_mxfp8_with_persistent_fp8_params_is_refused():
@@ -154,39 +158,36 @@ def test_mxfp8_with_persistent_fp8_params_is_refused():
 
 def test_parallel_product_must_equal_trainer_gpus():
     _refused(
-        _cfg("model=qwen3_30b", "topology=8gpu", "topology.parallel.tp=2", "topology.parallel.dp=2"),
+        _cfg(*AT_SCALE, "topology.parallel.tp=2", "topology.parallel.dp=2"),
         "tp*pp*cp*dp = 2*1*1*2 = 4",
         "topology.trainer_gpus=8",
     )
-    _refused(_cfg("model=qwen3_30b", "topology=8gpu", "topology.parallel.tp=3"), "not divisible by tp*pp*cp")
+    _refused(_cfg(*AT_SCALE, "topology.parallel.tp=3"), "not divisible by tp*pp*cp")
 
 
 def test_ep_must_divide_experts():
     _refused(
-        _cfg("model=qwen3_30b", "topology=8gpu", "topology.parallel.ep=3"),
+        _cfg(*AT_SCALE, "topology.parallel.ep=3"),
         "topology.parallel.ep=3 does not divide model.num_experts=128",
     )
 
 
 def test_engines_times_gpus_per_engine_must_equal_rollout_gpus():
     _refused(
-        _cfg("model=qwen3_30b", "topology=8gpu", "rollout.gpus_per_engine=3"),
+        _cfg(*AT_SCALE, "rollout.gpus_per_engine=3"),
         "topology.rollout_gpus=8",
         "rollout.gpus_per_engine=3",
     )
 
 
 def test_colocated_needs_the_same_gpus():
-    _refused(
-        _cfg("model=qwen3_30b", "topology=8gpu", "topology.rollout_gpus=4"), "topology.placement=colocated"
-    )
+    _refused(_cfg(*AT_SCALE, "topology.rollout_gpus=4"), "topology.placement=colocated")
 
 
 def test_split_placement_must_add_up():
     validate(
         _cfg(
-            "model=qwen3_30b",
-            "topology=8gpu",
+            *AT_SCALE,
             "topology.placement=split",
             "topology.trainer_gpus=4",
             "topology.rollout_gpus=4",
@@ -195,8 +196,7 @@ def test_split_placement_must_add_up():
     )
     _refused(
         _cfg(
-            "model=qwen3_30b",
-            "topology=8gpu",
+            *AT_SCALE,
             "topology.placement=split",
             "topology.trainer_gpus=4",
             "topology.rollout_gpus=2",
@@ -225,8 +225,7 @@ def test_mxfp8_trainer_shards_must_be_multiples_of_32():
     _refused(
         _cfg(
             "precision=mxfp8",
-            "model=qwen3_30b",
-            "topology=8gpu",
+            *AT_SCALE,
             "topology.parallel.etp=5",
             "topology.parallel.tp=5",
             "topology.parallel.dp=null",
@@ -262,7 +261,12 @@ def test_gpu_backends_refused_on_cpu_topology():
 def test_all_errors_are_reported_at_once():
     with pytest.raises(ConfigValidationError) as info:
         validate(
-            _cfg("precision=mxfp8", "precision.persistent_fp8_params=true", "rollout.weight_sync.mode=delta")
+            _cfg(
+                *AT_SCALE,
+                "precision=mxfp8",
+                "precision.persistent_fp8_params=true",
+                "rollout.weight_sync.mode=delta",
+            )
         )
     assert len(info.value.errors) == 2
 
@@ -277,7 +281,7 @@ def test_qat_scope_must_equal_what_the_rollout_checkpoint_quantizes(tmp_path):
     good = _int4_block(group_size=32)
     good["ignore"] = plan.ignore_list()
     ok = _ckpt(tmp_path / "ok", good)
-    cfg_ok = _cfg("precision=int4_qat", f"checkpoint.rollout_checkpoint={ok}")
+    cfg_ok = _cfg(*TINY_VLLM, "precision=int4_qat", f"checkpoint.rollout_checkpoint={ok}")
     validate(cfg_ok)
     assert (
         preflight.plan_errors(model=cfg_ok.model, precision=cfg_ok.precision, checkpoint=cfg_ok.checkpoint)
@@ -286,9 +290,9 @@ def test_qat_scope_must_equal_what_the_rollout_checkpoint_quantizes(tmp_path):
     bad = _int4_block(group_size=32)
     bad["ignore"] = ["lm_head"]  # attention and router left quantized
     path = _ckpt(tmp_path / "bad", bad)
-    cfg_bad = _cfg("precision=int4_qat", f"checkpoint.rollout_checkpoint={path}")
+    cfg_bad = _cfg(*TINY_VLLM, "precision=int4_qat", f"checkpoint.rollout_checkpoint={path}")
     with pytest.raises(ConfigValidationError, match="precision.qat_scope=routed_experts"):
-        preflight.check(model=cfg_bad.model, precision=cfg_bad.precision, checkpoint=cfg_bad.checkpoint)
+        preflight.check(cfg_bad)
 
 
 @pytest.mark.parametrize(
@@ -391,3 +395,192 @@ def test_settings_nothing_would_read_are_refused(overrides, message):
     """A string key outside its fixed values, and a dataset the arith task would silently ignore
     (before: each of these ran the default GRPO / generated arithmetic, exit 0)."""
     _refused(_cfg(*overrides), message)
+
+
+NON_FINITE = {
+    "algorithm.lr=nan": "algorithm.lr=nan must be a finite number",
+    "algorithm.kl_coef=inf": "algorithm.kl_coef=inf must be a finite number",
+    "rollout.weight_sync.timeout_s=nan": "rollout.weight_sync.timeout_s=nan must be a finite number",
+    "algorithm.is_cap=inf": "algorithm.is_cap=inf must be a finite number",
+    "seed=9223372036854775808": "seed=9223372036854775808 does not fit in 64 bits",
+}
+
+
+def test_nan_inf_and_ints_beyond_int64_are_refused():
+    """nan passed every range (`nan <= 0` is False) and inf every open-ended one; a seed past int64 passed
+    too. Each failed 30-80 s later inside the workers; now validate names each key (all at once)."""
+    errors = _refused(_cfg(*NON_FINITE), *NON_FINITE.values())
+    assert errors.count("\n  - ") == len(NON_FINITE)
+    _refused(_cfg("algorithm.lr=inf"), "algorithm.lr=inf must be a finite number")
+
+
+def test_the_largest_int64_seed_is_accepted():
+    validate(_cfg("seed=9223372036854775807"))
+
+
+def test_a_run_refuses_checkpoint_paths_absent_here_a_dry_run_lists_them(tmp_path):
+    """A missing checkpoint.hf_checkpoint failed after Ray started; a run (`run_here`) refuses it first."""
+    absent = tmp_path / "nowhere"
+    cfg = _cfg(f"checkpoint.hf_checkpoint={absent}")
+    assert any("does not exist here" in s for s in validate(cfg).skipped)
+    with pytest.raises(ConfigValidationError, match=f"checkpoint.hf_checkpoint={absent} does not exist"):
+        validate(cfg, run_here=True)
+    validate(_cfg(f"checkpoint.hf_checkpoint={_ckpt(tmp_path / 'bf16')}"), run_here=True)
+
+
+def test_wandb_online_without_an_api_key_is_refused_before_the_run(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_BASE_URL", raising=False)
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine example.com login u password p\n")
+    monkeypatch.setenv("NETRC", str(netrc))
+    cfg = _cfg("logger=wandb", "logger.wandb_mode=online")
+    validate(cfg)  # a dry run elsewhere does not need the key
+    with pytest.raises(ConfigValidationError, match="logger.wandb_mode=online needs a wandb API key"):
+        validate(cfg, run_here=True)
+    validate(_cfg("logger=wandb", "logger.wandb_mode=offline"), run_here=True)
+    netrc.write_text("machine api.wandb.ai login user password k3y\n")
+    netrc.chmod(0o600)
+    validate(cfg, run_here=True)
+    monkeypatch.setenv("NETRC", str(tmp_path / "absent"))
+    monkeypatch.setenv("WANDB_API_KEY", "k3y")
+    validate(cfg, run_here=True)
+
+
+IGNORED_BY_EMBEDDED = [
+    "precision.persistent_fp8_params=true",
+    "checkpoint.load=/ckpt/iter_100",
+    "checkpoint.ref_load=/ckpt/ref",
+    "trainer.recompute.granularity=full",
+    "trainer.recompute.num_layers=2",
+    "trainer.optimizer.cpu_offload=true",
+    "trainer.optimizer.overlap_cpu_offload=true",
+    "trainer.optimizer.precision_aware=true",
+    "trainer.deepep_max_dispatch_tokens=128",
+    "trainer.moe_token_dispatcher=flex",
+    "topology.parallel.ep=2",
+    "rollout.gpu_memory_fraction=0.5",
+    "checkpoint.rollout_checkpoint=/ckpt/fp8",
+]
+
+
+def test_settings_the_embedded_backends_ignore_are_refused_naming_who_reads_them():
+    """Each was accepted on trainer=torch rollout=embedded and changed nothing; the backend table
+    (skyq.config.backends) names the backend that reads it."""
+    cfg = _cfg("precision=fp8_blockwise", *IGNORED_BY_EMBEDDED)
+    with pytest.raises(ConfigValidationError) as info:
+        validate(cfg)
+    for override in IGNORED_BY_EMBEDDED:
+        (line,) = [e for e in info.value.errors if e.startswith(f"{override} is read only by ")]
+        assert "would ignore it" in line and f"Fix: {override.split('=')[0]}=" in line, line
+        assert "trainer=megatron" in line or "rollout=vllm" in line, line
+    assert "Fix: trainer.recompute.granularity=none (its default)" in str(info.value)
+
+
+def test_settings_are_accepted_on_the_backend_that_reads_them():
+    validate(_cfg(*AT_SCALE, "trainer.recompute.granularity=full", "trainer.optimizer.cpu_offload=true"))
+    _refused(
+        _cfg(*AT_SCALE, "rollout.cuda_graphs=false"),
+        "rollout.cuda_graphs=false is read only by rollout=embedded",
+    )
+
+
+def test_the_native_trainer_refuses_a_model_family_it_cannot_build():
+    _refused(_cfg("model=kimi_k26", "topology=1gpu"), "the native trainer builds qwen3_moe models only")
+
+
+def test_the_trap_a_30b_model_on_the_embedded_pair_is_refused_with_its_numbers():
+    """model=qwen3_30b topology=8gpu trainer=torch validated and dry-ran as DP8/EP8 with 8 engines while the
+    embedded pair puts the whole model on one trainer GPU and one engine GPU."""
+    from skyq import preflight
+
+    _refused(
+        _cfg("model=qwen3_30b", "topology=8gpu"), "topology.parallel.ep=8 is read only by trainer=megatron"
+    )
+    cfg = _cfg("model=qwen3_30b", "topology=8gpu", "topology.parallel.ep=1")
+    validate(cfg)
+    with pytest.raises(ConfigValidationError) as info:
+        preflight.check(cfg)
+    msg = str(info.value)
+    assert "model=qwen3_30b has 30.5B parameters" in msg and "550 GB" in msg and "31 GB" in msg
+    assert "trainer=megatron rollout=vllm" in msg
+    preflight.check(_cfg("model=small_moe", "topology=2gpu"))
+    preflight.check(_cfg(*AT_SCALE))  # the at-scale backends shard it
+
+
+def _hf_config(path, **fields):
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", **fields}))
+    return str(path)
+
+
+def test_a_checkpoint_of_another_model_is_refused(tmp_path):
+    """A 2-layer hidden-128 checkpoint was accepted for model=qwen3_30b."""
+    small = _hf_config(tmp_path / "small", num_hidden_layers=2, hidden_size=128, num_experts=4,
+                       moe_intermediate_size=64)  # fmt: skip
+    msg = _refused(
+        _cfg("model=qwen3_30b", f"checkpoint.hf_checkpoint={small}"), "is another model than model=qwen3_30b"
+    )
+    assert (
+        "num_hidden_layers=2 vs model.num_layers=48" in msg
+        and "hidden_size=128 vs model.hidden_size=2048" in msg
+    )
+    assert "num_experts=4 vs model.num_experts=128" in msg and "moe_intermediate_size=64 vs" in msg
+    same = _hf_config(tmp_path / "same", num_hidden_layers=48, hidden_size=2048, num_experts=128,
+                      moe_intermediate_size=768)  # fmt: skip
+    validate(_cfg("model=qwen3_30b", f"checkpoint.hf_checkpoint={same}"))
+    kimi = tmp_path / "kimi"
+    kimi.mkdir()
+    (kimi / "config.json").write_text(
+        json.dumps({"text_config": {"num_hidden_layers": 61, "n_routed_experts": 64}})
+    )
+    _refused(_cfg("recipe=kimi_k26_int4_qat_256gpu_text", f"checkpoint.hf_checkpoint={kimi}"),
+             "n_routed_experts=64 vs model.num_experts=384")  # fmt: skip
+
+
+def _fp8_block(skip, scale_fmt=None):
+    block = {"quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": skip}
+    if scale_fmt:
+        block["scale_fmt"] = scale_fmt
+    return block
+
+
+ATTN_KEPT = ["lm_head", "model.layers.0.mlp.gate", "model.layers.0.self_attn.q_proj"]
+"""A skip list of an expert-only checkpoint (attention kept bf16)."""
+
+
+def test_fp8_checkpoint_scale_format_must_match(tmp_path):
+    ue8m0 = _ckpt(tmp_path / "ue8m0", _fp8_block(["lm_head"], "ue8m0"))
+    fp32 = _ckpt(tmp_path / "fp32", _fp8_block(["lm_head"]))
+    fp8 = [*AT_SCALE, "precision=fp8_blockwise"]
+    _refused(_cfg(*fp8, f"checkpoint.rollout_checkpoint={ue8m0}"),
+             "has scale_fmt=ue8m0 (power-of-two scales) but precision.scale_format=fp32")  # fmt: skip
+    _refused(_cfg(*fp8, "precision.scale_format=ue8m0", f"checkpoint.rollout_checkpoint={fp32}"),
+             "has fp32 scales but precision.scale_format=ue8m0", "--scale-fmt ue8m0")  # fmt: skip
+    validate(_cfg(*fp8, "precision.scale_format=ue8m0", f"checkpoint.rollout_checkpoint={ue8m0}"))
+
+
+def test_fp8_and_mxfp8_checkpoint_scope_must_match_the_runs(tmp_path):
+    """An all-linear checkpoint under an expert-only run (and the reverse) was accepted."""
+    fp8_all = _ckpt(tmp_path / "fp8_all", _fp8_block(["lm_head", "model.layers.0.mlp.gate"]))
+    fp8_experts = _ckpt(tmp_path / "fp8_experts", _fp8_block(ATTN_KEPT))
+    fp8 = [*AT_SCALE, "precision=fp8_blockwise"]
+    _refused(_cfg(*fp8, "precision.fp8_targets=routed_experts", f"checkpoint.rollout_checkpoint={fp8_all}"),
+             "quantizes attention and experts (all_linear) but precision.fp8_targets=routed_experts")  # fmt: skip
+    _refused(_cfg(*fp8, f"checkpoint.rollout_checkpoint={fp8_experts}"),
+             "quantizes routed experts only (routed_experts) but precision.fp8_targets=all_linear")  # fmt: skip
+    validate(_cfg(*fp8, f"checkpoint.rollout_checkpoint={fp8_all}"))
+
+    def mx(ignore):
+        return {"quant_method": "compressed-tensors", "format": "mxfp8-quantized", "ignore": ignore}
+
+    mx_all = _ckpt(tmp_path / "mx_all", mx(["lm_head", "re:^model\\.layers\\.\\d+\\.mlp\\.gate$"]))
+    mx_experts = _ckpt(
+        tmp_path / "mx_experts", mx(["lm_head", "re:^model\\.layers\\.\\d+\\.self_attn\\.q_proj$"])
+    )
+    mxfp8 = [*AT_SCALE, "precision=mxfp8"]
+    _refused(_cfg(*mxfp8, f"checkpoint.rollout_checkpoint={mx_all}"),
+             "(all_linear) but precision.mxfp8_targets=routed_experts")  # fmt: skip
+    _refused(_cfg(*mxfp8, "precision.mxfp8_targets=all_linear", f"checkpoint.rollout_checkpoint={mx_experts}"),
+             "(routed_experts) but precision.mxfp8_targets=all_linear")  # fmt: skip
+    validate(_cfg(*mxfp8, f"checkpoint.rollout_checkpoint={mx_experts}"))
