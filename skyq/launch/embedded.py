@@ -32,11 +32,13 @@ from skyq.config.schema import (
     TrainerConfig,
 )
 from skyq.launch.checkpointing import checkpoint_root, latest_checkpoint
+from skyq.launch.deadlines import WorkerTimeout
 from skyq.launch.guards import MismatchGuard
 from skyq.launch.metrics import MetricsLogger, keep_rows_before, read_metrics
 from skyq.launch.pair import PairSpec, WorkerPair
 from skyq.launch.placement import describe, placement_for
 from skyq.launch.plot import plot_run
+from skyq.launch.ray_local import local_ray, startup_line
 from skyq.launch.redaction import redact
 from skyq.launch.rundir import (
     METRICS_FILE,
@@ -93,27 +95,15 @@ def rollout_seed(seed: int, step: int) -> int:
 
 
 @contextmanager
-def local_ray():
-    """Start a local Ray for the run unless the caller already has one (tests, a sweep); stop what we start."""
-    import ray
-
-    if ray.is_initialized():
-        yield
-        return
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="skyq")
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
-@contextmanager
 def worker_pair(spec: PairSpec) -> Iterator[WorkerPair]:
     """Build the trainer/engine pair where `spec.placement` puts it; always shut it down."""
     if spec.placement.in_process:
         from skyq.launch.local_pair import LocalPair
 
+        startup_line("building the trainer and the engine in this process (model build, engine boot)")
+        started = time.perf_counter()
         pair: WorkerPair = LocalPair(spec)
+        startup_line(f"trainer and engine ready after {time.perf_counter() - started:.1f} s")
         try:
             yield pair
         finally:
@@ -273,6 +263,9 @@ def run_embedded(
         # On resume this records the (compatible) config the run continues with, e.g. more steps.
         save_resolved_config(run_dir, config_container)
         print(describe(placement))
+        startup_line(
+            "locating the starting checkpoint (a tiny model's is built once, into checkpoint.cache_dir)"
+        )
         spec = PairSpec(
             model=model,
             precision=precision,
@@ -365,10 +358,12 @@ def _loop(
                         pair.save_checkpoint(ckpt_root, next_step=step + 1, seed=seed)
         except BaseException as exc:
             # A run that fails still completes the checkpoint it began (as a synchronous save
-            # would have); only a kill leaves just its hidden temp dir.
-            try:
-                pair.finish_checkpoint()
-            except Exception as unsaved:
-                exc.add_note(f"also: {unsaved}")
+            # would have), unless the trainer itself stopped answering; only a kill leaves just
+            # its hidden temp dir.
+            if not (isinstance(exc, WorkerTimeout) and exc.worker.startswith("trainer")):
+                try:
+                    pair.finish_checkpoint()
+                except Exception as unsaved:
+                    exc.add_note(f"also: {unsaved}")
             raise
         pair.finish_checkpoint()  # the end of the run: its last checkpoint is complete on return

@@ -112,7 +112,9 @@ def test_async_and_sync_saves_write_the_same_bytes_snapshotted_at_the_save_step(
     assert not [p for p in (async_dir / "checkpoints").iterdir() if p.name.startswith(".")]
 
 
-def test_an_async_save_is_committed_before_the_next_save_begins(tmp_path, base_overrides, monkeypatch):
+def test_an_async_save_is_committed_before_the_next_save_begins(
+    tmp_path, base_overrides, monkeypatch, capsys
+):
     """The step-2 checkpoint is in place while step 2 runs, without waiting for the next save (at
     the run's end here): a run killed before then resumes from it."""
     root = tmp_path / "run" / "checkpoints"
@@ -133,6 +135,13 @@ def test_an_async_save_is_committed_before_the_next_save_begins(tmp_path, base_o
     )
     assert seen == [["step_000002"]]
     assert latest_checkpoint(root)[1].next_step == 3
+    # Start-up said what it was doing, one line per phase.
+    startup = [line for line in capsys.readouterr().out.splitlines() if line.startswith("start-up: ")]
+    assert [line.split(" (")[0].split(" after ")[0] for line in startup] == [
+        "start-up: locating the starting checkpoint",
+        "start-up: building the trainer and the engine in this process",
+        "start-up: trainer and engine ready",
+    ]
 
 
 def test_a_failed_background_write_stops_the_run_naming_the_file(tmp_path, base_overrides, monkeypatch):
