@@ -11,6 +11,8 @@ import inspect
 from enum import Enum
 
 from skyq.config import enums, schema
+from skyq.config.backends import is_universal, readers
+from skyq.config.enums import TrainerBackend
 from skyq.config.store import GROUPS
 
 
@@ -58,8 +60,8 @@ def _section(cls: type, prefix: str, lines: list[str]) -> None:
     lines += [
         f"### `{prefix.rstrip('.') or '(top level)'}`",
         "",
-        "| key | type | default | allowed | meaning |",
-        "|---|---|---|---|---|",
+        "| key | type | default | allowed | read by | meaning |",
+        "|---|---|---|---|---|---|",
     ]
     for f in dataclasses.fields(cls):
         sub = getattr(schema, str(f.type), None)
@@ -69,11 +71,20 @@ def _section(cls: type, prefix: str, lines: list[str]) -> None:
         rng = f.metadata.get("range")
         allowed = str(rng).replace("<", "&lt;") if rng is not None else ""
         lines.append(
-            f"| `{prefix}{f.name}` | {_type_name(str(f.type))} | {_default(f)} | {allowed} | {docs[f.name]} |"
+            f"| `{prefix}{f.name}` | {_type_name(str(f.type))} | {_default(f)} | {allowed} | "
+            f"{_read_by(prefix + f.name)} | {docs[f.name]} |"
         )
     lines.append("")
     for sub, sub_prefix in nested:
         _section(sub, sub_prefix, lines)
+
+
+def _read_by(key: str) -> str:
+    """`all`, or the backends that read the key (`skyq.config.backends`)."""
+    if is_universal(key):
+        return "all"
+    names = [f"{'trainer' if isinstance(b, TrainerBackend) else 'rollout'}={b.value}" for b in readers(key)]
+    return ", ".join(names)
 
 
 def render() -> str:
@@ -83,7 +94,9 @@ def render() -> str:
         "Generated from the field docstrings of `skyq/config/schema.py` by `make docs`",
         "(`python -m skyq.config.docs`); a test fails when this file is stale. Every default lives in",
         'exactly one dataclass field; "allowed" is a numeric field\'s range, which `validate` checks',
-        "before a run starts. Config groups (`conf/<group>/<option>.yaml`) only pick and",
+        'before a run starts. "read by" names the backends that read a key (`skyq/config/backends.py`);',
+        "set away from its default on backends that do not read it, a key is refused, not ignored.",
+        "Config groups (`conf/<group>/<option>.yaml`) only pick and",
         "override: " + ", ".join(f"`{g}`" for g in GROUPS) + ", plus `recipe` (`recipes/`).",
         "The seed scripts' flags map to these keys in [seed_flags.md](seed_flags.md).",
         "",
