@@ -14,16 +14,15 @@ from skyq.config.resolve import packing_alignment, resolve_worker
 from skyq.config.schema import TrainConfig
 from skyq.config.validate import ValidationReport, num_engines, trainer_dp
 from skyq.quant.layouts import Role
-from skyq.quant.plan import QuantPlan, build_plan
+from skyq.quant.plan import QuantPlan
 from skyq.quant.strategies import get_strategy
 
 GIB = 2**30
 CAPABILITIES = {"SM90 (Hopper)": (9, 0), "SM100 (Blackwell)": (10, 0)}
 
 
-def render_plan(cfg: TrainConfig, report: ValidationReport, plan: QuantPlan | None = None) -> str:
-    """The dry run's text; `plan` is the run's (from `preflight.check`), built here when not given."""
-    plan = plan if plan is not None else build_plan(cfg.model, cfg.precision)
+def render_plan(cfg: TrainConfig, report: ValidationReport, plan: QuantPlan) -> str:
+    """The dry run's text, from the validated config, its report and its plan (`preflight.check`'s)."""
     sections = [
         f"skyq dry run: model={cfg.model.name} precision={cfg.precision.name.value} topology={cfg.topology.name} "
         f"trainer={cfg.trainer.backend.value} rollout={cfg.rollout.backend.value} task={cfg.task.name.value}",
