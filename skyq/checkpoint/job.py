@@ -56,10 +56,10 @@ def files_to_copy(model_dir: Path, skip: set[str]) -> list[str]:
         rel = path.relative_to(model_dir)
         if any(part.startswith(".") for part in rel.parts) or TEMP_MARKER in path.name:
             continue
-        if path.is_symlink():
-            check_inside_model_tree(model_dir, path, "a file to copy")
         if not path.is_file() or path.suffix == ".safetensors" or rel.as_posix() in _NEVER_COPIED | skip:
             continue
+        if path.is_symlink():
+            check_inside_model_tree(model_dir, path, "a file to copy")
         out.append(rel.as_posix())
     return out
 

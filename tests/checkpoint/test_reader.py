@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
 
 from checkpoint.tiny_checkpoints import INDEX, write_sharded
 from skyq.checkpoint.errors import CheckpointError
-from skyq.checkpoint.reader import ShardedCheckpoint
+from skyq.checkpoint.reader import ShardedCheckpoint, same_input, stat_identity
 
 
 def _tensors(seed: int) -> dict[str, torch.Tensor]:
@@ -80,3 +81,31 @@ def test_torn_index_json_is_refused_naming_it(tmp_path):
     (tmp_path / INDEX).write_text(text[: len(text) // 2])
     with pytest.raises(CheckpointError, match="index.json: invalid JSON"):
         ShardedCheckpoint(tmp_path)
+
+
+@pytest.mark.parametrize("entry", ["../x.safetensors", "/tmp/x.safetensors", "sub/x.safetensors", "x.bin", 5])
+def test_index_entry_that_is_not_a_plain_shard_file_name_is_refused_naming_it(tmp_path, entry):
+    write_sharded(_tensors(0), tmp_path, max_shard_bytes=8192)
+    index = json.loads((tmp_path / INDEX).read_text())
+    index["weight_map"]["layer.0.weight"] = entry
+    (tmp_path / INDEX).write_text(json.dumps(index))
+    with pytest.raises(
+        CheckpointError, match=f"entry 'layer.0.weight' names shard {entry!r}, which is not a plain"
+    ):
+        ShardedCheckpoint(tmp_path)
+
+
+def test_changed_inputs_names_a_rewritten_shard_and_same_input_needs_proof(tmp_path):
+    shards = write_sharded(_tensors(0), tmp_path, max_shard_bytes=8192)
+    ckpt = ShardedCheckpoint(tmp_path)
+    assert ckpt.changed_inputs() == []
+    record = ckpt.identity()[shards[1]]
+    time.sleep(0.05)  # past the file system's timestamp granularity
+    (tmp_path / shards[1]).write_bytes((tmp_path / shards[1]).read_bytes())  # same bytes, rewritten
+    assert ckpt.changed_inputs() == [f"{tmp_path / shards[1]} (it was rewritten, replaced or touched "
+                                     "(mtime, ctime or inode changed))"]  # fmt: skip
+    now = stat_identity(tmp_path / shards[1])
+    assert same_input(record, now) is not None
+    assert same_input({**record, "sha256": "a"}, {**now, "sha256": "a"}) is None
+    assert same_input({**record, "sha256": "a"}, {**now, "sha256": "b"}) == "its sha256 changed"
+    assert same_input(record, {**now, "bytes": 1}).startswith("size changed")
