@@ -186,7 +186,7 @@ class ConversionOutput:
         # Files an earlier skyq conversion here wrote and this one does not (e.g. an old shard
         # name, a tokenizer file the model dir no longer has): removed once the dir is ours.
         recorded = previous.files if previous is not None else frozenset()
-        obsolete = sorted(f for f in recorded if f not in self.writes and f in present)
+        obsolete = sorted(f for f in recorded if f not in self.writes and f in present)  # links not followed
 
         # Use the dir.
         with writing(self.dir):

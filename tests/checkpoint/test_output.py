@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -134,3 +135,19 @@ def test_finalize_refuses_unconverted_shards(tmp_path):
     with pytest.raises(CheckpointError, match="not converted yet"):
         _finish(out, SHARDS)
     assert not (out.dir / INDEX_NAME).exists() and not (out.dir / "config.json").exists()
+
+
+def test_obsolete_file_of_an_earlier_conversion_is_never_deleted_through_a_linked_folder(tmp_path):
+    (tmp_path / "model" / "sub").mkdir(parents=True)
+    (tmp_path / "model" / "sub" / "tok.json").write_text("{}")
+    first = _output(tmp_path, copied=["sub/tok.json"])
+    for i, s in enumerate(SHARDS):
+        first.write_shard(s, _shard_tensors(i))
+    _finish(first)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "tok.json").write_text("theirs")
+    shutil.rmtree(first.dir / "sub")
+    (first.dir / "sub").symlink_to(outside)
+    again = _output(tmp_path, overwrite=True)  # copies no sub/tok.json: the recorded one is obsolete
+    assert (outside / "tok.json").read_text() == "theirs" and (again.dir / "sub").is_symlink()
