@@ -17,7 +17,7 @@ from skyq.checkpoint.hf_config import model_config_from_hf
 from skyq.checkpoint.reader import ShardedCheckpoint
 from skyq.config.checkpoint_rules import checkpoint_errors
 from skyq.config.enums import Precision, QuantScope
-from skyq.config.schema import CheckpointConfig, PrecisionConfig
+from skyq.config.schema import CheckpointConfig, ModelConfig, PrecisionConfig
 from skyq.quant import mxfp8
 from skyq.quant.layouts import get_layout
 from skyq.quant.plan import build_plan
@@ -26,6 +26,11 @@ from skyq.tools import convert_fp8_to_bf16, convert_hf_to_mxfp8, inspect
 from skyq.tools.cli import run_tool
 
 MX = PrecisionConfig(name=Precision.mxfp8)
+
+
+def _model_of(directory: Path) -> ModelConfig:
+    """The run's model config that matches the checkpoint in `directory` (from its config.json)."""
+    return model_config_from_hf(json.loads((directory / "config.json").read_text()))
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +101,7 @@ def test_all_linear_targets_widen_the_scope(qwen_bf16, tmp_path):
     assert any("self_attn" in n for n in quantized) and not any(".mlp.gate." in n for n in quantized)
     errors, _ = checkpoint_errors(
         precision=PrecisionConfig(name=Precision.mxfp8, mxfp8_targets=QuantScope.all_linear),
+        model=_model_of(out),
         checkpoint=CheckpointConfig(rollout_checkpoint=str(out)),
     )
     assert errors == []
@@ -104,11 +110,14 @@ def test_all_linear_targets_widen_the_scope(qwen_bf16, tmp_path):
 def test_config_validation_accepts_the_output_as_mxfp8_rollout_checkpoint(qwen_bf16, mx_out, capsys):
     for model in ("qwen", "kimi"):
         errors, skipped = checkpoint_errors(
-            precision=MX, checkpoint=CheckpointConfig(rollout_checkpoint=str(mx_out[model]))
-        )
+            precision=MX, model=_model_of(mx_out[model]),
+            checkpoint=CheckpointConfig(rollout_checkpoint=str(mx_out[model])),
+        )  # fmt: skip
         assert errors == [] and skipped == []
     errors, _ = checkpoint_errors(
-        precision=MX, checkpoint=CheckpointConfig(rollout_checkpoint=str(qwen_bf16))
+        precision=MX,
+        model=_model_of(qwen_bf16),
+        checkpoint=CheckpointConfig(rollout_checkpoint=str(qwen_bf16)),
     )
     assert len(errors) == 1 and "python -m skyq.tools.convert_hf_to_mxfp8" in errors[0]
     for model in ("qwen", "kimi"):
