@@ -8,7 +8,7 @@ real decode). It is not a routed MoE: every token uses the same 8 "experts", so 
 per step do not grow with the batch as real routing's would. Attention itself (softmax over the KV
 cache) is left out; both sides run the same elementwise ops.
 
-bf16 side: `F.linear` (cuBLAS). FP8 side: `dispatch.fp8_weight_only_linear` (dequantizes in
+bf16 side: `F.linear` (cuBLAS). FP8 side: `fp8_linear.fp8_weight_only_linear` (dequantizes in
 registers: the Gluon kernel at <= 16 rows, the Triton one above). One decode step of each side is captured in a CUDA graph and replayed, so launch
 overhead is equal and small. tokens/s = batch / step time; medians over repeats with the spread.
 
@@ -31,7 +31,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from skyq.quant.kernels import dispatch, triton_fp8_w8a8
+from skyq.quant.kernels import dispatch
+from skyq.rollout.kernels import fp8_linear, triton_fp8_w8a8
 
 HIDDEN, Q_OUT, KV_OUT, MLP = 2048, 4096, 512, 6144
 SHAPES = {"q": (Q_OUT, HIDDEN), "k": (KV_OUT, HIDDEN), "v": (KV_OUT, HIDDEN), "o": (HIDDEN, Q_OUT),
@@ -146,8 +147,8 @@ def time_per_call(fns: list, replays: int = 10) -> float:
 def per_call_floor(gen: torch.Generator) -> None:
     """The fixed cost of a decode call: graphed calls over rotating weights from a 16-row weight (32 KB
     of codes) up, bf16 (cuBLAS) beside the Gluon kernel, and a trivial graphed kernel for the launch."""
-    from skyq.quant.kernels import gluon_fp8_gemv as g
-    from skyq.quant.kernels import triton_fp8_gemv as kern
+    from skyq.rollout.kernels import gluon_fp8_gemv as g
+    from skyq.rollout.kernels import triton_fp8_gemv as kern
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     t0 = torch.zeros(16, device="cuda")
@@ -179,7 +180,7 @@ def per_call_floor(gen: torch.Generator) -> None:
 def bf16_and_fp8_per_call(x: torch.Tensor, ws: list, qs: list) -> tuple[float, float]:
     """Seconds per call of x @ w^T over the weight copies: bf16 `torch.matmul`, FP8 weight-only kernel."""
     tb = time_per_call([lambda w=w: torch.matmul(x, w.T) for w in ws])
-    return tb, time_per_call([lambda q=q, s=s: dispatch.fp8_weight_only_linear(x, q, s) for q, s in qs])
+    return tb, time_per_call([lambda q=q, s=s: fp8_linear.fp8_weight_only_linear(x, q, s) for q, s in qs])
 
 
 def per_shape(gen: torch.Generator, batches: list[int]) -> None:
@@ -229,7 +230,7 @@ def large(gen: torch.Generator, batches: list[int], w8a8_configs: bool = False) 
                     [lambda q=q, s=s, x=x: torch.matmul(x, dispatch.dequantize_fp8_blockwise(q, s).T) for q, s in qs]
                 )  # fmt: skip
                 tw = time_per_call(
-                    [lambda q=q, s=s, x=x: dispatch.fp8_w8a8_linear(*dispatch.quantize_fp8_activation(x), q, s)
+                    [lambda q=q, s=s, x=x: fp8_linear.fp8_w8a8_linear(*dispatch.quantize_fp8_activation(x), q, s)
                      for q, s in qs]
                 )  # fmt: skip
                 if w8a8_configs:
@@ -288,7 +289,7 @@ def sweep_configs(m: int, n: int, k: int) -> list[tuple[tuple[int, int, int, int
     the loop) for BN 64 and, at batches <= 16, for 16- and 32-row weight tiles (1-4 warps, split <= 2)
     that fill the GPU with output tiles rather than K splits. At batches <= 4 also the CUDA-core
     kernel (BM 1, 2 or 4): BN 16-64, 2-8 warps, TK 128-512, split 1-8, 1 or 2 stages."""
-    from skyq.quant.kernels import triton_fp8_gemv as kern
+    from skyq.rollout.kernels import triton_fp8_gemv as kern
 
     bm = min(64, max(16, 1 << (m - 1).bit_length()))
     sms = kern.sm_count(torch.device("cuda"))
@@ -330,7 +331,7 @@ def sweep_configs(m: int, n: int, k: int) -> list[tuple[tuple[int, int, int, int
 
 def _compile_jobs(jobs: list, pdl: bool) -> None:
     """Compile (in a worker process, into Triton's on-disk cache) the kernels that `jobs` launch."""
-    from skyq.quant.kernels import triton_fp8_gemv as kern
+    from skyq.rollout.kernels import triton_fp8_gemv as kern
 
     kern.PDL = pdl
     for m, n, k, cfg, warps, stages in jobs:
@@ -362,7 +363,7 @@ def sweep(
 
     import json
 
-    from skyq.quant.kernels import triton_fp8_gemv as kern
+    from skyq.rollout.kernels import triton_fp8_gemv as kern
 
     cells = [(label, n, k, m) for label, (n, k) in shapes.items() for m in batches]
     jobs = [(m, n, k, *c) for _, n, k, m in cells for c in configs(m, n, k)]
@@ -436,8 +437,8 @@ def gluon_configs(m: int, n: int, k: int) -> list[tuple[tuple[int, int, int, int
 
 
 def _compile_gluon_jobs(jobs: list) -> None:
-    from skyq.quant.kernels import gluon_fp8_gemv as g
-    from skyq.quant.kernels import triton_fp8_gemv as kern
+    from skyq.rollout.kernels import gluon_fp8_gemv as g
+    from skyq.rollout.kernels import triton_fp8_gemv as kern
 
     for m, n, k, cfg, pf in jobs:
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
@@ -461,8 +462,8 @@ def gluon_sweep(
     appended there as JSON lines."""
     import json
 
-    from skyq.quant.kernels import gluon_fp8_gemv as g
-    from skyq.quant.kernels import triton_fp8_gemv as kern
+    from skyq.rollout.kernels import gluon_fp8_gemv as g
+    from skyq.rollout.kernels import triton_fp8_gemv as kern
 
     cells = [(label, n, k, m) for label, (n, k) in shapes.items() for m in batches]
     seen, jobs = set(), []
@@ -519,7 +520,7 @@ def gluon_sweep(
 def tuned_gluon(plain, best: dict):
     """`gluon_fp8_gemv.linear` with the variant `best[(N, K, rows)]` where the sweep timed one; a
     TRITON cell runs the Triton kernel instead."""
-    from skyq.quant.kernels import triton_fp8_gemv as kern
+    from skyq.rollout.kernels import triton_fp8_gemv as kern
 
     def linear(x, q, s, *, block_size, sms, counters, config=None, prefetch=1):
         hit = best.get((q.shape[0], q.shape[1], x.numel() // x.shape[-1]))
@@ -598,7 +599,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.scales_in_loop_max_m is not None:
-        from skyq.quant.kernels import triton_fp8_gemv
+        from skyq.rollout.kernels import triton_fp8_gemv
 
         triton_fp8_gemv.SCALES_IN_LOOP_MAX_M = args.scales_in_loop_max_m
     gen = torch.Generator().manual_seed(0)
@@ -647,7 +648,7 @@ def main() -> None:
 
     def fp8_linear(x, w):
         q, s = by_id[id(w)]
-        return dispatch.fp8_weight_only_linear(x, q, s)
+        return fp8_linear.fp8_weight_only_linear(x, q, s)
 
     def run_model(label: str, triton_beside: bool = False) -> list[tuple]:
         """bf16 vs fp8 per batch; `triton_beside`: also the fp8 model on the Triton kernel
@@ -692,7 +693,7 @@ def main() -> None:
         table(rows, device)  # printed before the diagnostics too, in case a time limit cuts them
         return rows
 
-    from skyq.quant.kernels import triton_fp8_gemv as kern
+    from skyq.rollout.kernels import triton_fp8_gemv as kern
 
     if args.profile:
         profile_step(layers, bf16_linear, fp8_linear, args.batches, gen)
@@ -710,7 +711,7 @@ def main() -> None:
             return
         shapes = FUSED_SWEEP_SHAPES if args.fused else SWEEP_SHAPES
         best = gluon_sweep(gen, args.batches, shapes, deadline, args.sweep_log)
-        from skyq.quant.kernels import gluon_fp8_gemv as g
+        from skyq.rollout.kernels import gluon_fp8_gemv as g
 
         g.linear, plain, max_m = tuned_gluon(g.linear, best), g.linear, kern.GLUON_MAX_M
         kern.GLUON_MAX_M = 64  # every batch through the tuned wrapper (which may pick the Triton kernel)

@@ -17,6 +17,7 @@ from decode import (  # benchmarks/ on the path
 )
 
 from skyq.quant.kernels import dispatch
+from skyq.rollout.kernels import int4_mxfp8_linear
 
 
 def routed_rows(
@@ -47,7 +48,8 @@ def int4_decode(
     `torch._grouped_mm` on the stack; the default; the Triton kernel), per projection (gate, of the
     intermediate's rows, and down)."""
     from skyq.ops.grouped_mm import bf16_grouped_linear
-    from skyq.quant.kernels import triton_int4, triton_int4_gemv
+    from skyq.quant.kernels import triton_int4
+    from skyq.rollout.kernels import triton_int4_gemv
 
     g = INT4_GROUP
     device = torch.cuda.get_device_name()
@@ -114,9 +116,9 @@ def mxfp8_dense(gen: torch.Generator, batches: list[int], shapes: dict[str, tupl
     """MXFP8 W8A16 dense decode, graphed over rotating weight copies, us a call at `batches` rows:
     bf16 `torch.matmul`; the Gluon weight-only kernel (`gluon_wo_gemv.linear_mxfp8`, any row
     count); the weight dequantized once (`dispatch.dequantize_mxfp8`) then `F.linear`; and
-    `dispatch.mxfp8_weight_only_linear` (the kernel up to `triton_int4_gemv.KERNEL_MAX_ROWS` rows,
+    `int4_mxfp8_linear.mxfp8_weight_only_linear` (the kernel up to `triton_int4_gemv.KERNEL_MAX_ROWS` rows,
     dequantize + linear above): where the row limit belongs, per weight shape."""
-    from skyq.quant.kernels import gluon_wo_gemv, triton_fp8_gemv
+    from skyq.rollout.kernels import gluon_wo_gemv, triton_fp8_gemv
 
     device = torch.cuda.get_device_name()
     rows = []
@@ -132,7 +134,7 @@ def mxfp8_dense(gen: torch.Generator, batches: list[int], shapes: dict[str, tupl
     columns = {
         "kernel": kernel,
         "dequantize + linear": dequantized,
-        "default": dispatch.mxfp8_weight_only_linear,
+        "default": int4_mxfp8_linear.mxfp8_weight_only_linear,
     }
     print(f"\nMXFP8 dense, us a call: bf16 | {' | '.join(columns)}")
 
@@ -186,8 +188,8 @@ def _wo_operands(w: torch.Tensor, mx: bool) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _wo_dense(x, q, s, mx: bool, sms: int, config=None):
-    from skyq.quant.kernels import gluon_wo_gemv as g
-    from skyq.quant.kernels import triton_fp8_gemv as kern
+    from skyq.rollout.kernels import gluon_wo_gemv as g
+    from skyq.rollout.kernels import triton_fp8_gemv as kern
 
     if mx:
         return g.linear_mxfp8(x, q, s, sms=sms, counters=kern._arrival_counters, config=config)
@@ -195,7 +197,7 @@ def _wo_dense(x, q, s, mx: bool, sms: int, config=None):
 
 
 def _wo_grouped(x, q, s, offsets, mx: bool, sms: int, config=None):
-    from skyq.quant.kernels import gluon_wo_gemv as g
+    from skyq.rollout.kernels import gluon_wo_gemv as g
 
     if mx:
         return g.linear_grouped_mxfp8(x, q, s, offsets, sms=sms, config=config)
@@ -224,8 +226,8 @@ def wo_gluon_sweep(
     import json
 
     from skyq.ops.grouped_mm import bf16_grouped_linear
-    from skyq.quant.kernels import triton_fp8_gemv as kern
-    from skyq.quant.kernels import triton_int4_gemv
+    from skyq.rollout.kernels import triton_fp8_gemv as kern
+    from skyq.rollout.kernels import triton_int4_gemv
 
     gs, sms = INT4_GROUP, kern.sm_count(torch.device("cuda"))
     jobs = {}

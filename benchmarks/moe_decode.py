@@ -48,6 +48,7 @@ from skyq.config.enums import Precision
 from skyq.config.schema import PrecisionConfig
 from skyq.quant.layouts import Role
 from skyq.quant.strategies import get_strategy
+from skyq.rollout.kernels import fp8_linear
 from skyq.rollout.quantized_linear import ExpertMLP, WireExperts, WireLinear
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
@@ -129,8 +130,8 @@ def graphed_calls(fns, repeats: int) -> float:
 def sweep(args, gen: torch.Generator) -> None:
     from skyq.ops.grouped_mm import bf16_grouped_linear
     from skyq.quant import fp8_blockwise
-    from skyq.quant.kernels import gluon_fp8_gemv
-    from skyq.quant.kernels.triton_fp8_gemv import sm_count
+    from skyq.rollout.kernels import gluon_fp8_gemv
+    from skyq.rollout.kernels.triton_fp8_gemv import sm_count
 
     hidden, inter, experts, top_k = SWEEP_SHAPES[args.shape]
     sms = sm_count(torch.device("cuda"))
@@ -199,11 +200,12 @@ W8A8_CONFIGS = [  # (BM, BN, MT, warps, stages) of triton_fp8_w8a8
 
 def large(args, gen: torch.Generator) -> None:
     from skyq.ops.grouped_mm import bf16_grouped_linear
-    from skyq.quant.kernels import dispatch, gluon_fp8_gemv, triton_fp8_w8a8
-    from skyq.quant.kernels.triton_fp8_gemv import sm_count
+    from skyq.quant.kernels import dispatch
+    from skyq.rollout.kernels import gluon_fp8_gemv, triton_fp8_w8a8
+    from skyq.rollout.kernels.triton_fp8_gemv import sm_count
 
     def w8a8(x, q, s, offs):
-        return dispatch.fp8_grouped_w8a8_linear(*dispatch.quantize_fp8_activation(x), q, s, offs)
+        return fp8_linear.fp8_grouped_w8a8_linear(*dispatch.quantize_fp8_activation(x), q, s, offs)
 
     sms = sm_count(torch.device("cuda"))
     device = torch.cuda.get_device_name()
@@ -241,7 +243,7 @@ def large(args, gen: torch.Generator) -> None:
                     if not err < 1e-2:
                         raise AssertionError(f"{shape} {proj} {t} tokens: w8a8 relative error {err:.2e}")
                     tw0 = graphed_calls(
-                        [functools.partial(dispatch.fp8_grouped_w8a8_linear, xq, xs, *q, offs) for q in qs],
+                        [functools.partial(fp8_linear.fp8_grouped_w8a8_linear, xq, xs, *q, offs) for q in qs],
                         args.repeats,
                     )
                     sweep_line = ""

@@ -94,7 +94,7 @@ def _rms_norm_backward_triton(
     on the H200 the autograd recomputation was ~23 launches a call, 34 calls a trainer step of
     small_moe."""
     from skyq.ops import triton_rmsnorm
-    from skyq.quant.kernels.triton_fp8_gemv import sm_count
+    from skyq.quant.kernels._common import sm_count
 
     n = x.shape[-1]
     x2, dy2 = x.reshape(-1, n), dy.reshape(-1, n)

@@ -5,11 +5,11 @@
 `weight_scale` bf16 + `weight_shape`), so the model's state dict IS the wire state. Its forward asks
 the strategy to dequantize (the same `deserialize` the plan and tests use) and multiplies; no
 dequantized copy outlives the call. On CUDA, decode-sized inputs of an FP8 blockwise weight go to the
-weight-only Triton kernel instead (`dispatch.fp8_weight_only_linear`): the e4m3 codes are read and
+weight-only Triton kernel instead (`fp8_linear.fp8_weight_only_linear`): the e4m3 codes are read and
 dequantized in registers, so decode never materializes a bf16 weight. FP8 recipes quantize the
 input activations too, as the engine's W8A8 GEMM does; a decode step of many rows multiplies those
 activation codes by the weight codes on the FP8 tensor cores (`W8A8_MIN_MEAN_ROWS`,
-`dispatch.fp8_w8a8_linear`). `WireExperts` is the routed-experts block over per-expert linears, one module per
+`fp8_linear.fp8_w8a8_linear`). `WireExperts` is the routed-experts block over per-expert linears, one module per
 HF tensor (`experts.{e}.{gate,up,down}_proj`).
 """
 
@@ -33,6 +33,7 @@ from skyq.quant.fake_quant import Fp8ActivationQuant
 from skyq.quant.kernels import dispatch
 from skyq.quant.layouts import Role
 from skyq.quant.strategies import QuantizationStrategy, WireSpec
+from skyq.rollout.kernels import fp8_linear, int4_mxfp8_linear
 
 TensorFn = Callable[[Tensor], Tensor]
 
@@ -50,7 +51,7 @@ and lost above it (small_moe's at 128 rows each: 132 vs 110 us)."""
 
 W8A8_MIN_MEAN_ROWS = 8
 """In a decode step, FP8 experts averaging at least this many rows each multiply FP8 activation codes
-by their FP8 weight codes on the FP8 tensor cores (`dispatch.fp8_grouped_w8a8_linear`), where the
+by their FP8 weight codes on the FP8 tensor cores (`fp8_linear.fp8_grouped_w8a8_linear`), where the
 recipe quantizes activations in 1 x 128 tiles; dense FP8 linears do above `DECODE_MAX_ROWS` rows. On
 the H200 (`benchmarks/moe_decode.py --large --w8a8-configs`, session 19; Qwen3-30B-A3B's experts, us
 a call, gate+up / down) the grouped weight-only kernel took 128 / 71 at 8 rows an expert, 309 / 168 at
@@ -94,7 +95,7 @@ def _decode_sized(x: Tensor) -> bool:
 
 def w8a8_quantizer(linear: nn.Module, device: torch.device) -> Fp8ActivationQuant | None:
     """The activation quantizer whose codes a decode step may multiply by this linear's FP8 weight
-    codes on `device` (`dispatch.fp8_w8a8_linear`): an FP8 blockwise `WireLinear` of 128 x 128 weight
+    codes on `device` (`fp8_linear.fp8_w8a8_linear`): an FP8 blockwise `WireLinear` of 128 x 128 weight
     blocks whose recipe quantizes its input in 1 x 128 tiles, on a GPU with e4m3 tensor cores, unless
     its `codes_decode` is off."""
     act = getattr(linear, "activation", None)
@@ -103,17 +104,17 @@ def w8a8_quantizer(linear: nn.Module, device: torch.device) -> Fp8ActivationQuan
         if _is_fp8(linear)
         and linear.codes_decode
         and isinstance(act, Fp8ActivationQuant)
-        and act.tile == dispatch.W8A8_BLOCK[1]
-        and tuple(linear.strategy.block()) == dispatch.W8A8_BLOCK
-        and dispatch.w8a8_kernel_available(device)
+        and act.tile == fp8_linear.W8A8_BLOCK[1]
+        and tuple(linear.strategy.block()) == fp8_linear.W8A8_BLOCK
+        and fp8_linear.w8a8_kernel_available(device)
         else None
     )
 
 
 def _w8a8_linear(quantizer: Fp8ActivationQuant, x: Tensor, q: Tensor, s: Tensor) -> Tensor:
-    """x [..., K] by an FP8 weight through its activation codes (`dispatch.fp8_w8a8_linear`)."""
+    """x [..., K] by an FP8 weight through its activation codes (`fp8_linear.fp8_w8a8_linear`)."""
     xq, xs = quantizer.codes(x.reshape(-1, x.shape[-1]))
-    return dispatch.fp8_w8a8_linear(xq, xs, q, s, out_dtype=x.dtype).reshape(*x.shape[:-1], q.shape[0])
+    return fp8_linear.fp8_w8a8_linear(xq, xs, q, s, out_dtype=x.dtype).reshape(*x.shape[:-1], q.shape[0])
 
 
 def _large_decode_step(x: Tensor) -> bool:
@@ -124,14 +125,14 @@ def _large_decode_step(x: Tensor) -> bool:
 
 def int4_decodes(linear: nn.Module, x: Tensor) -> bool:
     """A decode step's input x to this linear takes the INT4 weight-only kernel
-    (`dispatch.int4_weight_only_linear`): a symmetric INT4 `WireLinear` (its words and group scales)
+    (`int4_mxfp8_linear.int4_weight_only_linear`): a symmetric INT4 `WireLinear` (its words and group scales)
     that the kernel takes on x's device. Prefill and scoring keep the dequantized weight and the
     regular GEMM (the trainer's bits)."""
     return (
         isinstance(linear, WireLinear)
         and linear.strategy.precision is Precision.int4_qat
         and tuple(linear._buffers) == INT4_LEAVES
-        and dispatch.int4_kernel_takes(
+        and int4_mxfp8_linear.int4_kernel_takes(
             x, linear._buffers["weight_packed"], linear._buffers["weight_scale"], linear.strategy.group_size
         )
     )
@@ -139,13 +140,15 @@ def int4_decodes(linear: nn.Module, x: Tensor) -> bool:
 
 def mxfp8_decodes(linear: nn.Module, x: Tensor) -> bool:
     """A decode step's (activation-quantized) input x to this linear takes the MXFP8 weight-only
-    kernel (`dispatch.mxfp8_weight_only_linear`): an MXFP8 `WireLinear` (codes and E8M0 scales) the
+    kernel (`int4_mxfp8_linear.mxfp8_weight_only_linear`): an MXFP8 `WireLinear` (codes and E8M0 scales) the
     kernel takes on x's device. Prefill and scoring keep the dequantized weight (the trainer's bits)."""
     return (
         isinstance(linear, WireLinear)
         and linear.strategy.precision is Precision.mxfp8
         and tuple(linear._buffers) == MXFP8_LEAVES
-        and dispatch.mxfp8_kernel_takes(x, linear._buffers["weight"], linear._buffers["weight_scale"])
+        and int4_mxfp8_linear.mxfp8_kernel_takes(
+            x, linear._buffers["weight"], linear._buffers["weight_scale"]
+        )
     )
 
 
@@ -196,15 +199,15 @@ class WireLinear(nn.Module):
             x = self.activation(x)
         if self._decodes_from_fp8(x):
             # e4m3 codes and block scales read and dequantized in registers: no dequantized weight
-            return dispatch.fp8_weight_only_linear(
+            return fp8_linear.fp8_weight_only_linear(
                 x, self._buffers["weight"], self._buffers["weight_scale_inv"], self.strategy.block()
             )
         if in_decode_step() and int4_decodes(self, x):
             # INT4 words and group scales read and dequantized in registers
             packed, scale = self._buffers["weight_packed"], self._buffers["weight_scale"]
-            return dispatch.int4_weight_only_linear(x, packed, scale, self.strategy.group_size)
+            return int4_mxfp8_linear.int4_weight_only_linear(x, packed, scale, self.strategy.group_size)
         if in_decode_step() and mxfp8_decodes(self, x):  # e4m3 codes and E8M0 scales, in registers
-            return dispatch.mxfp8_weight_only_linear(
+            return int4_mxfp8_linear.mxfp8_weight_only_linear(
                 x, self._buffers["weight"], self._buffers["weight_scale"]
             )
         weight = self.strategy.deserialize(self.hf_name, self.wire(), role=self.role, dtype=x.dtype)
@@ -245,17 +248,17 @@ class WireExperts(nn.ModuleList):
     After `stack()`, each projection's weights of all experts are one [E, ...] tensor whose slices
     ARE the experts' tensors, and a call on CUDA runs three grouped launches (no host sync, an
     expert without tokens reads nothing) instead of a Python loop over the routed experts with a
-    host sync: FP8 blockwise experts at decode sizes through `dispatch.fp8_grouped_weight_only_linear`
+    host sync: FP8 blockwise experts at decode sizes through `fp8_linear.fp8_grouped_weight_only_linear`
     (codes and scales stacked), bf16 experts and FP8 prefill (each stack dequantized in one launch)
     through `torch._grouped_mm` (compute capability >= 9); in a decode step of at least
     `W8A8_MIN_MEAN_ROWS` rows an expert, FP8 experts multiply their inputs' FP8 codes by the weight
-    codes (`dispatch.fp8_grouped_w8a8_linear`). INT4 and MXFP8 experts (codes and scales
+    codes (`fp8_linear.fp8_grouped_w8a8_linear`). INT4 and MXFP8 experts (codes and scales
     stacked) take the grouped path outside decode steps, each stack dequantized as the loop's
     experts dequantize theirs (MXFP8: the rows' activation quantization first, per row as theirs):
     prefill and scoring then compute as the trainer's grouped experts do, so their scores carry the
     trainer's bits on a GPU too. In a decode step INT4 experts run the grouped INT4 weight-only
-    kernel (`dispatch.int4_grouped_weight_only_linear`) and MXFP8 experts, after their rows'
-    activation quantization, the grouped MXFP8 one (`dispatch.mxfp8_grouped_weight_only_linear`):
+    kernel (`int4_mxfp8_linear.int4_grouped_weight_only_linear`) and MXFP8 experts, after their rows'
+    activation quantization, the grouped MXFP8 one (`int4_mxfp8_linear.mxfp8_grouped_weight_only_linear`):
     codes and scales dequantized in registers, no host sync."""
 
     PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -353,12 +356,12 @@ class WireExperts(nn.ModuleList):
 
     def _kernel_decodes(self, x: Tensor) -> bool:
         """INT4 / MXFP8 stacks in a decode step: the grouped INT4 / MXFP8 kernel takes every
-        projection's stack (`dispatch.int4_kernel_takes`, `dispatch.mxfp8_kernel_takes`)."""
+        projection's stack (`int4_mxfp8_linear.int4_kernel_takes`, `int4_mxfp8_linear.mxfp8_kernel_takes`)."""
         if self.kind == "int4":
             group = self[0].gate_proj.strategy.group_size
-            return all(dispatch.int4_kernel_takes(x, q, s, group) for q, s in self.stacked.values())
+            return all(int4_mxfp8_linear.int4_kernel_takes(x, q, s, group) for q, s in self.stacked.values())
         if self.kind == "mxfp8":
-            return all(dispatch.mxfp8_kernel_takes(x, q, s) for q, s in self.stacked.values())
+            return all(int4_mxfp8_linear.mxfp8_kernel_takes(x, q, s) for q, s in self.stacked.values())
         return False
 
     def capturable(self, x: Tensor, top_k: int) -> bool:
@@ -370,7 +373,7 @@ class WireExperts(nn.ModuleList):
         path = self._fp8_path(x, top_k)
         if path != "kernel":  # the FP8 x FP8 kernel (`w8a8_quantizer` checked its device) or torch's
             return True
-        from skyq.quant.kernels import triton_fp8_gemv
+        from skyq.rollout.kernels import triton_fp8_gemv
 
         block = self[0].gate_proj.strategy.block()
         return dispatch.uses_kernel(x) and all(
@@ -423,14 +426,14 @@ class WireExperts(nn.ModuleList):
 
     def _w8a8_experts(self, hidden_states: Tensor, offsets: Tensor, token: Tensor) -> Tensor:
         """The routed rows' down projections [T * k, H] in a large decode step, on FP8 codes both
-        sides (`dispatch.fp8_grouped_w8a8_linear`): each token's input quantized once (1 x 128
+        sides (`fp8_linear.fp8_grouped_w8a8_linear`): each token's input quantized once (1 x 128
         tiles; the routed rows read their token's codes through `token`), gate and up one launch
         from their stack, `silu * up` one launch, its codes, down one launch."""
         first = self[0]
 
         def grouped(proj: str, xq: Tensor, xs: Tensor, index: Tensor | None = None) -> Tensor:
             q, s = self.stacked[proj]
-            return dispatch.fp8_grouped_w8a8_linear(
+            return fp8_linear.fp8_grouped_w8a8_linear(
                 xq, xs, q, s, offsets, index=index, out_dtype=hidden_states.dtype
             )
 
@@ -453,10 +456,12 @@ class WireExperts(nn.ModuleList):
         if s is None:
             return bf16_grouped_linear(x, q, offsets)
         if self.kind == "int4" and in_decode_step():  # words and scales dequantized in registers
-            return dispatch.int4_grouped_weight_only_linear(x, q, s, offsets, linear.strategy.group_size)
+            return int4_mxfp8_linear.int4_grouped_weight_only_linear(
+                x, q, s, offsets, linear.strategy.group_size
+            )
         if self.kind == "mxfp8" and in_decode_step():  # the rows' activation quantization, then the codes
             x = linear.activation(x) if linear.activation is not None else x
-            return dispatch.mxfp8_grouped_weight_only_linear(x, q, s, offsets)
+            return int4_mxfp8_linear.mxfp8_grouped_weight_only_linear(x, q, s, offsets)
         if self.kind in DEQUANTIZED_KINDS:  # the stack dequantized as each expert's forward does its own
             if linear.activation is not None:
                 x = linear.activation(x)
@@ -470,7 +475,7 @@ class WireExperts(nn.ModuleList):
                 q, s, block_size=linear.strategy.block(), dtype=x.dtype, name=name
             )
             return bf16_grouped_linear(x, w, offsets)
-        return dispatch.fp8_grouped_weight_only_linear(x, q, s, offsets, linear.strategy.block())
+        return fp8_linear.fp8_grouped_weight_only_linear(x, q, s, offsets, linear.strategy.block())
 
 
 def _is_fp8(lin: nn.Module) -> bool:
@@ -699,4 +704,4 @@ class SharedInput:
                 self.weight, self.scale, block_size=lead.strategy.block(), dtype=x.dtype, name=lead.hf_name
             )
             return F.linear(x, w)
-        return dispatch.fp8_weight_only_linear(x, self.weight, self.scale, lead.strategy.block())
+        return fp8_linear.fp8_weight_only_linear(x, self.weight, self.scale, lead.strategy.block())

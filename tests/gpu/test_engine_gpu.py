@@ -30,8 +30,8 @@ def test_fp8_wire_linear_decodes_from_e4m3(make_weight, gen, rows, monkeypatch):
     for name, t in strategy.serialize(NAME, w, role=Role.routed_expert).items():
         layer.get_buffer(name.removeprefix(layer.stem)).copy_(t)
     calls = []
-    kernel = quantized_linear.dispatch.fp8_weight_only_linear
-    monkeypatch.setattr(quantized_linear.dispatch, "fp8_weight_only_linear",
+    kernel = quantized_linear.fp8_linear.fp8_weight_only_linear
+    monkeypatch.setattr(quantized_linear.fp8_linear, "fp8_weight_only_linear",
                         lambda *a, **k: calls.append(1) or kernel(*a, **k))  # fmt: skip
     x = torch.randn(rows, 2048, generator=gen).to(torch.bfloat16).cuda()
     y = layer(x)

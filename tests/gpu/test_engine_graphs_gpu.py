@@ -15,6 +15,7 @@ from native_fixtures import _one_thread, make_trainer, run_cfg, tiny_checkpoint 
 from skyq.quant.errors import QuantizationError  # noqa: E402
 from skyq.quant.kernels import dispatch  # noqa: E402
 from skyq.rl.tasks import build_task  # noqa: E402
+from skyq.rollout.kernels import fp8_linear, int4_mxfp8_linear
 
 pytestmark = [
     pytest.mark.gpu,
@@ -117,12 +118,12 @@ def test_batches_past_the_decode_rows_are_captured_too(request, monkeypatch, pre
     ]
     kernel, dequantized, bf16, dense = [], [], [], []
     real_kernel, real_dequant, real_bf16, real_dense = (
-        dispatch.fp8_grouped_w8a8_linear, dispatch.dequantize_fp8_blockwise, ql.bf16_grouped_linear,
-        dispatch.fp8_w8a8_linear,
+        fp8_linear.fp8_grouped_w8a8_linear, dispatch.dequantize_fp8_blockwise, ql.bf16_grouped_linear,
+        fp8_linear.fp8_w8a8_linear,
     )  # fmt: skip
-    monkeypatch.setattr(dispatch, "fp8_grouped_w8a8_linear",
+    monkeypatch.setattr(fp8_linear, "fp8_grouped_w8a8_linear",
                         lambda *a, **k: kernel.append(ql.in_decode_step()) or real_kernel(*a, **k))  # fmt: skip
-    monkeypatch.setattr(dispatch, "fp8_w8a8_linear",
+    monkeypatch.setattr(fp8_linear, "fp8_w8a8_linear",
                         lambda *a, **k: dense.append(ql.in_decode_step()) or real_dense(*a, **k))  # fmt: skip
     monkeypatch.setattr(dispatch, "dequantize_fp8_blockwise",
                         lambda *a, **k: dequantized.append((ql.in_decode_step(), k.get("name")))
@@ -152,8 +153,8 @@ def test_mxfp8_steps_are_captured_on_the_mxfp8_kernels(request, monkeypatch):
     graph, static, _, cfg = _engines(request, "mxfp8")
     graph.eos_token_id = static.eos_token_id = -1  # every row decodes every step: replays happen
     grouped, dequantized = [], []
-    real_grouped, real_deq = dispatch.mxfp8_grouped_weight_only_linear, dispatch.dequantize_mxfp8
-    monkeypatch.setattr(dispatch, "mxfp8_grouped_weight_only_linear",
+    real_grouped, real_deq = int4_mxfp8_linear.mxfp8_grouped_weight_only_linear, dispatch.dequantize_mxfp8
+    monkeypatch.setattr(int4_mxfp8_linear, "mxfp8_grouped_weight_only_linear",
                         lambda *a: grouped.append(ql.in_decode_step()) or real_grouped(*a))  # fmt: skip
     monkeypatch.setattr(dispatch, "dequantize_mxfp8",
                         lambda *a, **k: dequantized.append(ql.in_decode_step()) or real_deq(*a, **k))  # fmt: skip
@@ -227,11 +228,11 @@ def test_int4_steps_are_captured_on_the_int4_kernels(request, monkeypatch, scope
     graph.eos_token_id = static.eos_token_id = -1  # every row decodes every step: replays happen
     dense, grouped, dequantized = [], [], []
     real_dense, real_grouped, real_deq = (
-        dispatch.int4_weight_only_linear, dispatch.int4_grouped_weight_only_linear, dispatch.dequantize_int4_packed,
+        int4_mxfp8_linear.int4_weight_only_linear, int4_mxfp8_linear.int4_grouped_weight_only_linear, dispatch.dequantize_int4_packed,
     )  # fmt: skip
-    monkeypatch.setattr(dispatch, "int4_weight_only_linear",
+    monkeypatch.setattr(int4_mxfp8_linear, "int4_weight_only_linear",
                         lambda *a: dense.append(ql.in_decode_step()) or real_dense(*a))  # fmt: skip
-    monkeypatch.setattr(dispatch, "int4_grouped_weight_only_linear",
+    monkeypatch.setattr(int4_mxfp8_linear, "int4_grouped_weight_only_linear",
                         lambda *a: grouped.append(ql.in_decode_step()) or real_grouped(*a))  # fmt: skip
     monkeypatch.setattr(dispatch, "dequantize_int4_packed",
                         lambda *a, **k: dequantized.append(ql.in_decode_step()) or real_deq(*a, **k))  # fmt: skip

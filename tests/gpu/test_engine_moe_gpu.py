@@ -48,7 +48,7 @@ def test_engine_scores_moe_decode_rows_through_grouped_launches(request, monkeyp
     calls = []
     owner, name = (quantized_linear, "bf16_grouped_linear")
     if precision == "fp8_blockwise":
-        owner, name = quantized_linear.dispatch, "fp8_grouped_weight_only_linear"
+        owner, name = quantized_linear.fp8_linear, "fp8_grouped_weight_only_linear"
     grouped_fn = getattr(owner, name)
     monkeypatch.setattr(owner, name, lambda *a, **k: calls.append(1) or grouped_fn(*a, **k))
     fused = []

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from skyq.quant import fp8_blockwise
 from skyq.quant.kernels import dispatch
+from skyq.rollout.kernels import fp8_linear
 
 pytestmark = [
     pytest.mark.gpu,
@@ -69,7 +70,7 @@ def _bounded(got, x, q, s, block):
 @pytest.mark.parametrize("m", [1, 3, 16, 17, 32, 64])
 def test_fp8_gemv_matches_the_bf16_weight_product(gen, n, k, block, m):
     q, s, x = _weight_and_input(gen, n, k, block, m)
-    got = dispatch.fp8_weight_only_linear(x, q, s, block_size=block)
+    got = fp8_linear.fp8_weight_only_linear(x, q, s, block_size=block)
     torch.cuda.synchronize()
     assert got.shape == (m, n) and got.dtype == torch.bfloat16
     assert bool(torch.isfinite(got).all()), "an output element was not written (or is not finite)"
@@ -83,7 +84,7 @@ def test_fp8_gemv_accumulator_is_the_bf16_weight_product_up_to_summation_order(g
     """With fp32 activations (bf16 values) the kernel writes its fp32 accumulator unrounded: within
     summation noise of the bf16-weight product, and on average far closer to it than the
     fp32-weight product is (that one differs by the bf16 rounding of every weight)."""
-    from skyq.quant.kernels import triton_fp8_gemv as kern
+    from skyq.rollout.kernels import triton_fp8_gemv as kern
 
     q, s, x = _weight_and_input(gen, n, k, block, m)
     got = kern.linear(x.float(), q, s, block_size=block)
@@ -107,7 +108,7 @@ def test_fp8_gemv_agrees_with_the_prefill_path(gen, n, k, block, m, monkeypatch)
     numerics ~42% differed)."""
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", False)
     q, s, x = _weight_and_input(gen, n, k, block, m)
-    got = dispatch.fp8_weight_only_linear(x, q, s, block_size=block)
+    got = fp8_linear.fp8_weight_only_linear(x, q, s, block_size=block)
     prefill = F.linear(x, fp8_blockwise.dequantize(q, s, block_size=block, dtype=torch.bfloat16))
     torch.cuda.synchronize()
     _, mag = _bf16_weight_product(x, q, s, block)
@@ -121,8 +122,8 @@ def test_fp8_gemv_agrees_with_the_prefill_path(gen, n, k, block, m, monkeypatch)
 def test_fp8_gemv_is_deterministic_and_takes_batched_inputs(gen):
     q, s = fp8_blockwise.quantize(torch.randn(2048, 4096, generator=gen).cuda())
     x = torch.randn(4, 8, 4096, generator=gen).to(torch.bfloat16).cuda()
-    a = dispatch.fp8_weight_only_linear(x, q, s)
-    b = dispatch.fp8_weight_only_linear(x, q, s)
+    a = fp8_linear.fp8_weight_only_linear(x, q, s)
+    b = fp8_linear.fp8_weight_only_linear(x, q, s)
     assert a.shape == (4, 8, 2048) and torch.equal(a, b)
     ok, _ = _bounded(a.reshape(32, -1), x.reshape(32, -1), q, s, (128, 128))
     assert ok
@@ -133,7 +134,7 @@ def test_fp8_gemv_chain_replayed_from_a_cuda_graph_matches_eager_launches_withou
     """Each launch reads the previous one's output (with the opt-in programmatic dependent launch it
     prefetches weights, then waits for that kernel). A graph of a dependent chain, replayed after its input
     changed in place, gives the bits of the same chain launched eagerly without PDL."""
-    from skyq.quant.kernels import triton_fp8_gemv as kern
+    from skyq.rollout.kernels import triton_fp8_gemv as kern
 
     dims = [2048, 4096, 2048, 512, 2048, 6144, 2048, 2048]
     weights = [
@@ -143,7 +144,7 @@ def test_fp8_gemv_chain_replayed_from_a_cuda_graph_matches_eager_launches_withou
 
     def chain(x):
         for q, s in weights:
-            x = dispatch.fp8_weight_only_linear(x, q, s)
+            x = fp8_linear.fp8_weight_only_linear(x, q, s)
         return x
 
     monkeypatch.setattr(kern, "PDL", True)
@@ -196,7 +197,7 @@ def test_deferred_checks_name_the_bad_tensor_with_one_sync(gen):
 def test_the_cuda_core_kernel_is_the_bf16_weight_product(gen, n, k, block, m, config, dtype):
     """The CUDA-core variant (BM < 16: no MMA, products summed elementwise over the K loop), forced
     by its config: within the same bound as the MMA kernel, every element written."""
-    from skyq.quant.kernels import triton_fp8_gemv as kern
+    from skyq.rollout.kernels import triton_fp8_gemv as kern
 
     q, s, x = _weight_and_input(gen, n, k, block, m)
     got = kern.linear(x.to(dtype), q, s, block_size=block, config=config)
@@ -244,8 +245,8 @@ def test_the_gluon_kernel_is_the_bf16_weight_product(gen, n, k, block, m, config
     prefetch, one step or two (ping-pong, zero-scale steps past a group's end) loaded ahead, or one
     step of codes only; fp32 (and bf16 as int32 pairs) activations: within the MMA kernel's bound,
     every element written."""
-    from skyq.quant.kernels import gluon_fp8_gemv as g
-    from skyq.quant.kernels import triton_fp8_gemv as kern
+    from skyq.rollout.kernels import gluon_fp8_gemv as g
+    from skyq.rollout.kernels import triton_fp8_gemv as kern
 
     bm, bn, kc, split, warps, kwarps = config
     if block[1] % kc:
@@ -281,9 +282,8 @@ def test_grouped_kernel_is_each_experts_bf16_weight_product(gen, n, k, block, ro
     """`gluon_fp8_gemv.linear_grouped` (one launch over the experts, rows sorted by expert): each
     expert's rows within the MMA kernel's bound of its own bf16-weight product; experts without
     rows, experts with more rows than a tile (the tile loop), N and K tails, per-row scales."""
-    from skyq.quant.kernels import dispatch as disp
-    from skyq.quant.kernels import gluon_fp8_gemv as g
-    from skyq.quant.kernels import triton_fp8_gemv as kern
+    from skyq.rollout.kernels import gluon_fp8_gemv as g
+    from skyq.rollout.kernels import triton_fp8_gemv as kern
 
     w = torch.randn(len(rows), n, k, generator=gen) * torch.logspace(-3, 1, n).unsqueeze(1)
     q, s = fp8_blockwise.quantize(w.cuda(), block_size=block)
@@ -298,11 +298,11 @@ def test_grouped_kernel_is_each_experts_bf16_weight_product(gen, n, k, block, ro
             ok, worst = _bounded(got[a:b], x[a:b], q[e], s[e], block)
             assert ok, f"expert {e}: error reaches {worst:.3g} of the bound"
     if dtype == torch.bfloat16:  # the public call takes the kernel and gives the same bits
-        assert torch.equal(disp.fp8_grouped_weight_only_linear(x, q, s, offsets, block), got)
+        assert torch.equal(fp8_linear.fp8_grouped_weight_only_linear(x, q, s, offsets, block), got)
 
 
 def test_decode_dispatches_to_the_gluon_kernel_where_it_applies(gen):
-    from skyq.quant.kernels import triton_fp8_gemv as kern
+    from skyq.rollout.kernels import triton_fp8_gemv as kern
 
     q, s, x = _weight_and_input(gen, 512, 2048, (128, 128), 4)
     assert kern._gluon_applies(x, q, (128, 128))
@@ -318,10 +318,10 @@ def test_decode_dispatches_to_the_gluon_kernel_where_it_applies(gen):
     assert not kern._gluon_applies(
         torch.zeros(kern.DECODE_ROWS + 1, 1024, device=x.device), small, (128, 128)
     )
-    a = dispatch.fp8_weight_only_linear(x, q, s)
+    a = fp8_linear.fp8_weight_only_linear(x, q, s)
     kern.GLUON = False
     try:
-        b = dispatch.fp8_weight_only_linear(x, q, s)
+        b = fp8_linear.fp8_weight_only_linear(x, q, s)
     finally:
         kern.GLUON = True
     for got in (a, b):

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from skyq.quant import mxfp8
-from skyq.quant.kernels import dispatch, gluon_wo_gemv, triton_fp8_gemv, triton_int4_gemv
+from skyq.quant.kernels import dispatch
+from skyq.rollout.kernels import gluon_wo_gemv, int4_mxfp8_linear, triton_fp8_gemv, triton_int4_gemv
 from tests.gpu.conftest import replayed
 from tests.quant import test_mxfp8_gemv as mx
 from tests.quant.test_int4_gemv import operands, within_tolerance
@@ -85,11 +86,11 @@ def test_mxfp8_more_rows_than_the_kernel_takes_multiply_the_dequantized_weight(g
     scope (no host sync), as the engine's steps run it."""
     x, q, s = (t.cuda() for t in mx.operands(gen, m, 4096, 2048))
     assert triton_int4_gemv.dequantizes_first(m, 4096, 2048)
-    got = dispatch.mxfp8_weight_only_linear(x, q, s)
+    got = int4_mxfp8_linear.mxfp8_weight_only_linear(x, q, s)
     w = mxfp8.dequantize(q.cpu(), s.cpu(), dtype=torch.bfloat16).cuda()
     assert torch.equal(got, torch.nn.functional.linear(x, w))
     with dispatch.deferred_finite_checks():
-        out = replayed(lambda: dispatch.mxfp8_weight_only_linear(x, q, s))
+        out = replayed(lambda: int4_mxfp8_linear.mxfp8_weight_only_linear(x, q, s))
     assert torch.equal(out, got)
 
 
@@ -99,10 +100,10 @@ def test_a_small_weight_stays_on_the_kernel_at_any_rows(gen):
     assert not triton_int4_gemv.dequantizes_first(256, 1024, 1024)
     x, q, s = (t.cuda() for t in mx.operands(gen, 256, 1024, 1024))
     kernel = gluon_wo_gemv.linear_mxfp8(x, q, s, sms=132, counters=triton_fp8_gemv._arrival_counters)
-    assert torch.equal(dispatch.mxfp8_weight_only_linear(x, q, s), kernel)
+    assert torch.equal(int4_mxfp8_linear.mxfp8_weight_only_linear(x, q, s), kernel)
     x, packed, scale = (t.cuda() for t in operands(gen, 256, 1024, 1024, 32))
     kernel = triton_int4_gemv.linear(x, packed, scale, group_size=32)
-    assert torch.equal(dispatch.int4_weight_only_linear(x, packed, scale, 32), kernel)
+    assert torch.equal(int4_mxfp8_linear.int4_weight_only_linear(x, packed, scale, 32), kernel)
 
 
 def test_mxfp8_one_term_rows_equal_the_reference_bit_for_bit(gen):
@@ -118,8 +119,8 @@ def test_mxfp8_one_term_rows_equal_the_reference_bit_for_bit(gen):
     x[torch.arange(m), torch.randint(0, k, (m,), generator=gen)] = torch.randn(m, generator=gen).to(
         torch.bfloat16
     )
-    exact = dispatch.mxfp8_weight_only_linear_reference(x, q, s)
-    got = dispatch.mxfp8_weight_only_linear(x.cuda(), q.cuda(), s.cuda())
+    exact = int4_mxfp8_linear.mxfp8_weight_only_linear_reference(x, q, s)
+    got = int4_mxfp8_linear.mxfp8_weight_only_linear(x.cuda(), q.cuda(), s.cuda())
     assert torch.equal(got.cpu(), exact)
     w = mxfp8.dequantize(q, s, dtype=torch.bfloat16)
     eye = torch.eye(k, dtype=torch.bfloat16).cuda()  # the dequantized weight itself, column by column
@@ -141,4 +142,7 @@ def test_mxfp8_grouped_matches_each_experts_product(gen, rows, config):
     for e, (a, b) in enumerate(zip(bounds, bounds[1:])):
         if b > a:
             assert mx.within_tolerance(got[a:b].cpu(), x[a:b].cpu(), q[e].cpu(), s[e].cpu()), e
-    assert torch.equal(dispatch.mxfp8_grouped_weight_only_linear(x, q, s, offsets), got) or config is not None
+    assert (
+        torch.equal(int4_mxfp8_linear.mxfp8_grouped_weight_only_linear(x, q, s, offsets), got)
+        or config is not None
+    )

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyq.quant.kernels import dispatch, triton_int4_gemv
+from skyq.quant.kernels import dispatch, triton_int4_dequant
+from skyq.rollout.kernels import int4_mxfp8_linear, triton_int4_gemv
 from tests.gpu.conftest import replayed
 from tests.quant.test_int4_gemv import operands, within_tolerance
 
@@ -48,11 +49,11 @@ def test_dense_kernel_matches_the_dequantized_product(gen, gluon, m, n, k, group
 def test_the_ptx_dequantization_gives_the_triton_formulations_bits(gen, monkeypatch, m, n, k):
     monkeypatch.setattr(triton_int4_gemv, "GLUON", False)
     x, packed, scale = _cuda(*operands(gen, m, n, k, 32))
-    assert triton_int4_gemv.asm(x)
+    assert triton_int4_dequant.asm(x)
     monkeypatch.setattr(triton_int4_gemv, "ASM_MAX_ROWS", 64)  # every row tile here
     with_asm = triton_int4_gemv.linear(x, packed, scale, group_size=32)
-    monkeypatch.setattr(triton_int4_gemv, "ASM", False)
-    assert not triton_int4_gemv.asm(x)
+    monkeypatch.setattr(triton_int4_dequant, "ASM", False)
+    assert not triton_int4_dequant.asm(x)
     assert torch.equal(triton_int4_gemv.linear(x, packed, scale, group_size=32), with_asm)
 
 
@@ -62,7 +63,7 @@ def test_one_term_rows_equal_the_reference_bit_for_bit(gen, gluon):
     x = torch.zeros(m, k, dtype=torch.bfloat16, device="cuda")
     cols = torch.randint(0, k, (m,), generator=gen)
     x[torch.arange(m), cols.cuda()] = torch.randn(m, generator=gen).to(torch.bfloat16).cuda()
-    exact = dispatch.int4_weight_only_linear_reference(x, packed, scale, 32)
+    exact = int4_mxfp8_linear.int4_weight_only_linear_reference(x, packed, scale, 32)
     assert torch.equal(triton_int4_gemv.linear(x, packed, scale, group_size=32), exact)
 
 
@@ -75,7 +76,7 @@ def test_grouped_kernel_takes_each_experts_rows(gen, gluon, tokens, experts, top
     x, packed, scale = _cuda(*operands(gen, rows, n, k, 32, experts=experts))
     counts = torch.bincount(torch.randint(0, experts - 1, (rows,), generator=gen), minlength=experts)
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32).cuda()
-    got = dispatch.int4_grouped_weight_only_linear(x, packed, scale, offsets, 32)
+    got = int4_mxfp8_linear.int4_grouped_weight_only_linear(x, packed, scale, offsets, 32)
     bounds = offsets.tolist()
     for e, (a, b) in enumerate(zip(bounds, bounds[1:])):
         if b > a:
@@ -84,9 +85,11 @@ def test_grouped_kernel_takes_each_experts_rows(gen, gluon, tokens, experts, top
 
 def test_a_captured_launch_replays_the_eager_bits(gen, gluon):
     x, packed, scale = _cuda(*operands(gen, 8, 2048, 2048, 32))
-    eager = dispatch.int4_weight_only_linear(x, packed, scale, 32)
+    eager = int4_mxfp8_linear.int4_weight_only_linear(x, packed, scale, 32)
     torch.cuda.synchronize()
-    assert torch.equal(replayed(lambda: dispatch.int4_weight_only_linear(x, packed, scale, 32)), eager)
+    assert torch.equal(
+        replayed(lambda: int4_mxfp8_linear.int4_weight_only_linear(x, packed, scale, 32)), eager
+    )
 
 
 @pytest.mark.parametrize("m", [65, 256])
@@ -97,8 +100,8 @@ def test_more_rows_than_the_kernel_takes_multiply_the_dequantized_weight(gen, m)
     a graph (no host sync)."""
     x, packed, scale = _cuda(*operands(gen, m, 4096, 2048, 32))
     assert triton_int4_gemv.dequantizes_first(m, 4096, 2048)
-    got = dispatch.int4_weight_only_linear(x, packed, scale, 32)
+    got = int4_mxfp8_linear.int4_weight_only_linear(x, packed, scale, 32)
     w = dispatch.dequantize_int4_packed(packed, scale, (4096, 2048), group_size=32).double()
     ref, mag = x.double() @ w.T, x.double().abs() @ w.abs().T
     assert bool(((got.double() - ref).abs() <= ref.abs() * 2.0**-7 + mag * 2.0**-8).all())
-    assert torch.equal(replayed(lambda: dispatch.int4_weight_only_linear(x, packed, scale, 32)), got)
+    assert torch.equal(replayed(lambda: int4_mxfp8_linear.int4_weight_only_linear(x, packed, scale, 32)), got)

@@ -9,13 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyq.quant.kernels import dispatch, triton_fp8_w8a8
+from skyq.rollout.kernels import fp8_linear, triton_fp8_w8a8
 from tests.quant.test_w8a8 import _operands, within_tolerance
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
-        not (torch.cuda.is_available() and dispatch.w8a8_kernel_available(torch.device("cuda"))),
+        not (torch.cuda.is_available() and fp8_linear.w8a8_kernel_available(torch.device("cuda"))),
         reason="needs a CUDA GPU with e4m3 tensor cores (sm_89+) and Triton",
     ),
 ]
@@ -59,8 +59,8 @@ def test_grouped_kernel_gathers_each_experts_rows(gen, tokens, experts, top_k, n
     counts = torch.bincount(flat, minlength=experts)
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32).cuda()
     token = (order // top_k).cuda()
-    got = dispatch.fp8_grouped_w8a8_linear(xq, xs, q, s, offsets, index=token)
-    ref = dispatch.fp8_grouped_w8a8_linear(*(t.cpu() for t in (xq, xs, q, s, offsets)), index=token.cpu())
+    got = fp8_linear.fp8_grouped_w8a8_linear(xq, xs, q, s, offsets, index=token)
+    ref = fp8_linear.fp8_grouped_w8a8_linear(*(t.cpu() for t in (xq, xs, q, s, offsets)), index=token.cpu())
     bounds = offsets.tolist()
     for e in range(experts):
         a, b = bounds[e], bounds[e + 1]
@@ -83,22 +83,22 @@ def test_two_term_rows_with_power_of_two_scales_are_exact(gen):
         cols = blocks * 128 + torch.randint(0, 128, (2,), generator=gen)
         codes[row, cols] = torch.randint(1, 8, (2,), generator=gen).float()
     xq = codes.to(torch.float8_e4m3fn)
-    got = dispatch.fp8_w8a8_linear(*_cuda(xq, xs, q, s))
-    assert torch.equal(got.cpu(), dispatch.fp8_w8a8_linear_reference(xq, xs, q, s))
+    got = fp8_linear.fp8_w8a8_linear(*_cuda(xq, xs, q, s))
+    assert torch.equal(got.cpu(), fp8_linear.fp8_w8a8_linear_reference(xq, xs, q, s))
 
 
 def test_a_captured_grouped_call_replays_the_eager_bits(gen):
     xq, xs, q, s = _cuda(*_operands(gen, 256, 1536, 2048, experts=16))
     offsets = torch.tensor([0, *range(32, 512 + 1, 32)], dtype=torch.int32).cuda()  # 16 experts x 32 rows
     token = torch.randint(0, 256, (512,), generator=gen).cuda()
-    eager = dispatch.fp8_grouped_w8a8_linear(xq, xs, q, s, offsets, index=token)
+    eager = fp8_linear.fp8_grouped_w8a8_linear(xq, xs, q, s, offsets, index=token)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        dispatch.fp8_grouped_w8a8_linear(xq, xs, q, s, offsets, index=token)
+        fp8_linear.fp8_grouped_w8a8_linear(xq, xs, q, s, offsets, index=token)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = dispatch.fp8_grouped_w8a8_linear(xq, xs, q, s, offsets, index=token)
+        out = fp8_linear.fp8_grouped_w8a8_linear(xq, xs, q, s, offsets, index=token)
     graph.replay()
     assert torch.equal(out, eager)

@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton.experimental.gluon")
 
-from skyq.quant.kernels import gluon_fp8_gemv as g  # noqa: E402
-from skyq.quant.kernels import triton_fp8_gemv  # noqa: E402
+from skyq.rollout.kernels import gluon_fp8_gemv as g  # noqa: E402
+from skyq.rollout.kernels import triton_fp8_gemv  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("triton.experimental.gluon")
 
-from skyq.quant.kernels import gluon_wo_gemv as g  # noqa: E402
+from skyq.rollout.kernels import gluon_wo_gemv as g  # noqa: E402
 from tests.quant.test_gluon_gemv import _always_compile  # noqa: E402, F401  (TRITON_ALWAYS_COMPILE=1)
 
 

@@ -1,4 +1,4 @@
-"""The INT4 weight-only decode linear (`dispatch.int4_weight_only_linear`,
+"""The INT4 weight-only decode linear (`int4_mxfp8_linear.int4_weight_only_linear`,
 `int4_grouped_weight_only_linear`) on the CPU.
 
 Without CUDA both run the reference: the fp32 product of x and the weight `int4.dequantize_packed`
@@ -6,7 +6,7 @@ gives (codes times their group's bf16 scale, rounded to bf16: the trainer's weig
 kernel (`triton_int4_gemv`) is checked against it under the Triton interpreter (a subprocess:
 TRITON_INTERPRET must be set before `@triton.jit` runs): within fp32 summation noise for random data,
 and bit for bit where no summation order can matter (one nonzero activation a row); its dequantizer
-(`triton_int4_gemv.dequantize`) gives `int4.dequantize_packed`'s bits. The kernel's PTX
+(`skyq.quant.kernels.triton_int4_dequant.dequantize`) gives `int4.dequantize_packed`'s bits. The kernel's PTX
 dequantization (sm_90) cannot run there; tests/gpu/test_int4_gemv_gpu.py checks it on the H200.
 """
 
@@ -20,7 +20,7 @@ import torch
 
 from skyq.quant import int4
 from skyq.quant.errors import QuantizationError
-from skyq.quant.kernels import dispatch
+from skyq.rollout.kernels import int4_mxfp8_linear
 from tests.interpreter_run import run_under_interpreter, seeded_generator
 
 
@@ -52,21 +52,25 @@ def within_tolerance(got: torch.Tensor, x, packed, scale, group: int) -> bool:
 def test_reference_is_the_fp32_product_with_the_dequantized_weight():
     gen = seeded_generator()
     x, packed, scale = operands(gen, 5, 96, 256, 32)
-    got = dispatch.int4_weight_only_linear(x, packed, scale, 32)
+    got = int4_mxfp8_linear.int4_weight_only_linear(x, packed, scale, 32)
     assert got.dtype == torch.bfloat16 and got.shape == (5, 96)
     assert torch.equal(got, (x.float() @ _weight(packed, scale, 32).float().T).to(torch.bfloat16))
     x3 = x.reshape(1, 5, 256)
-    assert torch.equal(dispatch.int4_weight_only_linear(x3, packed, scale, 32), got.reshape(1, 5, 96))
+    assert torch.equal(
+        int4_mxfp8_linear.int4_weight_only_linear(x3, packed, scale, 32), got.reshape(1, 5, 96)
+    )
 
 
 def test_the_grouped_reference_is_each_experts_product():
     gen = seeded_generator()
     x, packed, scale = operands(gen, 9, 64, 128, 32, experts=3)
     offsets = torch.tensor([0, 4, 4, 9], dtype=torch.int32)  # expert 1 has no rows
-    got = dispatch.int4_grouped_weight_only_linear(x, packed, scale, offsets, 32)
+    got = int4_mxfp8_linear.int4_grouped_weight_only_linear(x, packed, scale, offsets, 32)
     assert got.shape == (9, 64)
     for e, (a, b) in enumerate(((0, 4), (4, 4), (4, 9))):
-        assert torch.equal(got[a:b], dispatch.int4_weight_only_linear(x[a:b], packed[e], scale[e], 32))
+        assert torch.equal(
+            got[a:b], int4_mxfp8_linear.int4_weight_only_linear(x[a:b], packed[e], scale[e], 32)
+        )
 
 
 def test_bad_arguments_are_refused_by_name():
@@ -74,21 +78,21 @@ def test_bad_arguments_are_refused_by_name():
     x, packed, scale = operands(gen, 4, 64, 256, 32, experts=2)
     offsets = torch.tensor([0, 1, 4], dtype=torch.int32)
     with pytest.raises(QuantizationError, match="int4 linear weight_packed.*int32"):
-        dispatch.int4_weight_only_linear(x, packed[0].float(), scale[0], 32)
+        int4_mxfp8_linear.int4_weight_only_linear(x, packed[0].float(), scale[0], 32)
     with pytest.raises(QuantizationError, match="do not match"):
-        dispatch.int4_weight_only_linear(x[:, :128], packed[0], scale[0], 32)
+        int4_mxfp8_linear.int4_weight_only_linear(x[:, :128], packed[0], scale[0], 32)
     with pytest.raises(QuantizationError, match="group_size 48 must be a positive divisor of K = 256"):
-        dispatch.int4_weight_only_linear(x, packed[0], scale[0], 48)
+        int4_mxfp8_linear.int4_weight_only_linear(x, packed[0], scale[0], 48)
     with pytest.raises(QuantizationError, match="int4 linear weight_scale"):
-        dispatch.int4_weight_only_linear(x, packed[0], scale[0, :, :4], 32)
+        int4_mxfp8_linear.int4_weight_only_linear(x, packed[0], scale[0, :, :4], 32)
     with pytest.raises(QuantizationError, match=r"weight_packed must be \[N, K/8\]"):
-        dispatch.int4_weight_only_linear(x, packed, scale, 32)
+        int4_mxfp8_linear.int4_weight_only_linear(x, packed, scale, 32)
     with pytest.raises(QuantizationError, match=r"weight_packed must be \[E, N, K/8\]"):
-        dispatch.int4_grouped_weight_only_linear(x, packed[0], scale[0], offsets, 32)
+        int4_mxfp8_linear.int4_grouped_weight_only_linear(x, packed[0], scale[0], offsets, 32)
     with pytest.raises(QuantizationError, match="offsets must be int32"):
-        dispatch.int4_grouped_weight_only_linear(x, packed, scale, offsets.long(), 32)
+        int4_mxfp8_linear.int4_grouped_weight_only_linear(x, packed, scale, offsets.long(), 32)
     with pytest.raises(QuantizationError, match="must rise from 0 to the 4 routed rows"):
-        dispatch.int4_grouped_weight_only_linear(
+        int4_mxfp8_linear.int4_grouped_weight_only_linear(
             x, packed, scale, torch.tensor([0, 3, 2], dtype=torch.int32), 32
         )
 
@@ -96,11 +100,11 @@ def test_bad_arguments_are_refused_by_name():
 def test_the_kernel_takes_only_what_it_reads():
     """CPU tensors never take it; the group must be whole words dividing K (checked with a CUDA-free
     stand-in for the device test)."""
-    from skyq.quant.kernels import triton_int4_gemv
+    from skyq.rollout.kernels import triton_int4_gemv
 
     gen = seeded_generator()
     x, packed, scale = operands(gen, 2, 32, 256, 32)
-    assert not dispatch.int4_kernel_takes(x, packed, scale, 32)
+    assert not int4_mxfp8_linear.int4_kernel_takes(x, packed, scale, 32)
     assert triton_int4_gemv.supports(32, 256) and triton_int4_gemv.supports(256, 256)
     assert not triton_int4_gemv.supports(4, 256)  # codes of one word under two scales
     assert not triton_int4_gemv.supports(96, 256)  # does not divide K
@@ -111,7 +115,7 @@ def test_past_64_rows_only_small_products_stay_on_the_kernel():
     """The dense INT4 / MXFP8 decode linears' choice: the kernel up to 64 rows at any weight; past
     64 rows while rows x N x K <= 3e8 (small_moe's o 1024 x 1024 at 256 rows, its q/k/v 1536 x 1024
     at 128), else the weight dequantized once for bf16's GEMM (the GPU tests check both outputs)."""
-    from skyq.quant.kernels import triton_int4_gemv as k
+    from skyq.rollout.kernels import triton_int4_gemv as k
 
     assert k.KERNEL_MAX_ROWS == 64 and k.KERNEL_MAX_WORK == 300_000_000
     assert not k.dequantizes_first(64, 12288, 2048) and k.dequantizes_first(65, 12288, 2048)
@@ -131,7 +135,8 @@ def _interpreter_main() -> None:
 
     kernels_on_cpu()
     _bf16_interpreter_dot()
-    from skyq.quant.kernels import triton_int4_gemv as kernels
+    from skyq.quant.kernels import triton_int4_dequant
+    from skyq.rollout.kernels import triton_int4_gemv as kernels
 
     gen = seeded_generator()
     failures = []
@@ -164,7 +169,7 @@ def _interpreter_main() -> None:
     x[torch.arange(m), torch.randint(0, k, (m,), generator=gen)] = torch.randn(m, generator=gen).to(
         torch.bfloat16
     )
-    exact = dispatch.int4_weight_only_linear_reference(x, packed, scale, 32)
+    exact = int4_mxfp8_linear.int4_weight_only_linear_reference(x, packed, scale, 32)
     if not torch.equal(kernels.linear(x, packed, scale, group_size=32, config=(16, 64, 128, 2, 4, 3)), exact):
         failures.append("one-term exact")
     # the dequantizer on the same register path: int4.dequantize_packed's bits (N and K tails inside
@@ -174,7 +179,9 @@ def _interpreter_main() -> None:
         q, sc = int4.quantize(w, group_size=group)
         packed = int4.pack(q)
         n, k = shape[-2:]
-        got = kernels.dequantize(packed.reshape(-1, n, k // 8), sc.reshape(-1, n, k // group), n, k, group)
+        got = triton_int4_dequant.dequantize(
+            packed.reshape(-1, n, k // 8), sc.reshape(-1, n, k // group), n, k, group
+        )
         if not torch.equal(got.reshape(shape), int4.dequantize_packed(packed, sc, (n, k), group_size=group)):
             failures.append(("dequantize", shape, group))
     report("int4 gemv", failures)

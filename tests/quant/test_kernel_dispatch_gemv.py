@@ -24,6 +24,7 @@ import torch
 from skyq.quant import fp8_blockwise
 from skyq.quant.errors import QuantizationError
 from skyq.quant.kernels import _common, dispatch
+from skyq.rollout.kernels import fp8_linear
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,7 +61,7 @@ def within_tolerance(got: torch.Tensor, x: torch.Tensor, q: torch.Tensor, s: tor
 def test_reference_path_is_the_fp32_product_of_the_bf16_dequantized_weight(gen):
     q, s = _quantized_weight(gen, 300, 260)
     x = torch.randn(3, 5, 260, generator=gen).to(torch.bfloat16)
-    got = dispatch.fp8_weight_only_linear(x, q, s)
+    got = fp8_linear.fp8_weight_only_linear(x, q, s)
     ref = (x.float() @ fp8_blockwise.dequantize(q, s, dtype=torch.bfloat16).float().T).to(torch.bfloat16)
     assert got.shape == (3, 5, 300) and got.dtype == torch.bfloat16
     assert torch.equal(got, ref)
@@ -70,11 +71,11 @@ def test_mismatched_linear_arguments_are_refused_by_name(gen):
     q, s = _quantized_weight(gen, 64, 256)
     x = torch.randn(2, 256, generator=gen).to(torch.bfloat16)
     with pytest.raises(QuantizationError, match="do not match"):
-        dispatch.fp8_weight_only_linear(x[:, :128], q, s)
+        fp8_linear.fp8_weight_only_linear(x[:, :128], q, s)
     with pytest.raises(QuantizationError, match="weight_scale_inv"):
-        dispatch.fp8_weight_only_linear(x, q, s[:, :1])
+        fp8_linear.fp8_weight_only_linear(x, q, s[:, :1])
     with pytest.raises(QuantizationError, match="float8_e4m3fn"):
-        dispatch.fp8_weight_only_linear(x, q.float(), s)
+        fp8_linear.fp8_weight_only_linear(x, q.float(), s)
 
 
 def test_deferred_checks_name_the_first_bad_tensor_in_call_order():
@@ -150,7 +151,7 @@ def _interpreter_main() -> None:
 
     _exact_interpreter_casts()
     _bf16_interpreter_dot()
-    from skyq.quant.kernels import triton_fp8_gemv
+    from skyq.rollout.kernels import triton_fp8_gemv
 
     gen = seeded_generator()
     failures = []

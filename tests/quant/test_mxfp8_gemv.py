@@ -1,4 +1,4 @@
-"""The MXFP8 weight-only decode linear (`dispatch.mxfp8_weight_only_linear`,
+"""The MXFP8 weight-only decode linear (`int4_mxfp8_linear.mxfp8_weight_only_linear`,
 `mxfp8_grouped_weight_only_linear`) on the CPU, where both run the reference: the fp32 product of x
 and the weight `mxfp8.dequantize` gives (e4m3 codes times their E8M0 scale, rounded to bf16: the
 trainer's weight). The Gluon kernel behind them on a GPU (`gluon_wo_gemv.linear_mxfp8`) is compiled
@@ -12,7 +12,7 @@ import torch
 
 from skyq.quant import mxfp8
 from skyq.quant.errors import QuantizationError
-from skyq.quant.kernels import dispatch
+from skyq.rollout.kernels import int4_mxfp8_linear
 from tests.interpreter_run import seeded_generator
 
 
@@ -39,23 +39,25 @@ def within_tolerance(got: torch.Tensor, x, q, s) -> bool:
 def test_the_reference_is_the_fp32_product_with_the_dequantized_weight():
     gen = seeded_generator()
     x, q, s = operands(gen, 5, 96, 256)
-    got = dispatch.mxfp8_weight_only_linear(x, q, s)
+    got = int4_mxfp8_linear.mxfp8_weight_only_linear(x, q, s)
     w = mxfp8.dequantize(q, s, dtype=torch.bfloat16)
     assert got.dtype == torch.bfloat16 and got.shape == (5, 96)
     assert torch.equal(got, (x.float() @ w.float().T).to(torch.bfloat16))
     assert within_tolerance(got, x, q, s)
-    assert torch.equal(dispatch.mxfp8_weight_only_linear(x.reshape(1, 5, 256), q, s), got.reshape(1, 5, 96))
-    assert not dispatch.mxfp8_kernel_takes(x, q, s)  # CPU tensors: the kernel needs CUDA
+    assert torch.equal(
+        int4_mxfp8_linear.mxfp8_weight_only_linear(x.reshape(1, 5, 256), q, s), got.reshape(1, 5, 96)
+    )
+    assert not int4_mxfp8_linear.mxfp8_kernel_takes(x, q, s)  # CPU tensors: the kernel needs CUDA
 
 
 def test_the_grouped_reference_is_each_experts_product():
     gen = seeded_generator()
     x, q, s = operands(gen, 9, 64, 128, experts=3)
     offsets = torch.tensor([0, 4, 4, 9], dtype=torch.int32)  # expert 1 has no rows
-    got = dispatch.mxfp8_grouped_weight_only_linear(x, q, s, offsets)
+    got = int4_mxfp8_linear.mxfp8_grouped_weight_only_linear(x, q, s, offsets)
     assert got.shape == (9, 64)
     for e, (a, b) in enumerate(((0, 4), (4, 4), (4, 9))):
-        assert torch.equal(got[a:b], dispatch.mxfp8_weight_only_linear(x[a:b], q[e], s[e]))
+        assert torch.equal(got[a:b], int4_mxfp8_linear.mxfp8_weight_only_linear(x[a:b], q[e], s[e]))
 
 
 @pytest.mark.parametrize(
@@ -71,12 +73,14 @@ def test_the_grouped_reference_is_each_experts_product():
 def test_bad_arguments_are_refused_by_name(mutate, match):
     x, q, s = operands(seeded_generator(), 3, 64, 256)
     with pytest.raises(QuantizationError, match=match):
-        dispatch.mxfp8_weight_only_linear(*mutate(x, q, s))
+        int4_mxfp8_linear.mxfp8_weight_only_linear(*mutate(x, q, s))
 
 
 def test_bad_grouped_arguments_are_refused_by_name():
     x, q, s = operands(seeded_generator(), 6, 64, 128, experts=2)
     with pytest.raises(QuantizationError, match=r"offsets must be int32 \[3\]"):
-        dispatch.mxfp8_grouped_weight_only_linear(x, q, s, torch.tensor([0, 6], dtype=torch.int32))
+        int4_mxfp8_linear.mxfp8_grouped_weight_only_linear(x, q, s, torch.tensor([0, 6], dtype=torch.int32))
     with pytest.raises(QuantizationError, match=r"must be \[E, N, K\]"):
-        dispatch.mxfp8_grouped_weight_only_linear(x, q[0], s[0], torch.tensor([0, 3, 6], dtype=torch.int32))
+        int4_mxfp8_linear.mxfp8_grouped_weight_only_linear(
+            x, q[0], s[0], torch.tensor([0, 3, 6], dtype=torch.int32)
+        )

@@ -1,4 +1,4 @@
-"""The FP8 x FP8 decode linear (`dispatch.fp8_w8a8_linear`, `fp8_grouped_w8a8_linear`) on the CPU.
+"""The FP8 x FP8 decode linear (`fp8_linear.fp8_w8a8_linear`, `fp8_grouped_w8a8_linear`) on the CPU.
 
 Without CUDA both run the reference: the fp32 product of the dequantized activation codes (1 x 128
 tiles) and weight codes (128 x 128 blocks). The Triton kernel (`triton_fp8_w8a8`) is checked against
@@ -18,7 +18,7 @@ import torch
 from skyq.quant import fp8_blockwise
 from skyq.quant.errors import QuantizationError
 from skyq.quant.fake_quant import Fp8ActivationQuant
-from skyq.quant.kernels import dispatch
+from skyq.rollout.kernels import fp8_linear
 from tests.interpreter_run import run_under_interpreter, seeded_generator
 
 
@@ -54,12 +54,12 @@ def within_tolerance(got: torch.Tensor, xq, xs, q, s, *, sum_bits: int = 16) -> 
 def test_reference_is_the_fp32_product_of_the_dequantized_codes():
     gen = seeded_generator()
     xq, xs, q, s = _operands(gen, 5, 200, 320)
-    got = dispatch.fp8_w8a8_linear(xq, xs, q, s)
+    got = fp8_linear.fp8_w8a8_linear(xq, xs, q, s)
     x = fp8_blockwise.dequantize_activation(xq, xs, dtype=torch.float32)
     assert got.dtype == torch.bfloat16 and got.shape == (5, 200)
     assert torch.equal(got, (x @ fp8_blockwise.dequantize(q, s, dtype=torch.float32).T).to(torch.bfloat16))
     assert within_tolerance(got, xq, xs, q, s)
-    assert dispatch.fp8_w8a8_linear(xq, xs, q, s, out_dtype=torch.float32).dtype == torch.float32
+    assert fp8_linear.fp8_w8a8_linear(xq, xs, q, s, out_dtype=torch.float32).dtype == torch.float32
 
 
 def test_the_grouped_reference_is_each_experts_product_of_its_rows_gathered():
@@ -67,12 +67,12 @@ def test_the_grouped_reference_is_each_experts_product_of_its_rows_gathered():
     xq, xs, q, s = _operands(gen, 6, 256, 384, experts=3)
     index = torch.tensor([5, 0, 0, 3, 1, 2, 4, 5, 1])  # 9 routed rows of 6 tokens
     offsets = torch.tensor([0, 4, 4, 9], dtype=torch.int32)  # expert 1 has no rows
-    got = dispatch.fp8_grouped_w8a8_linear(xq, xs, q, s, offsets, index=index)
+    got = fp8_linear.fp8_grouped_w8a8_linear(xq, xs, q, s, offsets, index=index)
     assert got.shape == (9, 256)
     for e, (a, b) in enumerate(((0, 4), (4, 4), (4, 9))):
         rows = index[a:b]
-        assert torch.equal(got[a:b], dispatch.fp8_w8a8_linear(xq[rows], xs[rows], q[e], s[e]))
-    plain = dispatch.fp8_grouped_w8a8_linear(xq[index], xs[index], q, s, offsets)
+        assert torch.equal(got[a:b], fp8_linear.fp8_w8a8_linear(xq[rows], xs[rows], q[e], s[e]))
+    plain = fp8_linear.fp8_grouped_w8a8_linear(xq[index], xs[index], q, s, offsets)
     assert torch.equal(plain, got)
 
 
@@ -81,27 +81,27 @@ def test_bad_arguments_are_refused_by_name():
     xq, xs, q, s = _operands(gen, 4, 128, 256, experts=2)
     offsets = torch.tensor([0, 1, 4], dtype=torch.int32)
     with pytest.raises(QuantizationError, match="activation codes.*float8_e4m3fn"):
-        dispatch.fp8_w8a8_linear(xq.float(), xs, q[0], s[0])
+        fp8_linear.fp8_w8a8_linear(xq.float(), xs, q[0], s[0])
     with pytest.raises(QuantizationError, match="activation scales"):
-        dispatch.fp8_w8a8_linear(xq, xs[:, :1], q[0], s[0])
+        fp8_linear.fp8_w8a8_linear(xq, xs[:, :1], q[0], s[0])
     with pytest.raises(QuantizationError, match="weight_scale_inv"):
-        dispatch.fp8_w8a8_linear(xq, xs, q[0], s[0, :, :1])
+        fp8_linear.fp8_w8a8_linear(xq, xs, q[0], s[0, :, :1])
     with pytest.raises(QuantizationError, match="do not match"):
-        dispatch.fp8_w8a8_linear(xq[:, :128], xs[:, :1], q[0], s[0])
+        fp8_linear.fp8_w8a8_linear(xq[:, :128], xs[:, :1], q[0], s[0])
     with pytest.raises(QuantizationError, match=r"weight must be \[N, K\]"):
-        dispatch.fp8_w8a8_linear(xq, xs, q, s)
+        fp8_linear.fp8_w8a8_linear(xq, xs, q, s)
     with pytest.raises(QuantizationError, match=r"weight must be \[E, N, K\]"):
-        dispatch.fp8_grouped_w8a8_linear(xq, xs, q[0], s[0], offsets)
+        fp8_linear.fp8_grouped_w8a8_linear(xq, xs, q[0], s[0], offsets)
     with pytest.raises(QuantizationError, match="offsets must be int32"):
-        dispatch.fp8_grouped_w8a8_linear(xq, xs, q, s, offsets.long())
+        fp8_linear.fp8_grouped_w8a8_linear(xq, xs, q, s, offsets.long())
     with pytest.raises(QuantizationError, match="must rise from 0 to the 4 routed rows"):
-        dispatch.fp8_grouped_w8a8_linear(xq, xs, q, s, torch.tensor([0, 3, 2], dtype=torch.int32))
+        fp8_linear.fp8_grouped_w8a8_linear(xq, xs, q, s, torch.tensor([0, 3, 2], dtype=torch.int32))
     with pytest.raises(QuantizationError, match="must rise from 0 to the 5 routed rows"):
-        dispatch.fp8_grouped_w8a8_linear(xq, xs, q, s, offsets, index=torch.tensor([0, 1, 2, 3, 0]))
+        fp8_linear.fp8_grouped_w8a8_linear(xq, xs, q, s, offsets, index=torch.tensor([0, 1, 2, 3, 0]))
     with pytest.raises(QuantizationError, match=r"index values must lie in \[0, 4\)"):
-        dispatch.fp8_grouped_w8a8_linear(xq, xs, q, s, offsets, index=torch.tensor([0, 1, 4, 3]))
+        fp8_linear.fp8_grouped_w8a8_linear(xq, xs, q, s, offsets, index=torch.tensor([0, 1, 4, 3]))
     with pytest.raises(QuantizationError, match="index must be int32 / int64"):
-        dispatch.fp8_grouped_w8a8_linear(xq, xs, q, s, offsets, index=torch.tensor([0.0, 1, 2, 3]))
+        fp8_linear.fp8_grouped_w8a8_linear(xq, xs, q, s, offsets, index=torch.tensor([0.0, 1, 2, 3]))
 
 
 @pytest.mark.parametrize("pow2", [False, True])
@@ -125,7 +125,7 @@ def _interpreter_main() -> None:
     from tests.interpreter_run import kernels_on_cpu, report
 
     kernels_on_cpu()
-    from skyq.quant.kernels import triton_fp8_w8a8 as kernels
+    from skyq.rollout.kernels import triton_fp8_w8a8 as kernels
 
     gen = seeded_generator()
     failures = []
@@ -164,7 +164,7 @@ def _interpreter_main() -> None:
         cols = torch.randperm(3, generator=gen)[:2] * 128 + torch.randint(0, 128, (2,), generator=gen)
         codes[row, cols] = torch.randint(1, 8, (2,), generator=gen).float()
     xq = codes.to(torch.float8_e4m3fn)
-    if not torch.equal(kernels.linear(xq, xs, q, s), dispatch.fp8_w8a8_linear_reference(xq, xs, q, s)):
+    if not torch.equal(kernels.linear(xq, xs, q, s), fp8_linear.fp8_w8a8_linear_reference(xq, xs, q, s)):
         failures.append("two-term exact")
     report("w8a8", failures)
 

@@ -18,6 +18,7 @@ from skyq.quant.kernels import dispatch
 from skyq.quant.layouts import Role
 from skyq.quant.strategies import get_strategy
 from skyq.rollout import quantized_linear
+from skyq.rollout.kernels import fp8_linear, int4_mxfp8_linear
 from skyq.rollout.quantized_linear import ExpertMLP, WireExperts, WireLinear
 
 H, INTER, E = 256, 128, 6
@@ -145,7 +146,7 @@ def test_grouped_forward_is_the_loop_bit_for_bit(tokens, monkeypatch):
     hidden, index, weights = _routing(gen, tokens)
     loop = experts(hidden, index, weights)  # on CPU the grouped path does not apply
     monkeypatch.setattr(
-        quantized_linear.dispatch, "fp8_grouped_weight_only_linear", _experts_own_math(experts, 3)
+        quantized_linear.fp8_linear, "fp8_grouped_weight_only_linear", _experts_own_math(experts, 3)
     )
     grouped = experts._grouped_forward(hidden, index, weights)
     assert grouped.dtype == loop.dtype and torch.equal(grouped, loop)
@@ -180,7 +181,7 @@ def test_fp8_prefill_dequantizes_each_stack_once_into_one_grouped_gemm(monkeypat
     def no_decode_kernel(*args):
         raise AssertionError("the weight-only decode kernel ran on a prefill")
 
-    monkeypatch.setattr(quantized_linear.dispatch, "fp8_grouped_weight_only_linear", no_decode_kernel)
+    monkeypatch.setattr(quantized_linear.fp8_linear, "fp8_grouped_weight_only_linear", no_decode_kernel)
     grouped = experts._grouped_forward(hidden, index, weights).float()
     assert len(dequantized) == 3  # prefill: gate and up each their own GEMM, as the trainer's
     assert all(
@@ -199,15 +200,15 @@ def test_grouped_linear_cpu_form_and_its_errors():
     q, s = dispatch.quantize_fp8_blockwise(w)
     x = torch.randn(7, 384, generator=gen).to(torch.bfloat16)
     offsets = torch.tensor([0, 2, 2, 7], dtype=torch.int32)
-    y = dispatch.fp8_grouped_weight_only_linear(x, q, s, offsets)
-    assert torch.equal(y[0:2], dispatch.fp8_weight_only_linear(x[0:2], q[0], s[0]))
-    assert torch.equal(y[2:7], dispatch.fp8_weight_only_linear(x[2:7], q[2], s[2]))
+    y = fp8_linear.fp8_grouped_weight_only_linear(x, q, s, offsets)
+    assert torch.equal(y[0:2], fp8_linear.fp8_weight_only_linear(x[0:2], q[0], s[0]))
+    assert torch.equal(y[2:7], fp8_linear.fp8_weight_only_linear(x[2:7], q[2], s[2]))
     with pytest.raises(QuantizationError, match="offsets must be int32"):
-        dispatch.fp8_grouped_weight_only_linear(x, q, s, offsets.long())
+        fp8_linear.fp8_grouped_weight_only_linear(x, q, s, offsets.long())
     with pytest.raises(QuantizationError, match="must rise from 0 to the 7 routed rows"):
-        dispatch.fp8_grouped_weight_only_linear(x, q, s, torch.tensor([0, 3, 2, 7], dtype=torch.int32))
+        fp8_linear.fp8_grouped_weight_only_linear(x, q, s, torch.tensor([0, 3, 2, 7], dtype=torch.int32))
     with pytest.raises(QuantizationError, match="weight must be"):
-        dispatch.fp8_grouped_weight_only_linear(x, q[0], s[0], offsets)
+        fp8_linear.fp8_grouped_weight_only_linear(x, q[0], s[0], offsets)
 
 
 def _bf16_experts(gen: torch.Generator) -> WireExperts:
@@ -270,7 +271,7 @@ def test_a_large_decode_step_takes_the_grouped_kernel_on_the_stacks(monkeypatch)
     hidden, index, weights = _routing(gen, tokens)
     loop = experts(hidden, index, weights).float()
     kernel, dequantized = [], []
-    _spy(monkeypatch, "fp8_grouped_weight_only_linear", kernel)
+    _spy(monkeypatch, "fp8_grouped_weight_only_linear", kernel, module=quantized_linear.fp8_linear)
     _spy(monkeypatch, "dequantize_fp8_blockwise", dequantized, module=quantized_linear.dispatch)
     with quantized_linear.decode_step():
         assert quantized_linear.in_decode_step()
@@ -296,7 +297,7 @@ def test_a_decode_step_above_the_kernels_rows_dequantizes_each_stack_once(monkey
     hidden, index, weights = _routing(gen, quantized_linear.DECODE_MAX_ROWS + 1)
     loop = experts(hidden, index, weights).float()
     kernel, dequantized = [], []
-    _spy(monkeypatch, "fp8_grouped_weight_only_linear", kernel)
+    _spy(monkeypatch, "fp8_grouped_weight_only_linear", kernel, module=quantized_linear.fp8_linear)
     real = dispatch.dequantize_fp8_blockwise
     monkeypatch.setattr(quantized_linear.dispatch, "dequantize_fp8_blockwise",
                         lambda q, *a, **k: dequantized.append(q) or real(q, *a, **k))  # fmt: skip
@@ -410,7 +411,7 @@ def test_an_asymmetric_int4_linear_is_not_stacked():
 
 
 def test_int4_experts_in_a_decode_step_take_the_grouped_int4_linear_on_the_stacks(monkeypatch):
-    """In a decode step INT4 experts run `dispatch.int4_grouped_weight_only_linear` on the stacks
+    """In a decode step INT4 experts run `int4_mxfp8_linear.int4_grouped_weight_only_linear` on the stacks
     themselves (gate and up as one stack, then down: the INT4 kernel on a GPU, its reference here),
     no weight dequantized; the result is the loop's within bf16 rounding. Outside a step the same
     forward dequantizes gate, up and down apart (prefill: the trainer's bits, bit for bit the
@@ -422,7 +423,7 @@ def test_int4_experts_in_a_decode_step_take_the_grouped_int4_linear_on_the_stack
     hidden, index, weights = _routing(gen, 9)
     loop = experts(hidden, index, weights).float()
     kernel, dequantized = [], []
-    _spy(monkeypatch, "int4_grouped_weight_only_linear", kernel)
+    _spy(monkeypatch, "int4_grouped_weight_only_linear", kernel, module=quantized_linear.int4_mxfp8_linear)
     _spy(monkeypatch, "dequantize_int4_packed", dequantized)
     with quantized_linear.decode_step():
         assert not experts._kernel_decodes(hidden)
@@ -441,7 +442,7 @@ def test_int4_experts_in_a_decode_step_take_the_grouped_int4_linear_on_the_stack
 
 def test_an_int4_linear_decodes_through_the_int4_linear_in_decode_steps_only(monkeypatch):
     """A symmetric INT4 `WireLinear` whose input the kernel takes (forced here: the kernel needs CUDA)
-    calls `dispatch.int4_weight_only_linear` on its own words and scales in a decode step (the
+    calls `int4_mxfp8_linear.int4_weight_only_linear` on its own words and scales in a decode step (the
     reference standing in for the GPU kernel), and dequantizes its weight outside one; the two agree
     within bf16 rounding. An asymmetric one (zero points) never takes it."""
     gen = torch.Generator().manual_seed(25)
@@ -449,9 +450,9 @@ def test_an_int4_linear_decodes_through_the_int4_linear_in_decode_steps_only(mon
     linear = _linear(strategy, "model.layers.0.self_attn.q_proj.weight", (INTER, H), gen)
     x = torch.randn(4, H, generator=gen).to(torch.bfloat16)
     calls = []
-    monkeypatch.setattr(dispatch, "int4_kernel_takes", lambda *a: True)
-    monkeypatch.setattr(dispatch, "int4_weight_only_linear",
-                        lambda x, p, s, g: calls.append((p, s, g)) or dispatch.int4_weight_only_linear_reference(x, p, s, g))  # fmt: skip
+    monkeypatch.setattr(int4_mxfp8_linear, "int4_kernel_takes", lambda *a: True)
+    monkeypatch.setattr(int4_mxfp8_linear, "int4_weight_only_linear",
+                        lambda x, p, s, g: calls.append((p, s, g)) or int4_mxfp8_linear.int4_weight_only_linear_reference(x, p, s, g))  # fmt: skip
     prefill = linear(x).float()
     assert calls == []
     with quantized_linear.decode_step():
@@ -490,7 +491,7 @@ def test_mxfp8_experts_stack_gate_and_up_as_one():
 
 
 def test_mxfp8_experts_in_a_decode_step_take_the_grouped_mxfp8_linear_on_the_stacks(monkeypatch):
-    """In a decode step MXFP8 experts run `dispatch.mxfp8_grouped_weight_only_linear` on the stacks
+    """In a decode step MXFP8 experts run `int4_mxfp8_linear.mxfp8_grouped_weight_only_linear` on the stacks
     themselves (gate and up as one stack, then down: the Gluon kernel on a GPU, its reference here)
     on their rows' activation-quantized values, no weight dequantized; the result is the loop's
     within bf16 rounding. Outside a step the same forward dequantizes gate, up and down apart and,
@@ -500,8 +501,8 @@ def test_mxfp8_experts_in_a_decode_step_take_the_grouped_mxfp8_linear_on_the_sta
     hidden, index, weights = _routing(gen, 9)
     loop = experts(hidden, index, weights).float()
     calls, dequantized = [], []
-    real = dispatch.mxfp8_grouped_weight_only_linear
-    monkeypatch.setattr(quantized_linear.dispatch, "mxfp8_grouped_weight_only_linear",
+    real = int4_mxfp8_linear.mxfp8_grouped_weight_only_linear
+    monkeypatch.setattr(quantized_linear.int4_mxfp8_linear, "mxfp8_grouped_weight_only_linear",
                         lambda x, q, s, offsets: calls.append((x, q)) or real(x, q, s, offsets))  # fmt: skip
     _spy(monkeypatch, "dequantize_mxfp8", dequantized)
     with quantized_linear.decode_step():
@@ -522,7 +523,7 @@ def test_mxfp8_experts_in_a_decode_step_take_the_grouped_mxfp8_linear_on_the_sta
 
 def test_an_mxfp8_linear_decodes_through_the_mxfp8_linear_in_decode_steps_only(monkeypatch):
     """An MXFP8 `WireLinear` whose input the kernel takes (forced here: the kernel needs CUDA) calls
-    `dispatch.mxfp8_weight_only_linear` on its own codes and scales, after its activation
+    `int4_mxfp8_linear.mxfp8_weight_only_linear` on its own codes and scales, after its activation
     quantizer, in a decode step (the reference standing in for the GPU kernel), and dequantizes its
     weight outside one; the two agree within bf16 rounding."""
     gen = torch.Generator().manual_seed(28)
@@ -531,9 +532,9 @@ def test_an_mxfp8_linear_decodes_through_the_mxfp8_linear_in_decode_steps_only(m
     linear.activation = activation_fake_quant(PrecisionConfig(name=Precision.mxfp8))
     x = torch.randn(4, H, generator=gen).to(torch.bfloat16)
     calls = []
-    monkeypatch.setattr(dispatch, "mxfp8_kernel_takes", lambda *a: True)
-    monkeypatch.setattr(dispatch, "mxfp8_weight_only_linear",
-                        lambda x, q, s: calls.append((x, q, s)) or dispatch.mxfp8_weight_only_linear_reference(x, q, s))  # fmt: skip
+    monkeypatch.setattr(int4_mxfp8_linear, "mxfp8_kernel_takes", lambda *a: True)
+    monkeypatch.setattr(int4_mxfp8_linear, "mxfp8_weight_only_linear",
+                        lambda x, q, s: calls.append((x, q, s)) or int4_mxfp8_linear.mxfp8_weight_only_linear_reference(x, q, s))  # fmt: skip
     prefill = linear(x).float()
     assert calls == []
     with quantized_linear.decode_step():

@@ -57,8 +57,8 @@ def test_the_first_call_computes_all_members_in_one_launch(monkeypatch):
     group = SharedInput(members)
     monkeypatch.setattr(SharedInput, "applies", lambda self, x: True)  # CUDA's decode-size condition
     launches = []
-    real = quantized_linear.dispatch.fp8_weight_only_linear
-    monkeypatch.setattr(quantized_linear.dispatch, "fp8_weight_only_linear",
+    real = quantized_linear.fp8_linear.fp8_weight_only_linear
+    monkeypatch.setattr(quantized_linear.fp8_linear, "fp8_weight_only_linear",
                         lambda *a, **k: launches.append(a[1].shape) or real(*a, **k))  # fmt: skip
     q, k, v = (m(x) for m in members)
     assert launches == [(512, K)]  # one launch over the stacked weight

@@ -1,9 +1,9 @@
 """The engine's large decode steps on FP8 codes both sides (`quantized_linear.W8A8_MIN_MEAN_ROWS`), on
 the CPU: FP8 experts averaging at least that many rows each, and dense FP8 linears of more than
 `DECODE_MAX_ROWS` rows, multiply their inputs' activation codes by the weight codes
-(`dispatch.fp8_grouped_w8a8_linear` / `fp8_w8a8_linear`, here their CPU reference) instead of the
+(`fp8_linear.fp8_grouped_w8a8_linear` / `fp8_w8a8_linear`, here their CPU reference) instead of the
 weight-only kernel or a dequantized weight. The GPU condition (a CUDA device with e4m3 tensor cores,
-`dispatch.w8a8_kernel_available`) is forced here; tests/gpu/test_w8a8_gpu.py runs the kernel."""
+`fp8_linear.w8a8_kernel_available`) is forced here; tests/gpu/test_w8a8_gpu.py runs the kernel."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def _routing(gen, tokens: int):
 @pytest.fixture
 def gpu_condition(monkeypatch):
     """What a CUDA device with e4m3 tensor cores answers (the kernel itself: CPU reference)."""
-    monkeypatch.setattr(quantized_linear.dispatch, "w8a8_kernel_available", lambda device: True)
+    monkeypatch.setattr(quantized_linear.fp8_linear, "w8a8_kernel_available", lambda device: True)
     monkeypatch.setattr(
         quantized_linear, "_large_decode_step",
         lambda x: quantized_linear.in_decode_step() and quantized_linear._rows(x) > quantized_linear.DECODE_MAX_ROWS,
@@ -68,14 +68,19 @@ def gpu_condition(monkeypatch):
 
 def _record(monkeypatch, names: tuple[str, ...]) -> dict[str, list]:
     calls = {name: [] for name in names}
-    for name in names:
-        real = getattr(quantized_linear.dispatch, name)
+    for name in names:  # the decode linears in fp8_linear, the quantizers in dispatch
+        module = (
+            quantized_linear.fp8_linear
+            if hasattr(quantized_linear.fp8_linear, name)
+            else quantized_linear.dispatch
+        )
+        real = getattr(module, name)
 
         def spy(*args, _real=real, _name=name, **kwargs):
             calls[_name].append((args, kwargs))
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(quantized_linear.dispatch, name, spy)
+        monkeypatch.setattr(module, name, spy)
     return calls
 
 
@@ -136,7 +141,9 @@ def test_no_codes_by_codes_without_the_gpu_or_an_fp8_activation_quantizer(monkey
         (_experts(gen, _cfg(), activation=False), True),
         (_experts(gen, _cfg()), False),
     ):
-        monkeypatch.setattr(quantized_linear.dispatch, "w8a8_kernel_available", lambda device, a=available: a)
+        monkeypatch.setattr(
+            quantized_linear.fp8_linear, "w8a8_kernel_available", lambda device, a=available: a
+        )
         assert (w8a8_quantizer(experts[0].gate_proj, hidden.device) is None) is True
         calls = _record(monkeypatch, EXPERT_PATHS)
         with quantized_linear.decode_step():
@@ -160,7 +167,7 @@ def test_the_engines_switch_turns_codes_by_codes_off(monkeypatch, gpu_condition)
 
 
 def test_the_quantizer_wants_128_column_tiles_and_128_by_128_weight_blocks(monkeypatch):
-    monkeypatch.setattr(quantized_linear.dispatch, "w8a8_kernel_available", lambda device: True)
+    monkeypatch.setattr(quantized_linear.fp8_linear, "w8a8_kernel_available", lambda device: True)
     gen = torch.Generator().manual_seed(33)
     lin = _linear(_cfg(), "model.layers.0.mlp.down_proj.weight", (128, 256), gen, role=Role.dense_mlp)
     assert w8a8_quantizer(lin, torch.device("cpu")) == Fp8ActivationQuant(128, False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 
@@ -133,14 +134,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def gemv_outputs(
-    x: Tensor, m: int, n: int, grid: tuple[int, int, int], counters
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(y, partials, arrival counters) of a decode launch over `grid` (N tiles, M tiles, splits):
-    y [m, n] in x's dtype; with more than one split, fp32 partials [split, m, n] and
-    `counters(device, tiles)`, a zeroed int32 buffer the launch leaves zeroed; else y for both."""
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if grid[2] == 1:
-        return y, y, y
-    part = torch.empty((grid[2], m, n), dtype=torch.float32, device=x.device)
-    return y, part, counters(x.device, grid[0] * grid[1])
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of `device`, which persistent and split launches size their grids by; an
+    H200's 132 for CPU tensors (the Triton interpreter)."""
+    return _sm_count(device.index or 0) if device.type == "cuda" else 132

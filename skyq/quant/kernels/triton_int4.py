@@ -280,9 +280,9 @@ def dequantize_packed(
     """Dense [..., N, K] from validated `pack-quantized` tensors (the dispatcher checks shapes)."""
     p3, s3 = as_3d(packed).contiguous(), as_3d(scale).contiguous()
     if scale.dtype == torch.bfloat16 and dtype == torch.bfloat16 and group_size % 8 == 0:
-        from skyq.quant.kernels import triton_int4_gemv  # the decode kernels' register dequantization
+        from skyq.quant.kernels import triton_int4_dequant
 
-        return triton_int4_gemv.dequantize(p3, s3, n, k, group_size).reshape(*packed.shape[:-1], k)
+        return triton_int4_dequant.dequantize(p3, s3, n, k, group_size).reshape(*packed.shape[:-1], k)
     nb = p3.shape[0]
     out = torch.empty((nb, n, k), dtype=dtype, device=packed.device)
     tk = _tile_k(group_size)

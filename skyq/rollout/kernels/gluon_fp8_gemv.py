@@ -58,7 +58,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from skyq.quant.kernels._common import cdiv, gemv_outputs
+from skyq.quant.kernels._common import cdiv
+from skyq.rollout.kernels._gemv import gemv_outputs
 
 CHUNK = 64
 """K columns over which each thread's 16 contiguous codes are spread (four 16-column MMA steps)."""

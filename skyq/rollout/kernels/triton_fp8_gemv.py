@@ -34,7 +34,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from skyq.quant.kernels._common import cdiv, gemv_outputs
+from skyq.quant.kernels._common import cdiv, sm_count
+from skyq.rollout.kernels._gemv import gemv_outputs
 
 try:  # programmatic dependent launch (Hopper+): Triton >= 3.3
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -46,7 +47,7 @@ if tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 6):
     # the explicit-layout kernel, written against Triton 3.6's (experimental) Gluon API; with an
     # older Triton, or one whose Gluon lacks what it uses, `_gemv_kernel` everywhere
     try:
-        from skyq.quant.kernels import gluon_fp8_gemv as _gluon
+        from skyq.rollout.kernels import gluon_fp8_gemv as _gluon
     except (ImportError, AttributeError):  # pragma: no cover - a Gluon API change
         _gluon = None
 
@@ -289,16 +290,6 @@ def _capability(index: int) -> int:
 def _has_e4m3_cvt(index: int) -> bool:
     """`cvt.rn.f16x2.e4m3x2`, which the Gluon kernel's dequantization is written in: sm_89+."""
     return torch.cuda.get_device_capability(index) >= (8, 9)
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def sm_count(device: torch.device) -> int:
-    """Multiprocessors of `device`; an H200's 132 for CPU tensors (the Triton interpreter)."""
-    return _sm_count(device.index or 0) if device.type == "cuda" else 132
 
 
 _counters: dict[torch.device, Tensor] = {}

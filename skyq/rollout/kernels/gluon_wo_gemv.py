@@ -3,7 +3,7 @@ INT4 `pack-quantized` words and MXFP8 (e4m3 codes, one ue8m0 scale a row and 32 
 as `gluon_fp8_gemv`'s kernel lays out FP8 codes.
 
 `triton_int4_gemv.linear` / `linear_grouped` route INT4 here on devices of compute capability >= 9
-(`triton_int4_gemv.GLUON`); `dispatch.mxfp8_weight_only_linear` / `mxfp8_grouped_weight_only_linear`
+(`triton_int4_gemv.GLUON`); `int4_mxfp8_linear.mxfp8_weight_only_linear` / `mxfp8_grouped_weight_only_linear`
 route MXFP8 here on devices of compute capability >= 8.9 (its e4m3 conversion).
 
 `triton_int4_gemv` leaves the layout to Triton, which sends the dequantized tile through shared memory
@@ -34,8 +34,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from skyq.quant.kernels._common import cdiv, gemv_outputs
-from skyq.quant.kernels.gluon_fp8_gemv import (
+from skyq.quant.kernels._common import cdiv
+from skyq.rollout.kernels._gemv import gemv_outputs
+from skyq.rollout.kernels.gluon_fp8_gemv import (
     _DEQUANT4,
     CHUNK,
     _bf16_pairs,

@@ -1,8 +1,7 @@
 """The engine's weight-only decode linears for formats with per-row group scales: symmetric INT4
 `pack-quantized` (`int4_weight_only_linear`, grouped over MoE experts `int4_grouped_weight_only_linear`)
 and MXFP8 (`mxfp8_weight_only_linear`, `mxfp8_grouped_weight_only_linear`), each with its torch
-reference and the check of what its kernel takes. Split out of `dispatch` (which re-exports these
-names, and whose shared helpers they call at run time, so importing either module first works)."""
+reference and the check of what its kernel takes."""
 
 from __future__ import annotations
 
@@ -11,13 +10,8 @@ from torch import Tensor
 
 from skyq.quant import errors, int4, mxfp8
 from skyq.quant.errors import QuantizationError
-
-
-def _dispatch():
-    from skyq.quant.kernels import dispatch
-
-    return dispatch
-
+from skyq.quant.kernels import dispatch
+from skyq.rollout.kernels._experts import check_offsets, each_expert
 
 # --- INT4 weight-only linear (the engine's decode) -----------------------------------------------
 
@@ -57,9 +51,9 @@ def int4_kernel_takes(x: Tensor, packed: Tensor, scale: Tensor, group_size: int,
     """The INT4 decode kernel takes these (shapes checked apart): bf16 x and bf16 scales on a CUDA
     device (with Triton), the words and the scales of unit stride along K, groups of whole words (x
     of another stride is made contiguous first)."""
-    if not (_dispatch().uses_kernel(x) and x.dtype == torch.bfloat16 and scale.dtype == torch.bfloat16):
+    if not (dispatch.uses_kernel(x) and x.dtype == torch.bfloat16 and scale.dtype == torch.bfloat16):
         return False
-    from skyq.quant.kernels import triton_int4_gemv as kernels
+    from skyq.rollout.kernels import triton_int4_gemv as kernels
 
     return (
         all(t.is_cuda and t.device == x.device for t in (packed, scale, *others))
@@ -74,18 +68,21 @@ def int4_weight_only_linear(x: Tensor, packed: Tensor, scale: Tensor, group_size
     registers (`triton_int4_gemv.linear`: no dequantized weight in memory, no host sync) up to
     `triton_int4_gemv.KERNEL_MAX_ROWS` rows, or more while rows x N x K is small (`dequantizes_first`);
     else the weight is dequantized once (the same register dequantization,
-    `triton_int4_gemv.dequantize`) for bf16's GEMM, also without a host sync; elsewhere the
+    `triton_int4_dequant.dequantize`) for bf16's GEMM, also without a host sync; elsewhere the
     reference (the same bf16 weight, fp32 sums)."""
     _check_int4_linear_args(x, packed, scale, group_size, "int4 linear")
     if packed.ndim != 2:
         raise QuantizationError(f"int4 linear: weight_packed must be [N, K/8], got {tuple(packed.shape)}")
     if x.numel() and int4_kernel_takes(x, packed, scale, group_size):
-        from skyq.quant.kernels import triton_int4_gemv as kernels
+        from skyq.quant.kernels import triton_int4_dequant
+        from skyq.rollout.kernels import triton_int4_gemv as kernels
 
         x2 = x.reshape(-1, x.shape[-1])
         n, k = packed.shape[0], packed.shape[1] * int4.CODES_PER_WORD
         if kernels.dequantizes_first(x2.shape[0], n, k):  # the weight dequantized once, then bf16's GEMM
-            w = kernels.dequantize(packed.contiguous()[None], scale.contiguous()[None], n, k, group_size)
+            w = triton_int4_dequant.dequantize(
+                packed.contiguous()[None], scale.contiguous()[None], n, k, group_size
+            )
             return torch.nn.functional.linear(x, w[0])
         x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
         return kernels.linear(x2, packed, scale, group_size=group_size).reshape(
@@ -108,15 +105,15 @@ def int4_grouped_weight_only_linear(
             f"int4 grouped linear: weight_packed must be [E, N, K/8], got {getattr(packed, 'shape', packed)!r}"
         )
     _check_int4_linear_args(x, packed, scale, group_size, "int4 grouped linear")
-    _dispatch()._check_offsets(offsets, packed.shape[0], "int4 grouped linear")
+    check_offsets(offsets, packed.shape[0], "int4 grouped linear")
     if x.ndim != 2:
         raise QuantizationError(f"int4 grouped linear: x must be [T, K], got {tuple(x.shape)}")
     if x.numel() and int4_kernel_takes(x, packed, scale, group_size, offsets):
-        from skyq.quant.kernels import triton_int4_gemv as kernels
+        from skyq.rollout.kernels import triton_int4_gemv as kernels
 
         x = x if x.stride(-1) == 1 else x.contiguous()
         return kernels.linear_grouped(x, packed, scale, offsets, group_size=group_size)
-    return _dispatch()._each_expert(
+    return each_expert(
         x, offsets, packed.shape[1], "int4 grouped linear",
         lambda e, rows: int4_weight_only_linear(rows, packed[e], scale[e], group_size),
     )  # fmt: skip
@@ -156,9 +153,9 @@ def mxfp8_kernel_takes(x: Tensor, q: Tensor, scale_u8: Tensor, *others: Tensor) 
     bf16 x on a CUDA device with the e4m3 conversion (compute capability >= 8.9) and Triton's Gluon,
     the codes read as int32 words (`gluon_wo_gemv.supports_mxfp8`: K a multiple of 32), the scales of
     unit stride along K."""
-    if not (_dispatch().uses_kernel(x) and x.dtype == torch.bfloat16 and q.dtype == torch.float8_e4m3fn):
+    if not (dispatch.uses_kernel(x) and x.dtype == torch.bfloat16 and q.dtype == torch.float8_e4m3fn):
         return False
-    from skyq.quant.kernels import triton_fp8_gemv, triton_int4_gemv
+    from skyq.rollout.kernels import triton_fp8_gemv, triton_int4_gemv
 
     kernels = triton_int4_gemv.gluon_wo
     return (
@@ -182,11 +179,11 @@ def mxfp8_weight_only_linear(x: Tensor, q: Tensor, scale_u8: Tensor) -> Tensor:
     if q.ndim != 2:
         raise QuantizationError(f"mxfp8 linear: weight must be [N, K], got {tuple(q.shape)}")
     if x.numel() and mxfp8_kernel_takes(x, q, scale_u8):
-        from skyq.quant.kernels import triton_fp8_gemv, triton_int4_gemv
+        from skyq.rollout.kernels import triton_fp8_gemv, triton_int4_gemv
 
         x2 = x.reshape(-1, x.shape[-1])
         if triton_int4_gemv.dequantizes_first(x2.shape[0], *q.shape):  # dequantized once, then bf16's GEMM
-            w = _dispatch().dequantize_mxfp8(q, scale_u8, dtype=x.dtype, name="mxfp8 linear weight")
+            w = dispatch.dequantize_mxfp8(q, scale_u8, dtype=x.dtype, name="mxfp8 linear weight")
             return torch.nn.functional.linear(x, w)
         y = triton_int4_gemv.gluon_wo.linear_mxfp8(
             x2,
@@ -208,16 +205,16 @@ def mxfp8_grouped_weight_only_linear(x: Tensor, q: Tensor, scale_u8: Tensor, off
     _check_mxfp8_linear_args(x, q, scale_u8, "mxfp8 grouped linear")
     if q.ndim != 3:
         raise QuantizationError(f"mxfp8 grouped linear: weight must be [E, N, K], got {tuple(q.shape)}")
-    _dispatch()._check_offsets(offsets, q.shape[0], "mxfp8 grouped linear")
+    check_offsets(offsets, q.shape[0], "mxfp8 grouped linear")
     if x.ndim != 2:
         raise QuantizationError(f"mxfp8 grouped linear: x must be [T, K], got {tuple(x.shape)}")
     if x.numel() and mxfp8_kernel_takes(x, q, scale_u8, offsets):
-        from skyq.quant.kernels import triton_fp8_gemv, triton_int4_gemv
+        from skyq.rollout.kernels import triton_fp8_gemv, triton_int4_gemv
 
         return triton_int4_gemv.gluon_wo.linear_grouped_mxfp8(
             x, q, scale_u8, offsets, sms=triton_fp8_gemv.sm_count(x.device)
         )
-    return _dispatch()._each_expert(
+    return each_expert(
         x, offsets, q.shape[1], "mxfp8 grouped linear",
         lambda e, rows: mxfp8_weight_only_linear(rows, q[e], scale_u8[e]),
     )  # fmt: skip
