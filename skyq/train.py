@@ -68,9 +68,9 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
         print(render_plan(obj, report, plan))
         return
     check_hardware(obj)
-    from skyq.launch.embedded import run_embedded
+    from skyq.launch.loop import run_rl
 
-    result = run_embedded(
+    result = run_rl(
         model=obj.model,
         precision=obj.precision,
         algorithm=obj.algorithm,

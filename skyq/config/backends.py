@@ -65,6 +65,7 @@ UNIVERSAL: tuple[str, ...] = (
     "rollout.temperature",
     "rollout.top_p",
     "rollout.env",
+    "rollout.num_engines",
     "rollout.weight_sync.transport",
     "rollout.weight_sync.bucket_bytes",
     "rollout.weight_sync.timeout_s",

@@ -244,6 +244,8 @@ class RolloutConfig:
     """Rollout engine backend."""
     gpus_per_engine: int = bounded(1, ge=1)
     """GPUs per rollout engine."""
+    num_engines: Optional[int] = bounded(None, ge=1)
+    """Rollout engines the run starts, each synced and verified every step (None: topology.rollout_gpus / gpus_per_engine on GPUs, 1 on the CPU)."""
     tp_size: Optional[int] = bounded(None, ge=1)
     """Engine tensor parallel size (None = gpus_per_engine)."""
     dp_size: int = bounded(1, ge=1)

@@ -60,6 +60,9 @@ def trainer_dp(cfg: TrainConfig) -> int:
 
 
 def num_engines(cfg: TrainConfig) -> int:
+    """Engines of the rollout group: `rollout.num_engines`, else derived from the topology."""
+    if cfg.rollout.num_engines is not None:
+        return cfg.rollout.num_engines
     if cfg.topology.device is Device.cpu:
         return 1
     return cfg.topology.rollout_gpus // cfg.rollout.gpus_per_engine
@@ -330,6 +333,16 @@ def _topology_errors(cfg: TrainConfig) -> list[str]:
         errors.append(
             f"topology.rollout_gpus={t.rollout_gpus} is not a multiple of rollout.gpus_per_engine="
             f"{r.gpus_per_engine}: engines x GPUs per engine must equal the rollout GPUs."
+        )
+    if (
+        t.device is not Device.cpu
+        and r.num_engines is not None
+        and r.num_engines * r.gpus_per_engine > t.rollout_gpus
+    ):
+        errors.append(
+            f"rollout.num_engines={r.num_engines} x rollout.gpus_per_engine={r.gpus_per_engine} = "
+            f"{r.num_engines * r.gpus_per_engine} GPUs, but topology.rollout_gpus={t.rollout_gpus}. Fix: at most "
+            f"{t.rollout_gpus // r.gpus_per_engine} engines, or leave rollout.num_engines unset."
         )
     engine_tp = r.tp_size or r.gpus_per_engine
     if engine_tp > r.gpus_per_engine or r.gpus_per_engine % engine_tp:

@@ -17,37 +17,29 @@ from typing import Any
 import ray
 
 from skyq.config.resolve import agree
-from skyq.launch.actors import EngineWorker, TrainerWorker
 from skyq.launch.deadlines import call_with_deadline, finished_with_deadline
-from skyq.launch.pair import PairSpec, WorkerPair, describe_error
+from skyq.launch.pair import PairSpec, WorkerPair, describe_error, engine_names
 from skyq.launch.ray_local import startup_line
 from skyq.launch.redaction import split_worker_env
 from skyq.launch.worker_env import apply_env_file, remove_env_file, write_env_file
 from skyq.sync.errors import SyncError
+
+ACTOR_CLOSE_TIMEOUT_S = 10.0
+"""How long an actor's `close` may take at shutdown before the actor is killed regardless."""
 
 SYNC_PEER_GRACE_S = 10.0
 """Once one side of a sync has failed, how long the driver waits for the other side's own story
 (both wait on the same transfers under the same deadline, so it fails at about the same moment)."""
 
 
-class _TrainerActor(TrainerWorker):
-    """`TrainerWorker` that first sets its secret environment variables from `env_file`."""
+def _with_env_file(cls: type) -> type:
+    """`cls` whose constructor first sets its secret environment variables from `env_file`."""
 
     def __init__(self, *, env_file: str | None, **kwargs: Any) -> None:
         apply_env_file(env_file)
-        super().__init__(**kwargs)
+        cls.__init__(self, **kwargs)
 
-
-class _EngineActor(EngineWorker):
-    """`EngineWorker` that first sets its secret environment variables from `env_file`."""
-
-    def __init__(self, *, env_file: str | None, **kwargs: Any) -> None:
-        apply_env_file(env_file)
-        super().__init__(**kwargs)
-
-
-TrainerActor = ray.remote(_TrainerActor)
-EngineActor = ray.remote(_EngineActor)
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__})
 
 
 def _actor_options(num_gpus: float, public_env: dict[str, str]) -> dict[str, Any]:
@@ -59,44 +51,63 @@ def _actor_options(num_gpus: float, public_env: dict[str, str]) -> dict[str, Any
 
 
 class ActorPair(WorkerPair):
-    """Builds both Ray actors and their sync group; `shutdown` ends them."""
+    """Builds the trainer actor, the rollout group's engine actors (`rollout.num_engines`, each its
+    own sync group with the trainer) and their sync groups; `shutdown` ends them."""
 
     def __init__(self, spec: PairSpec) -> None:
         placement = spec.placement
+        backends = spec.backends()
         self.sync_cfg = spec.rollout.weight_sync
         self.call_timeout_s = self.sync_cfg.worker_call_timeout_s
-        self.trainer = self.engine = None
+        self.trainer = None
+        self.engines: list[Any] = []
+        self.num_engines = spec.num_engines
+        self.engine_names = engine_names(spec.num_engines)
         trainer_public, trainer_secret = split_worker_env(dict(spec.trainer.env))
         engine_public, engine_secret = split_worker_env(dict(spec.rollout.env))
         env_files: list[Path | None] = []
         try:
-            env_files += [write_env_file(trainer_secret, "trainer"), write_env_file(engine_secret, "engine")]
+            env_files.append(write_env_file(trainer_secret, "trainer"))
+            env_files += [write_env_file(engine_secret, "engine") for _ in self.engine_names]
             startup_line("starting the trainer and engine actors (model build, engine boot)")
             start = time.perf_counter()
-            self.trainer = TrainerActor.options(
+            trainer_actor = ray.remote(_with_env_file(backends.trainer_class()))
+            engine_actor = ray.remote(_with_env_file(backends.engine_class()))
+            self.trainer = trainer_actor.options(
                 **_actor_options(placement.trainer_gpus, trainer_public)
             ).remote(env_file=_str(env_files[0]), **spec.trainer_kwargs())
-            self.engine = EngineActor.options(**_actor_options(placement.engine_gpus, engine_public)).remote(
-                env_file=_str(env_files[1]), **spec.engine_kwargs()
-            )
+            for i, env_file in enumerate(env_files[1:]):
+                self.engines.append(
+                    engine_actor.options(**_actor_options(placement.engine_gpus, engine_public)).remote(
+                        env_file=_str(env_file), **spec.engine_kwargs(i)
+                    )
+                )
             # Hardware-dependent settings are resolved where the hardware is, then must agree.
-            ready = {"trainer actor": self.trainer.report_resolution.remote(),
-                     "engine actor": self.engine.report_resolution.remote()}  # fmt: skip
+            ready = {"trainer actor": self.trainer.report_resolution.remote()}
+            ready.update(
+                {name: e.report_resolution.remote() for name, e in zip(self.engine_names, self.engines)}
+            )
             resolutions = {}
             for worker, ref in finished_with_deadline(ready, "start-up", self.call_timeout_s):
                 resolutions[worker] = ray.get(ref)
-                side = worker.split()[0]
-                built = self._call(side, "build_seconds")
-                what = "model build" if side == "trainer" else "engine boot"
+                built = call_with_deadline(
+                    worker, "build_seconds", self._actor(worker).build_seconds.remote(), self.call_timeout_s
+                )
+                what = "model build" if worker == "trainer actor" else "engine boot"
                 startup_line(
                     f"{worker} ready after {time.perf_counter() - start:.1f} s ({what} {built:.1f} s)"
                 )
-            self.resolution = agree([resolutions["trainer actor"], resolutions["engine actor"]])
+            self.resolution = agree([resolutions[w] for w in ready])
             start = time.perf_counter()
             timeout_s = self.sync_cfg.timeout_s
-            port = self._call("trainer", "open_sync_store", timeout_s)
-            joins = {"trainer actor": self.trainer.join_sync_group.remote(placement.sync_device),
-                     "engine actor": self.engine.join_sync_group.remote(port, timeout_s, placement.sync_device)}  # fmt: skip
+            ports = [self._call("trainer", "open_sync_store", timeout_s) for _ in self.engines]
+            joins = {"trainer actor": self.trainer.join_sync_group.remote(placement.sync_device)}
+            joins.update(
+                {
+                    name: e.join_sync_group.remote(port, timeout_s, placement.sync_device)
+                    for name, e, port in zip(self.engine_names, self.engines, ports)
+                }
+            )
             for _, ref in finished_with_deadline(joins, "join_sync_group", self.call_timeout_s):
                 ray.get(ref)
             startup_line(f"weight-sync group formed in {time.perf_counter() - start:.1f} s")
@@ -107,12 +118,21 @@ class ActorPair(WorkerPair):
             for path in env_files:  # the actors deleted theirs on start; a failed start leaves nothing either
                 remove_env_file(path)
 
+    @property
+    def engine(self) -> Any:
+        """The first engine actor (the only one unless rollout.num_engines > 1)."""
+        return self.engines[0]
+
+    def _actor(self, worker: str) -> Any:
+        return self.trainer if worker == "trainer actor" else self.engines[self.engine_names.index(worker)]
+
     def sync(self, version: int) -> dict[str, float]:
-        """One full weight sync as `version`; raises `SyncError` (with both sides' story) on failure,
-        `WorkerTimeout` if the sync as a whole outlasts rollout.weight_sync.worker_call_timeout_s."""
-        receiving = self.engine.receive_weights.remote(self.sync_cfg.verify_checksum)
-        sending = self.trainer.send_weights.remote(version, self.sync_cfg.bucket_bytes)
-        calls = {"trainer actor": sending, "engine actor": receiving}
+        """One full weight sync as `version` to every engine; raises `SyncError` (with every side's
+        story) on failure, `WorkerTimeout` if the sync as a whole outlasts
+        rollout.weight_sync.worker_call_timeout_s. The run's version advances only when every
+        engine has verified and committed it."""
+        calls = {name: e.receive_weights.remote(self.sync_cfg.verify_checksum) for name, e in zip(self.engine_names, self.engines)}  # fmt: skip
+        calls["trainer actor"] = self.trainer.send_weights.remote(version, self.sync_cfg.bucket_bytes)
         results: dict[str, Any] = {}
         for worker, ref in finished_with_deadline(
             calls, f"weight sync of version {version}", self.call_timeout_s
@@ -120,7 +140,7 @@ class ActorPair(WorkerPair):
             try:
                 results[worker] = ray.get(ref)
             except (SyncError, ray.exceptions.RayError) as exc:
-                # The other side's story, if it has not finished yet, for at most SYNC_PEER_GRACE_S.
+                # The other sides' story, if they have not finished yet, for at most SYNC_PEER_GRACE_S.
                 story = {worker: _describe(exc)}
                 for other, other_ref in calls.items():
                     if other != worker:
@@ -129,27 +149,46 @@ class ActorPair(WorkerPair):
                             if other in results
                             else _outcome(other_ref, SYNC_PEER_GRACE_S)
                         )
+                sides = ". ".join(f"{w.removesuffix(' actor')}: {story[w]}" for w in ["trainer actor", *self.engine_names])  # fmt: skip
+                raise SyncError(f"weight sync of version {version} failed. {sides}") from exc
+        for name in self.engine_names:
+            if results[name]["version"] != version:
                 raise SyncError(
-                    f"weight sync of version {version} failed. trainer: {story['trainer actor']}. "
-                    f"engine: {story['engine actor']}"
-                ) from exc
-        engine_stats, metrics = results["engine actor"], results["trainer actor"]
-        if engine_stats["version"] != version:
-            raise SyncError(f"engine committed version {engine_stats['version']}, the trainer sent {version}")
-        return metrics
+                    f"{name} committed version {results[name]['version']}, the trainer sent {version}"
+                )
+        return results["trainer actor"]
 
     def _call(self, side: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        actor = self.trainer if side == "trainer" else self.engine
-        ref = getattr(actor, method).remote(*args, **kwargs)
-        return call_with_deadline(f"{side} actor", method, ref, self.call_timeout_s)
+        worker = "trainer actor" if side == "trainer" else self.engine_names[0]
+        ref = getattr(self._actor(worker), method).remote(*args, **kwargs)
+        return call_with_deadline(worker, method, ref, self.call_timeout_s)
+
+    def _call_engines(self, method: str, calls: list[tuple[tuple, dict]]) -> list[Any]:
+        refs = {
+            name: getattr(e, method).remote(*args, **kwargs)
+            for name, e, (args, kwargs) in zip(self.engine_names, self.engines, calls)
+        }
+        results = {}
+        for worker, ref in finished_with_deadline(refs, method, self.call_timeout_s):
+            results[worker] = ray.get(ref)
+        return [results[name] for name in self.engine_names]
 
     def _describe_worker_error(self, exc: BaseException) -> str:
         return _describe(exc)
 
     def shutdown(self) -> None:
-        for actor in (self.trainer, self.engine):
+        for actor in (self.trainer, *self.engines):
             if actor is not None:
-                ray.kill(actor)
+                _stop(actor)
+
+
+def _stop(actor: Any) -> None:
+    """End `actor`: its `close` first (an engine shuts down the processes it started; bounded), then kill."""
+    try:
+        ray.get(actor.close.remote(), timeout=ACTOR_CLOSE_TIMEOUT_S)
+    except Exception:  # a dead or stuck actor is killed all the same
+        pass
+    ray.kill(actor)
 
 
 def _str(path: Path | None) -> str | None:

@@ -82,11 +82,12 @@ class TrainerWorker:
         self.resolution = resolve_on_device(precision_cfg, device)
         self.build_s = time.perf_counter() - start
         """Seconds the constructor took (model build): start-up feedback."""
-        self._store = None
-        self._channel: Channel | None = None
-        self._sender: WeightSender | None = None
-        """One sender per channel and bucket size: it keeps the layout the engine committed, so a
-        same-layout sync sends a short reference instead of the full manifest."""
+        self._stores: list = []
+        self._channels: list[Channel] = []
+        self._senders: list[WeightSender | None] = []
+        """One sender per engine channel and bucket size: it keeps the layout that engine committed,
+        so a same-layout sync sends a short reference instead of the full manifest."""
+        self._sender_bucket_bytes: int | None = None
 
     def report_resolution(self) -> WorkerResolution:
         return self.resolution
@@ -95,36 +96,57 @@ class TrainerWorker:
         return self.build_s
 
     def open_sync_store(self, timeout_s: float) -> int:
-        """Start the rendezvous store on a free loopback port (held from now on); returns the port."""
+        """Start one engine's rendezvous store on a free loopback port (held from now on); returns
+        the port. Called once per engine of the rollout group, in engine order."""
         self._timeout_s = timeout_s
-        self._store = open_store(timeout_s)
-        return self._store.port
+        store = open_store(timeout_s)
+        self._stores.append(store)
+        return store.port
 
     def join_sync_group(self, sync_device: str) -> None:
-        self._channel = TorchDistChannel(
-            self._store, rank=SENDER_RANK, timeout_s=self._timeout_s, device=torch.device(sync_device)
-        )
-        self._sender = None
+        """Form the two-rank group of every opened store, in engine order (each engine joins its own)."""
+        self._channels = [
+            TorchDistChannel(
+                store, rank=SENDER_RANK, timeout_s=self._timeout_s, device=torch.device(sync_device)
+            )
+            for store in self._stores
+        ]
+        self._senders = [None] * len(self._channels)
 
     def use_channel(self, channel: Channel) -> None:
         """Send over `channel` (an in-process pair's sender end) instead of a torch.distributed group."""
-        self._channel, self._sender = channel, None
+        self._channels, self._senders = [channel], [None]
 
     def abort_sync(self, reason: str) -> None:
-        """Wake the engine waiting on this sync, if the channel can (the in-process one can)."""
-        abort = getattr(self._channel, "abort", None)
-        if abort is not None:
-            abort(reason)
+        """Wake the engines waiting on this sync, where the channel can (the in-process one can)."""
+        for channel in self._channels:
+            abort = getattr(channel, "abort", None)
+            if abort is not None:
+                abort(reason)
 
     def send_weights(self, version: int, bucket_bytes: int) -> dict[str, float]:
-        """Serialize the current weights and send them as `version`; returns the sync metrics.
+        """Serialize the current weights and send them as `version` to every engine of the group, one
+        engine after the other (each verifies and commits its copy); returns the sync metrics, times
+        summed over the engines.
 
         Routed experts go as one stack per projection (one quantizer call each); the wire is
         bit-identical to serializing every expert's tensor on its own (`serialized_digest`)."""
-        if self._sender is None or self._sender_bucket_bytes != bucket_bytes:
-            self._sender = WeightSender(self._channel, serialize=self.serialize, bucket_bytes=bucket_bytes)
+        if self._sender_bucket_bytes != bucket_bytes:
+            self._senders = [None] * len(self._channels)
             self._sender_bucket_bytes = bucket_bytes
-        return self._sender.sync(self.trainer.hf_weight_items(), version).as_metrics()
+        total: dict[str, float] = {}
+        for i, channel in enumerate(self._channels):
+            if self._senders[i] is None:
+                self._senders[i] = WeightSender(channel, serialize=self.serialize, bucket_bytes=bucket_bytes)
+            try:
+                metrics = self._senders[i].sync(self.trainer.hf_weight_items(), version).as_metrics()
+            except Exception as exc:
+                if len(self._channels) > 1:
+                    exc.add_note(f"(sending to engine {i} of {len(self._channels)})")
+                raise
+            for key, value in metrics.items():
+                total[key] = total.get(key, 0.0) + value if key.endswith("_s") else value
+        return total
 
     def serialized_digest(self) -> WireDigest:
         """Digest of what the strategy serializes from the current weights (what a sync would send),
@@ -190,8 +212,8 @@ class TrainerWorker:
         return self.trainer.step
 
     def close(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
+        for channel in self._channels:
+            channel.close()
 
 
 def _to_cpu(obj: Any) -> Any:

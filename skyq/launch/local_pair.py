@@ -52,8 +52,15 @@ class LocalPair(WorkerPair):
         self.engine: EngineWorker | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skyq-engine-recv")
         try:
-            self.trainer = TrainerWorker(**spec.trainer_kwargs())
-            self.engine = EngineWorker(**spec.engine_kwargs())
+            backends = spec.backends()
+            if spec.num_engines != 1 or not backends.in_process:
+                raise ValueError(
+                    f"rollout.num_engines={spec.num_engines}, rollout={spec.rollout.backend.value}: the one-GPU "
+                    "in-process layout holds one trainer and one embedded engine in the driver process; use "
+                    "rollout.weight_sync.transport=broadcast (Ray actors) for this rollout group"
+                )
+            self.trainer = backends.trainer_class()(**spec.trainer_kwargs())
+            self.engine = backends.engine_class()(**spec.engine_kwargs(0))
             self.resolution = agree([self.trainer.report_resolution(), self.engine.report_resolution()])
             sender_end, receiver_end = in_process_pair(self.sync_cfg.timeout_s)
             self.trainer.use_channel(sender_end)

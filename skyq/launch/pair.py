@@ -7,6 +7,7 @@ checks that do not depend on where the workers live are written once, here.
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from skyq.launch.checkpointing import (
     save_run_checkpoint,
 )
 from skyq.launch.placement import Placement
+from skyq.launch.registry import WorkerBackends, lookup
 from skyq.rl.batch import RolloutBatch, Sample
 from skyq.sync.errors import SyncError
 
@@ -47,39 +49,62 @@ class PairSpec:
     checkpoint_path: str
     seed: int
 
-    def trainer_kwargs(self) -> dict[str, Any]:
-        """Arguments of `TrainerWorker`."""
-        return {
-            "model_cfg": self.model,
-            "precision_cfg": self.precision,
-            "optimizer_cfg": self.trainer.optimizer,
-            "algorithm_cfg": self.algorithm,
-            "micro_batch_size": self.trainer.micro_batch_size,
-            "checkpoint_path": self.checkpoint_path,
-            "device": self.placement.device,
-            "seed": self.seed,
-            # log-probs of the policy the engine samples from (logits / rollout.temperature)
-            "temperature": self.rollout.temperature,
-            "fp8_gemm": self.trainer.fp8_gemm,
-            "compute_dtype": self.trainer.compute_dtype,
-        }
+    @property
+    def num_engines(self) -> int:
+        """Engines in the rollout group (`rollout.num_engines`; unset: one, the most any placement of
+        the embedded pair has room for)."""
+        return self.rollout.num_engines or 1
 
-    def engine_kwargs(self) -> dict[str, Any]:
-        """Arguments of `EngineWorker`."""
-        return {
-            "model_cfg": self.model,
-            "precision_cfg": self.precision,
-            "device": self.placement.device,
-            "seed": self.seed,
-            "cuda_graphs": self.rollout.cuda_graphs,
-            "fp8_codes_decode": self.rollout.fp8_codes_decode,
-        }
+    def backends(self) -> WorkerBackends:
+        """The worker classes registered for `trainer.backend` x `rollout.backend`."""
+        return lookup(self.trainer.backend, self.rollout.backend)
+
+    def trainer_kwargs(self) -> dict[str, Any]:
+        """Arguments of the trainer worker class of this spec's backends."""
+        return self.backends().trainer_arguments(self)
+
+    def engine_kwargs(self, index: int = 0) -> dict[str, Any]:
+        """Arguments of engine `index` of the rollout group."""
+        return self.backends().engine_arguments(self, index)
+
+
+def native_trainer_kwargs(spec: PairSpec) -> dict[str, Any]:
+    """Arguments of `TrainerWorker` (trainer=torch)."""
+    return {
+        "model_cfg": spec.model,
+        "precision_cfg": spec.precision,
+        "optimizer_cfg": spec.trainer.optimizer,
+        "algorithm_cfg": spec.algorithm,
+        "micro_batch_size": spec.trainer.micro_batch_size,
+        "checkpoint_path": spec.checkpoint_path,
+        "device": spec.placement.device,
+        "seed": spec.seed,
+        # log-probs of the policy the engine samples from (logits / rollout.temperature)
+        "temperature": spec.rollout.temperature,
+        "fp8_gemm": spec.trainer.fp8_gemm,
+        "compute_dtype": spec.trainer.compute_dtype,
+    }
+
+
+def embedded_engine_kwargs(spec: PairSpec, index: int) -> dict[str, Any]:
+    """Arguments of `EngineWorker` (rollout=embedded); every engine of the group is built alike."""
+    del index
+    return {
+        "model_cfg": spec.model,
+        "precision_cfg": spec.precision,
+        "device": spec.placement.device,
+        "seed": spec.seed,
+        "cuda_graphs": spec.rollout.cuda_graphs,
+        "fp8_codes_decode": spec.rollout.fp8_codes_decode,
+    }
 
 
 class WorkerPair(ABC):
     """A trainer worker and an engine worker (`skyq.launch.actors`), wherever they live."""
 
     sync_cfg: WeightSyncConfig
+    num_engines: int = 1
+    """Engines in the rollout group."""
     resolution: WorkerResolution
     """The precision resolution both workers reported and agreed on."""
 
@@ -95,19 +120,37 @@ class WorkerPair(ABC):
     def shutdown(self) -> None:
         """End both workers and their sync channel."""
 
-    def verify_engine_matches_trainer(self) -> None:
-        """Compare the engine's wire tensors with what the trainer's weights serialize to, bit for bit."""
-        want = self._call("trainer", "serialized_digest")
-        held = self._call("engine", "wire_digest")
-        differing = sorted(n for n in want.keys() | held.keys() if want.get(n) != held.get(n))
-        if differing:
-            raise SyncError(
-                f"after the sync the engine's weights differ from the trainer's in {len(differing)} tensors "
-                f"(first: {differing[:3]}); the engine is not serving the trainer's weights"
-            )
+    def _call_engines(self, method: str, calls: list[tuple[tuple, dict]]) -> list[Any]:
+        """Call `method` on every engine at once, engine i with `calls[i]` = (args, kwargs); their
+        results in engine order. The default serves a group of one engine."""
+        ((args, kwargs),) = calls
+        return [self._call("engine", method, *args, **kwargs)]
 
-    def generate(self, prompts: list[list[int]], **sampling: Any) -> list[Sample]:
-        return self._call("engine", "generate", prompts, **sampling)
+    def verify_engine_matches_trainer(self) -> None:
+        """Compare every engine's wire tensors with what the trainer's weights serialize to, bit for bit."""
+        want = self._call("trainer", "serialized_digest")
+        helds = self._call_engines("wire_digest", [((), {})] * self.num_engines)
+        for name, held in zip(engine_names(self.num_engines), helds):
+            differing = sorted(n for n in want.keys() | held.keys() if want.get(n) != held.get(n))
+            if differing:
+                raise SyncError(
+                    f"after the sync the weights of {name.removesuffix(' actor')} differ from the trainer's in "
+                    f"{len(differing)} tensors (first: {differing[:3]}); it is not serving the trainer's weights"
+                )
+
+    def generate(self, prompts: list[list[int]], *, seed: int, **sampling: Any) -> list[Sample]:
+        """Samples of `prompts` in prompt order. With several engines the prompts are split into
+        contiguous shares, one per engine, generated at once; engine 0 samples with `seed`, engine i
+        with a seed derived from (seed, i), so a one-engine run draws exactly what it always drew."""
+        n = self.num_engines
+        if n == 1:
+            return self._call("engine", "generate", prompts, seed=seed, **sampling)
+        bounds = [len(prompts) * i // n for i in range(n + 1)]
+        calls = [
+            ((prompts[bounds[i] : bounds[i + 1]],), {"seed": engine_seed(seed, i), **sampling})
+            for i in range(n)
+        ]
+        return [s for share in self._call_engines("generate", calls) for s in share]
 
     def train_step(self, batch: RolloutBatch) -> dict[str, float]:
         return self._call("trainer", "train_step", batch)
@@ -168,6 +211,19 @@ class WorkerPair(ABC):
             raise SyncError(
                 f"{checkpoint_dir}: trainer state is at step {trainer_step}, the run state says {state.next_step}"
             )
+
+
+def engine_names(num_engines: int) -> list[str]:
+    """How errors and start-up lines name the engines: "engine actor", or "engine actor i" of several."""
+    return ["engine actor"] if num_engines == 1 else [f"engine actor {i}" for i in range(num_engines)]
+
+
+def engine_seed(seed: int, index: int) -> int:
+    """Engine `index`'s sampling seed of a step whose seed is `seed` (engine 0 keeps `seed`)."""
+    if index == 0:
+        return seed
+    digest = hashlib.sha256(f"skyq-engine:{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def describe_error(exc: BaseException) -> str:

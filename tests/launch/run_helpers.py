@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from skyq.config.schema import TrainConfig
 from skyq.config.store import compose, to_object
-from skyq.launch.embedded import RunResult, run_embedded
+from skyq.launch.loop import RunResult, run_rl
 
 # Pinned here so the tests do not move with the defaults: a task the tiny model learns visibly
 # within 24 steps (copy after a short warm-up) at a batch small enough for a 2-core CI box.
@@ -30,7 +30,7 @@ def compose_config(overrides: list[str]) -> tuple[TrainConfig, dict[str, Any]]:
 
 def run(overrides: list[str], run_dir: Path, *, resume: bool = False) -> RunResult:
     cfg, container = compose_config(overrides)
-    return run_embedded(
+    return run_rl(
         model=cfg.model,
         precision=cfg.precision,
         algorithm=cfg.algorithm,

@@ -14,7 +14,7 @@ import uuid
 import pytest
 import ray
 
-from skyq.launch import embedded
+from skyq.launch import loop as embedded
 from skyq.launch.checkpointing import latest_checkpoint
 from skyq.launch.metrics import read_metrics
 from skyq.launch.ray_local import local_ray

@@ -22,7 +22,7 @@ import ray
 
 from skyq.launch.actor_pair import SYNC_PEER_GRACE_S, ActorPair
 from skyq.launch.deadlines import CALL_TIMEOUT_KEY, WorkerTimeout
-from skyq.launch.embedded import _starting_checkpoint
+from skyq.launch.loop import _starting_checkpoint
 from skyq.launch.pair import PairSpec
 from skyq.launch.placement import placement_for
 from skyq.launch.ray_local import local_ray

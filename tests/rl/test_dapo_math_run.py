@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerFast
 from skyq.config.enums import RewardName, TaskName
 from skyq.config.schema import TaskConfig
 from skyq.config.store import compose, to_object
-from skyq.launch.embedded import run_embedded
+from skyq.launch.loop import run_rl
 from skyq.quant.layouts import get_layout
 from skyq.rl import rewards
 from skyq.rl.rewards import exact_match, math_answer_reward
@@ -113,7 +113,7 @@ def test_dapo_math_runs_grpo_scoring_every_response_with_the_math_reward(
         ]  # fmt: skip
     )
     obj = to_object(cfg)
-    result = run_embedded(
+    result = run_rl(
         **{k: getattr(obj, k) for k in RUN_GROUPS},
         seed=obj.seed,
         config_container=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),

@@ -1,7 +1,12 @@
-"""`run_embedded`: the RL loop of skyq's embedded run (trainer and engine as local Ray actors, or
-both in this process when they share one GPU: see `skyq.launch.placement`).
+"""`run_rl`: skyq's one RL loop, over a trainer worker and a group of rollout-engine workers.
 
-Per step s: sync the trainer's weights to the engine as version s+1 -> sample
+It knows no backend: the (trainer.backend, rollout.backend) pair names the worker classes through
+`skyq.launch.registry`, and the loop drives them through `WorkerPair` (Ray actors, or both in this
+process when they share one GPU: see `skyq.launch.placement`) and the worker protocols of
+`skyq.launch.protocols`. A new backend is a package and a registry line; this file does not change.
+
+Per step s: sync the trainer's weights to every engine as version s+1 (the version advances only
+when each engine has verified and committed it) -> sample
 `global_batch_size / group_size` prompts x `group_size` responses -> rewards -> group advantages ->
 one trainer update (which also measures the train/rollout mismatch) -> metrics; a checkpoint every
 `checkpoint.save_interval` steps and at the end. A resume continues at the checkpoint's step and
@@ -18,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skyq.config.enums import RolloutBackend, TrainerBackend, WeightSyncMode
+from skyq.config.enums import WeightSyncMode
 from skyq.config.schema import (
     AlgorithmConfig,
     CheckpointConfig,
@@ -40,6 +45,7 @@ from skyq.launch.placement import describe, placement_for
 from skyq.launch.plot import plot_run
 from skyq.launch.ray_local import local_ray, startup_line
 from skyq.launch.redaction import redact
+from skyq.launch.registry import lookup
 from skyq.launch.rundir import (
     METRICS_FILE,
     PLOT_FILE,
@@ -55,7 +61,7 @@ from skyq.rl.tasks import Prompt, Task, build_task, tokenizer_for
 
 @dataclass(frozen=True, slots=True)
 class RunResult:
-    """What a finished (or resumed and finished) embedded run did."""
+    """What a finished (or resumed and finished) run did."""
 
     run_dir: Path
     start_step: int
@@ -71,17 +77,11 @@ class RunResult:
 
 
 def check_supported(*, rollout: RolloutConfig, trainer: TrainerConfig, algorithm: AlgorithmConfig) -> None:
-    """Refuse settings the embedded run cannot honour, naming the key and the fix."""
-    if (
-        RolloutBackend(rollout.backend) is not RolloutBackend.embedded
-        or TrainerBackend(trainer.backend) is not TrainerBackend.torch
-    ):
-        raise ValueError(
-            f"rollout.backend={rollout.backend.value}, trainer.backend={trainer.backend.value}: "
-            "the embedded run needs rollout=embedded trainer=torch"
-        )
+    """Refuse settings the run loop cannot honour, naming the key and the fix: a backend pair with no
+    registered workers (`skyq.launch.registry`), a delta sync."""
+    lookup(trainer.backend, rollout.backend)
     if WeightSyncMode(rollout.weight_sync.mode) is not WeightSyncMode.full:
-        raise ValueError("rollout.weight_sync.mode=delta is not implemented by the embedded run; use full")
+        raise ValueError("rollout.weight_sync.mode=delta is not implemented by the run loop; use full")
     if algorithm.global_batch_size % algorithm.group_size:
         raise ValueError(
             f"algorithm.global_batch_size={algorithm.global_batch_size} is not a multiple of "
@@ -209,7 +209,7 @@ def evaluate(
     }
 
 
-def run_embedded(
+def run_rl(
     *,
     model: ModelConfig,
     precision: PrecisionConfig,
@@ -225,7 +225,7 @@ def run_embedded(
     run_dir: str | Path,
     resume: bool = False,
 ) -> RunResult:
-    """Run (or, with `resume=True`, continue) the embedded RL loop in `run_dir`.
+    """Run (or, with `resume=True`, continue) the RL loop in `run_dir`.
 
     Args:
         config_container: the resolved config as plain data (`OmegaConf.to_container(cfg, resolve=True,
