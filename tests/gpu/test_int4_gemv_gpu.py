@@ -10,10 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from skyq.quant.kernels import dispatch, triton_int4_dequant
-from skyq.rollout.kernels import int4_mxfp8_linear, triton_int4_gemv
-from tests.gpu.conftest import replayed
-from tests.quant.test_int4_gemv import operands, within_tolerance
+pytest.importorskip("triton")  # the kernel modules import it at their top
+
+from skyq.quant.kernels import dispatch, triton_int4_dequant  # noqa: E402
+from skyq.rollout.kernels import int4_mxfp8_linear, triton_int4_gemv  # noqa: E402
+from tests.gpu.conftest import replayed  # noqa: E402
+from tests.quant.test_int4_gemv import operands, within_tolerance  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
