@@ -76,9 +76,7 @@ class VllmEngine:
             stop_token_ids=[self.eos_token_id],
             detokenize=False,
         )
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False
-        )
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         samples = []
         for prompt, out in zip(prompts, outputs, strict=True):
             for completion in out.outputs:
@@ -103,7 +101,12 @@ class VllmEngine:
             (u.source, {name: (list(shape), dtype_name(dtype)) for name, (shape, dtype) in u.tensors.items()})
             for u in self.expected
         ]
-        init_info = {"port": port, "timeout_s": timeout_s, "expected": expected, "verify_checksum": verify_checksum}
+        init_info = {
+            "port": port,
+            "timeout_s": timeout_s,
+            "expected": expected,
+            "verify_checksum": verify_checksum,
+        }
         self.llm.init_weight_transfer_engine({"init_info": init_info})
         self._rpc("skyq_weight_version")  # the worker took skyq's backend
         if self._booted_version == NO_WEIGHTS:

@@ -96,7 +96,9 @@ def engine_kwargs(
     return kwargs
 
 
-def engine_env(precision_cfg: PrecisionConfig, resolved_recipe: Fp8Recipe, rollout_cfg: RolloutConfig) -> dict[str, str]:
+def engine_env(
+    precision_cfg: PrecisionConfig, resolved_recipe: Fp8Recipe, rollout_cfg: RolloutConfig
+) -> dict[str, str]:
     """Environment of an engine process: the strategy's engine variables, rollout.env, and vLLM's
     engine core in the same process as its driver (one engine per process; deadlines and shutdown
     stay in skyq's hands)."""

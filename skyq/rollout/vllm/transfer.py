@@ -48,7 +48,9 @@ ExpectedJson = list[tuple[str, dict[str, tuple[list[int], str]]]]
 
 def expected_from_json(units: ExpectedJson) -> list[ExpectedUnit]:
     return [
-        ExpectedUnit(source=source, tensors={n: (tuple(s), dtype_from_name(d)) for n, (s, d) in tensors.items()})
+        ExpectedUnit(
+            source=source, tensors={n: (tuple(s), dtype_from_name(d)) for n, (s, d) in tensors.items()}
+        )
         for source, tensors in units
     ]
 
@@ -69,18 +71,25 @@ class SkyqUpdateInfo(WeightTransferUpdateInfo):
     """One sync: everything else (names, shapes, checksums) arrives in skyq's manifest."""
 
 
-def checkpoint_numel(model: torch.nn.Module) -> int:
-    """Elements of the checkpoint-format tensors vLLM loads into `model`, attention layers (whose
-    scales bf16 / block-FP8 checkpoints do not carry) excluded: what a complete sync must fill."""
-    total = 0
-    for layer in model.modules():
-        if is_deferred_attention_layer(layer):
-            continue
-        params, buffers = get_layerwise_info(layer).restore_metadata
-        total += sum(
-            get_tensor_load_numel(t) for n, t in (params | buffers).items() if n not in SKIP_LOAD_TENSORS
+def loadable_numel(layer: torch.nn.Module) -> int:
+    """Elements a checkpoint fills in `layer` (checkpoint format): its loadable tensors, less
+    non-persistent buffers (computed, e.g. RoPE's cos/sin cache) and a vocabulary's padding rows."""
+    params, buffers = get_layerwise_info(layer).restore_metadata
+    skip = SKIP_LOAD_TENSORS | set(layer._non_persistent_buffers_set)
+    total = sum(get_tensor_load_numel(t) for n, t in (params | buffers).items() if n not in skip)
+    shard = getattr(layer, "shard_indices", None)  # VocabParallelEmbedding / ParallelLMHead
+    if shard is not None and total:
+        rows = (shard.org_vocab_end_index - shard.org_vocab_start_index) + (
+            shard.added_vocab_end_index - shard.added_vocab_start_index
         )
+        total = total * rows // layer.num_embeddings_per_partition
     return total
+
+
+def checkpoint_numel(model: torch.nn.Module) -> int:
+    """Elements a complete sync fills in `model`; attention layers (whose scales bf16 / block-FP8
+    checkpoints do not carry) excluded."""
+    return sum(loadable_numel(layer) for layer in model.modules() if not is_deferred_attention_layer(layer))
 
 
 def placement_problem(model: torch.nn.Module, expected: list[ExpectedUnit]) -> str | None:
@@ -99,12 +108,15 @@ def placement_problem(model: torch.nn.Module, expected: list[ExpectedUnit]) -> s
 
 
 def uncovered_layers(model: torch.nn.Module) -> list[str]:
-    """vLLM layers a reload in progress has not filled completely (layerwise processing runs as a
-    layer's last element arrives; attention layers wait for finalize by design)."""
+    """vLLM layers a reload in progress has not filled completely (processed layers are reset; a
+    layer with vocabulary padding waits for finalize with its real rows filled; attention layers wait
+    for finalize by design)."""
     out = []
     for name, layer in model.named_modules():
         info = get_layerwise_info(layer)
-        if info.can_load() and info.load_numel_total and not is_deferred_attention_layer(layer):
+        if is_deferred_attention_layer(layer) or not info.can_load():
+            continue
+        if info.load_numel_total and info.load_numel < loadable_numel(layer):
             out.append(f"{name or '<root>'} ({info.load_numel}/{info.load_numel_total} elements)")
     return out
 

@@ -15,7 +15,9 @@ from skyq.rollout.vllm.compat import request_amx_tiles
 from skyq.rollout.vllm.transfer import BACKEND, SkyqWeightTransferEngine, checkpoint_numel
 
 try:
-    WeightTransferEngineFactory.register_engine(BACKEND, "skyq.rollout.vllm.transfer", "SkyqWeightTransferEngine")
+    WeightTransferEngineFactory.register_engine(
+        BACKEND, "skyq.rollout.vllm.transfer", "SkyqWeightTransferEngine"
+    )
 except ValueError:  # already registered in this process (a second engine)
     pass
 request_amx_tiles()
