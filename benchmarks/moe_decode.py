@@ -21,7 +21,8 @@ layer's experts once, so L2 holds none of them), for a model's expert shape:
 `--large` times the paths of a large decode step (more tokens than `DECODE_MAX_ROWS`), per projection,
 graphed over `--layers` weight copies like the sweep: bf16's `torch._grouped_mm`, the grouped FP8 kernel
 at its default tiling, each FP8 stack dequantized then `torch._grouped_mm` (what every step above
-64 tokens did before session 16), and the FP8 x FP8 kernel (`triton_fp8_w8a8`) with the routed rows'
+64 tokens did before large decode steps kept the decode path), and the FP8 x FP8 kernel
+(`triton_fp8_w8a8`) with the routed rows'
 activation quantization (1 x 128 codes) in the call and without it, for both model shapes;
 `--w8a8-configs` also times each of W8A8_CONFIGS (codes quantized beforehand):
 

@@ -1,7 +1,7 @@
 """The engine's token draw at top_p 1, same logits and uniforms, same run: the two-level search
 (`sampling.inverse_cdf`: chunk sums, a scan over the chunks, a scan inside one chunk) against one
 float64 scan of every row's whole vocabulary plus a long scan for its last kept token
-(`sampling.full_scan`, the only draw before session 19; `sample_tokens` now picks by
+(`sampling.full_scan`, the only draw before the two-level `inverse_cdf`; `sample_tokens` now picks by
 `FULL_SCAN_MAX_VOCAB`). Both draw the same tokens (checked); times are medians of synchronized eager calls.
 
     python benchmarks/sampling.py [--rows 64 256 512] [--vocab 4096 151936] [--device cuda]

@@ -14,7 +14,7 @@ views, value checks, accounting) whose commit copies every wire tensor into prea
 buffers with `WireCopier` (integer words; destination views built once per layout). The engine
 holds each projection's experts stacked, one [E, ...] buffer per wire position (`engine_buffers`),
 as serving engines do (vLLM's fused-MoE weights), so a run of experts installs with one copy; the
-runs before session 5 (2026-11-29) gave every wire tensor its own buffer. Checksums and value
+runs before 2026-11-29 gave every wire tensor its own buffer. Checksums and value
 checks are one pass per bucket on each side (`skyq.sync.scan`). Bucket size and checksum
 verification are the `WeightSyncConfig` defaults.
 

@@ -7,8 +7,8 @@ one: a padded batch, a fixed-capacity cache. At decode the query is one token, s
 group can instead be that group's query rows: q [B, H, 1, D] becomes [B, Hkv, H / Hkv, D] against the
 cache's own [B, Hkv, T, D], a mask shared by the heads broadcast over the rows. Each head's attention
 is the same; nothing is copied. Later transformers releases do the same themselves (`pack_gqa`); this
-gives every release skyq supports that decode. On the H200 (0.31B MoE, batch 64, 64 cache positions)
-the copies were 87 us of a ~760 us step (docs/benchmarks.md, session 15).
+gives every release skyq supports that decode. The copies were a large share of a decode step
+(docs/benchmarks.md, the engine's decode at 17-64 rows).
 
 Everything else goes to transformers' own function: more than one query position (prefill, the
 trainer's and the engine's scoring), no mask (there transformers asks torch for `enable_gqa`, no copy
@@ -17,11 +17,10 @@ bit for bit, as is the engine's scoring of whole sequences.
 
 On a GPU those calls keep torch's cuDNN attention out of the backends torch may pick
 (`MULTI_POSITION_BACKENDS`). torch 2.11 on sm90 tries cuDNN first where its constraints hold (the FP8
-recipes' attention inputs do), and cuDNN builds an execution plan for every new (batch, length) it sees:
-on the H200 a GRPO step of the one-GPU FP8 run at a sequence length it had not trained on took 1.8-2.6 s
-instead of ~0.06 s, and the first scoring call at that length up to 1.4 s more, while torch's
-memory-efficient kernel needs no plan (0.09-0.10 s for the same first step) and trained as fast at 7,
-1024 and 4096 tokens (docs/benchmarks.md, session 18). An RL batch's padded length changes from step to
+recipes' attention inputs do), and cuDNN builds an execution plan for every new (batch, length) it sees,
+which made the first step at a new sequence length seconds instead of milliseconds, while torch's
+memory-efficient kernel needs no plan and trained as fast at short and long lengths (docs/benchmarks.md,
+`benchmarks/train_step.py --new-lengths`). An RL batch's padded length changes from step to
 step, so every step would pay it. The trainer and the engine's prefill and scoring all come through
 here, so both sides still run the same kernel. The one-token decode keeps cuDNN: its shapes are fixed
 per captured decoder (padded batch, rounded cache capacity), so it builds each plan once. torch's

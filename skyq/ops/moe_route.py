@@ -24,21 +24,20 @@ from skyq.quant.kernels import dispatch
 
 KERNEL_MAX_ENTRIES = 8192
 """Routed rows (tokens x k) the kernel takes (a decode step of 1024 tokens x top-8); more take the
-reference (prefill). On the H200 the reference (a radix sort and ~8 small kernels) took ~28 us a
-layer at 1024 entries (small_moe's decode step at batch 256; benchmarks/engine_decode.py --profile,
-session 16)."""
+reference (prefill). The reference is a radix sort and ~8 small kernels a layer, a launch-bound cost
+in every decode step (`benchmarks/engine_decode.py --profile`; docs/benchmarks.md)."""
 
 
 ONE_LAUNCH_MAX_ENTRIES = 512
 """Routed rows the one-launch kernel (`triton_route.route_kernel`: every entry ranked against all of
 them, quadratic) takes; more go to the two block-counting launches (`block_histogram_kernel`, then
-`block_rank_kernel`: linear). On the H200 the one launch took ~60 us a layer at 4096 routed rows
-(512 tokens of a Qwen3-30B-A3B-shaped layer, top-8; `benchmarks/engine_decode.py --profile`, session 19)."""
+`block_rank_kernel`: linear), whose cost grows with the rows while the one launch's grows with
+their square (`benchmarks/moe_decode.py --routing`; docs/benchmarks.md)."""
 
 ROWS_PER_PROGRAM = 64
 """Entries one program of the kernel ranks (each also bounds its share of the experts): the counting
-is quadratic: 256 entries in one program took ~5.4 us a layer on the H200 (batch 64, top-4; 21 us of
-the 577 us fp8 step of small_moe, benchmarks/engine_decode.py --profile, session 15)."""
+is quadratic in the entries a program holds, so more programs of fewer entries each keep it short
+(`benchmarks/engine_decode.py --profile`; docs/benchmarks.md)."""
 
 
 class Route(NamedTuple):

@@ -2,8 +2,8 @@
 trainer and in the engine.
 
 transformers' `Qwen3MoeTopKRouter` computes its logits with one GEMM, then a softmax, a top-k (a
-gather and a sort), a sum, a division and a cast: six kernels a layer, ~50 us of a 4-layer decode
-step at batch 1 on the H200 (benchmarks/engine_decode.py --profile). `select_experts` is that
+gather and a sort), a sum, a division and a cast: six kernels a layer, a visible share of a small
+decode step (docs/benchmarks.md, `benchmarks/engine_decode.py --profile`). `select_experts` is that
 choice in one Triton program a token on CUDA and the stock ops elsewhere. Its softmax and sums are
 not torch's (another order, another exp), so its bits differ from the stock router's in the last
 place and ties may break differently: `install` (skyq.ops) puts `TopKRouter` in every model skyq

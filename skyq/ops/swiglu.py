@@ -1,8 +1,8 @@
 """The gated MLP's `silu(gate) * up` in one launch on CUDA.
 
 transformers' experts compute `act_fn(gate) * up`: two kernels (the activation, then the product),
-each a pass over the rows, 8 launches a decode step of a 4-layer MoE, ~17 us of the engine's ~320 us
-fp8 step at batch 1 on the H200 (benchmarks/engine_decode.py --profile, session 14). `silu_mul` is one
+each a pass over the rows, 8 launches a decode step of a 4-layer MoE, launch-bound at decode sizes
+(`benchmarks/engine_decode.py --profile`; docs/benchmarks.md). `silu_mul` is one
 Triton launch on CUDA with torch's arithmetic: silu in fp32 as torch's CUDA kernel computes it
 (`x / (1 + expf(-x))`: libdevice's expf and a correctly rounded division), rounded to the input's
 dtype, then the product in fp32 rounded again; elsewhere, and where the kernel does not apply, the

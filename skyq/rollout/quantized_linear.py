@@ -45,7 +45,7 @@ kernel were both ~0.5x bf16, the kernel ahead only at 128 rows of the larger sha
 GROUPED_DECODE_MAX_MEAN_ROWS = 64
 """In a decode step (`decode_step`), the grouped FP8 weight-only kernel takes the routed experts while
 they hold at most this many rows each on average (above: each stack dequantized, one grouped GEMM).
-On the H200 (`benchmarks/moe_decode.py --large`, session 16) the kernel beat dequantize + grouped GEMM
+On the H200 (`benchmarks/moe_decode.py --large`) the kernel beat dequantize + grouped GEMM
 at every mean up to 64 rows (Qwen3-30B-A3B's experts at 1024 tokens, top-8: gate+up 512 vs 651 us),
 and lost above it (small_moe's at 128 rows each: 132 vs 110 us)."""
 
@@ -53,7 +53,7 @@ W8A8_MIN_MEAN_ROWS = 8
 """In a decode step, FP8 experts averaging at least this many rows each multiply FP8 activation codes
 by their FP8 weight codes on the FP8 tensor cores (`fp8_linear.fp8_grouped_w8a8_linear`), where the
 recipe quantizes activations in 1 x 128 tiles; dense FP8 linears do above `DECODE_MAX_ROWS` rows. On
-the H200 (`benchmarks/moe_decode.py --large --w8a8-configs`, session 19; Qwen3-30B-A3B's experts, us
+the H200 (`benchmarks/moe_decode.py --large --w8a8-configs`; Qwen3-30B-A3B's experts, us
 a call, gate+up / down) the grouped weight-only kernel took 128 / 71 at 8 rows an expert, 309 / 168 at
 32, 515 / 280 at 64 (bf16's grouped GEMM 263-271 / 151-158), the FP8 x FP8 kernel 102 / 54, 115 / 69
 and 180 / 92 (its activation codes given; their quantization adds 5-20 us)."""

@@ -61,17 +61,16 @@ CHUNK = 1024
 """Vocabulary entries per chunk of `inverse_cdf`'s two-level search."""
 
 FULL_SCAN_MAX_VOCAB = 32768
-"""Vocabularies up to this size draw by one scan (`full_scan`), larger ones by `inverse_cdf`. On the
-H200 (`benchmarks/sampling.py`, session 19, eager calls, us at 256 rows, two-level / one scan): 447 /
-169 at a 4096-token vocabulary (more, smaller launches), 461 / 460 at 32768, 741 / 1577 at 151936
-(Qwen3's vocabulary; 551 / 875 at 64 rows, 1447 / 2880 at 512)."""
+"""Vocabularies up to this size draw by one scan (`full_scan`), larger ones by `inverse_cdf`: in
+`benchmarks/sampling.py` (docs/benchmarks.md) one scan wins at small vocabularies, where the two
+levels are more and smaller launches, the two are even at this size, and the two levels win at
+Qwen3's 151936 tokens."""
 
 
 def full_scan(probs: Tensor, u: Tensor) -> Tensor:
     """`inverse_cdf`'s draw by one float64 scan of each row's whole vocabulary, bounded by its last
-    token of nonzero mass (a target that rounds up to the total; one reduction, not a second scan:
-    the integer scan + argmax took 57 us a step at 256 rows of a 4096-token vocabulary on the H200,
-    session 22)."""
+    token of nonzero mass (a target that rounds up to the total; one reduction, not a second scan,
+    which an integer scan + argmax would be)."""
     cdf = probs.double().cumsum(dim=-1)
     tokens = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).squeeze(-1)
     ids = torch.arange(probs.shape[-1], device=probs.device)
@@ -83,7 +82,7 @@ def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
     """Per row of probs [R, V] (nonnegative fp32, a positive total), the first token whose running
     float64 sum in vocabulary order exceeds u [R] (float64, in [0, 1)) times the row's total, never
     a token of zero probability. In two levels, so no scan runs over the whole vocabulary (`full_scan`'s
-    two took 1.6 ms at 256 rows of a 151936-token vocabulary on the H200, see `FULL_SCAN_MAX_VOCAB`):
+    scans dominate the draw at a large vocabulary, see `FULL_SCAN_MAX_VOCAB`):
     the sums of chunks of `CHUNK` tokens, a scan over those, and a scan inside the chosen chunk from
     its predecessors' sum. The sums are float64 of fp32 values, so only a target within a rounding
     error of a boundary between two tokens can fall on the other side than one full scan puts it."""

@@ -115,7 +115,7 @@ def test_the_codes_are_loaded_evict_first_and_the_activations_without_a_hint(con
     """Each code is read once: its 16-byte loads carry the L1 and L2 evict-first policy, so the
     streamed weights do not push the re-read activations out of L2 (on the
     H200 the model's decode step went 1.41 / 1.36 / 1.25 -> 1.49 / 1.44 / 1.32x bf16 at batch
-    1 / 8 / 16, docs/benchmarks.md M4 session 10); the activation and scale loads carry none."""
+    1 / 8 / 16, docs/benchmarks.md M4); the activation and scale loads carry none."""
     bm, bn, kc, _split, warps, _kwarps = config
     ptx = _compiled(config, prefetch=0).asm["ptx"]  # no prefetch: every load is the loop's
     loads = re.findall(r"ld\.global[.:\w]*", ptx)
@@ -174,7 +174,7 @@ def test_tiling_gives_launchable_configs(m, n, k):
     [(5120, 2048, 4, 16), (2048, 4096, 8, 8), (12288, 2048, 2, 16), (2048, 6144, 8, 8)],
 )
 def test_tiling_of_the_fused_model_shapes_is_the_sweeps_best(n, k, expect, bm16):
-    """The H200 sweeps' best (docs/benchmarks.md, M4, session 9): 16-row programs on one warp, no
+    """The H200 sweeps' best (docs/benchmarks.md, M4): 16-row programs on one warp, no
     split, 4 / 8 / 2 / 8 K warps for q/k/v, o, gate/up and down; at 16 rows o and down (128 weight
     tiles) as two 8-row tiles."""
     for m in (1, 4, 8):
@@ -241,7 +241,7 @@ def test_the_grouped_kernel_is_the_decode_loop_per_expert_and_row_tile(config, x
      (64, 4, 32, 16), (128, 4, 32, 32), (512, 4, 32, 32)],
 )  # fmt: skip
 def test_grouped_tiling_row_tile_grows_with_the_rows_an_expert(tokens, top_k, experts, bm):
-    """The grouped kernel's row tile by the mean rows an expert (H200 sweeps, sessions 15 / 16):
+    """The grouped kernel's row tile by the mean rows an expert (H200 sweeps, docs/benchmarks.md):
     8 up to a mean of 6, 16 up to 12, 32 above (the large decode steps)."""
     got = g.grouped_tiling(tokens * top_k, experts, 1536, 2048, 128, 132)
     assert got[0] == bm and got[1:4] == (16, 128, 1)

@@ -61,7 +61,7 @@ def _rows_cols_kernel(
     M and n_tiles_k are never specialized: with Triton 3.6 a launch where both are 1 (one 1 x 128
     input), specialized as constants, wrote wrong row codes on the H200 at 4 and 16 warps (and an
     explicit-layout Gluon version of this kernel at 8 and 16); as runtime values every warp count
-    matched the reference (docs/benchmarks.md, M3, session 10)."""
+    matched the reference (docs/benchmarks.md, M3)."""
     pid = tl.program_id(0)
     pid_m = pid // n_tiles_k
     pid_k = pid % n_tiles_k

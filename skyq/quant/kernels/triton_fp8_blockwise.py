@@ -229,9 +229,9 @@ def quant_tile(bn: int, bk: int, rows: int | None = None) -> tuple[int, int, boo
 SMALL_ROW_BANDS = ((16, 1, 1), (512, 4, 2))
 """(at most this many rows, rows a program, warps) for 1 x bk tiles of a small tensor (decode's
 activations): its time is latency, not bandwidth, so narrow bands on few warps (the row amax then
-stays within a warp) and more programs. On the H200 (`benchmarks/quantizers.py --decode-sizes`,
-session 13, graphed 1 x 128 fake quantization): 1 x 2048 3.70 -> 2.42 us, 16 x 2048 3.73 -> 2.53,
-64 x 2048 3.59 -> 2.78, 256 x 2048 3.70 -> 3.23, against 0.87 us for a trivial kernel."""
+stays within a warp) and more programs. Chosen from `benchmarks/quantizers.py --decode-sizes` (graphed
+1 x 128 fake quantization at 1-256 rows; figures in docs/benchmarks.md), where these bands beat the wide
+`ROW_TILE_ELEMENTS` band at every size."""
 
 
 def small_row_band(rows: int | None) -> tuple[int, int]:

@@ -263,11 +263,11 @@ def supports_mxfp8(q: Tensor) -> bool:
 
 def tiling(m: int, n: int, k: int, sms: int, mx: bool = False) -> tuple[int, int, int, int, int, int]:
     """(BM, BN, KC, split, warps, kwarps) of a dense launch, from the H200 sweep of the fused dense
-    shapes at 1-64 rows (`benchmarks/decode.py --only int4-sweep`, session 21; docs/benchmarks.md):
+    shapes at 1-64 rows (`benchmarks/decode.py --only int4-sweep`; docs/benchmarks.md):
     - 32 weight rows a warp where that still gives >= 2 tiles an SM, except at 9-16 rows (the fused
       gate/up, 12288 rows: 8.9 vs 9.6 us at one row, 16.5 vs 17.5 at 32; at 16 rows 15.5 vs 12.1),
       else 16; MXFP8 (twice INT4's words a thread) only above 16 rows (the fused gate/up at one row
-      11.1 vs 16.8 us with 16; `--only mxfp8-sweep`, session 21);
+      11.1 vs 16.8 us with 16; `--only mxfp8-sweep`);
     - up to 16 rows, `gluon_fp8_gemv.tiling`'s K warps and split, the batch in one tile of 8 or 16
       rows (two 8-row tiles lost for INT4, whose dequantization costs more than FP8's: o at 16 rows
       6.9 vs 7.9 us, down 8.9 vs 10.3);
@@ -300,8 +300,8 @@ def grouped_tiling(
     """(BM, BN, KC, split, warps, kwarps) of a grouped launch: `gluon_fp8_gemv.grouped_tiling`'s row
     tiles (8, 16 or 32 by the mean rows an expert), 32 weight rows a warp, and with 8-row tiles the
     K range on up to 4 warps while the active experts' tiles (taken to be min(experts, rows)) give
-    fewer than 15 warps an SM (16- and 32-row tiles lost with more). On the H200 (session 21 sweep
-    of Qwen3-30B-A3B's and small_moe's fused gate/up and down at 1-256 tokens; docs/benchmarks.md)
+    fewer than 15 warps an SM (16- and 32-row tiles lost with more). On the H200 (a sweep of
+    Qwen3-30B-A3B's and small_moe's fused gate/up and down at 1-256 tokens; docs/benchmarks.md)
     the best or within 1.6 us, except small_moe's gate/up at 64 tokens (24.7 vs 21.7 us); A3B's
     gate/up at 256 tokens 151.6 us against bf16's 264.2. MXFP8 with 8-row tiles: the 32 weight rows
     on two warps and at most 2 K warps (A3B's gate/up at 8 tokens 58.4 vs 69.7 us, at one token 19.5

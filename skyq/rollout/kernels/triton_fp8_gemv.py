@@ -60,10 +60,10 @@ under the interpreter, or with an explicit `config`, `_gemv_kernel`. False: `_ge
 
 GLUON_MAX_M = 16
 """Batches of more rows go to `_gemv_kernel` (but see `GLUON_SMALL_WEIGHT`): the Gluon kernel holds
-each warp's activation tile in registers (they grow with the rows), and on the H200 (benchmarks/decode.py --gluon, session 8) its
+each warp's activation tile in registers (they grow with the rows), and on the H200 (benchmarks/decode.py --gluon) its
 best variant lost to `_gemv_kernel` at 32 and 64 rows in every fused shape (e.g. the fused q/k/v at
-64 rows 18.3 vs 13.9 us) while winning at 1-16 (5.9 vs 8.4 us at one row, session 9). Rechecked with
-its codes loaded evict-first (session 10): at 64 rows no Gluon variant beat it (q/k/v 13.8 us both), at 32
+64 rows 18.3 vs 13.9 us) while winning at 1-16 (5.9 vs 8.4 us at one row). Rechecked with
+its codes loaded evict-first: at 64 rows no Gluon variant beat it (q/k/v 13.8 us both), at 32
 rows the best won q/k/v and o by <= 0.5 us and lost down (the model with each cell's best: 1.05 vs 1.03x
 bf16 at 32 rows, 0.88 at 64)."""
 
@@ -72,7 +72,7 @@ GLUON_SMALL_WEIGHT = 1 << 22
 rows in tiles of 8 or 16 that re-read the weight tile from L2 (`gluon_fp8_gemv.tiling`). Such a
 weight gives `_gemv_kernel`'s 64 x 64 tiles too few programs to fill the GPU (24 for small_moe's fused
 q/k/v, 1536 x 1024). On the H200 (`benchmarks/decode.py --only gluon-sweep --shapes ... --batches 24 32
-48 64`, session 15), us a call, Triton / Gluon at 32 and 64 rows: 1536 x 1024 6.4 / 3.8 and 9.5 / 4.8,
+48 64`), us a call, Triton / Gluon at 32 and 64 rows: 1536 x 1024 6.4 / 3.8 and 9.5 / 4.8,
 1024 x 1024 6.4 / 3.3 and 9.4 / 4.2, 2048 x 2048 7.1 / 6.1 and 10.1 / 7.6 (bf16 4.7, 4.6, 6.2-6.4);
 from 5120 x 2048 (10.5M) up Triton won or the best Gluon variant (a tiling per cell) won by <= 1.9 us."""
 
@@ -131,7 +131,7 @@ def _gemv_kernel(
         # L2 prefetches (hints: no data is read) of this program's code lines and scales, issued
         # before waiting for the previous kernel, whose output x is; addresses clamped in bounds.
         # (The same prefetches without PDL, before the first load, made the graphed decode step
-        # slower on the H200: 1.16x -> 1.01x of bf16 at batch 1, session 7.)
+        # slower on the H200: 1.16x -> 1.01x of bf16 at batch 1.)
         kc = tl.minimum(tk0, K - 1)[None, :]
         nc = tl.minimum(rn, N - 1)[:, None].to(tl.int64)
         _prefetch_l2(q_ptr + nc * sqn + kc * sqk)
@@ -232,7 +232,7 @@ def _gemv_cc_kernel(
     the end. The same weight and products as `_gemv_kernel`; fp32 sums in another order. A sweep
     variant (`linear(config=(BM < 16, ...))`), not in the default tiling: on the H200 it matched the
     MMA kernel at one row, beat it at two on three of four shapes and lost at four (docs/benchmarks.md,
-    M4, session 7)."""
+    M4)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -320,7 +320,7 @@ def tiling(m: int, n: int, k: int, block_k: int, sms: int) -> tuple[int, int, in
     weight rows per program, K split in powers of two up to 8 while there are fewer than ~2
     programs per SM and each split keeps >= 4 K tiles (>= 8 at 64 batch rows, whose split-K
     partials are 4x larger). From the H200 sweeps in benchmarks/decode.py (docs/benchmarks.md, M4;
-    session 7: 128-row tiles at 64 rows and one program per SM there lost to this, e.g. the fused
+    128-row tiles at 64 rows and one program per SM there lost to this, e.g. the fused
     gate/up 12288 x 2048 at 64 rows 21.8 -> 17.7 us)."""
     bm = min(64, max(16, triton.next_power_of_2(m)))
     bn = 64

@@ -4,7 +4,7 @@ xs) @ dequant(q, s)^T from e4m3 codes on both sides, dense or grouped (MoE exper
 The engine's FP8 recipes quantize every linear's input anyway (1 x 128 tiles along K: the trainer's
 W8A8 numerics), so the activation codes and their scales exist before the GEMM. Past ~16 rows an
 expert the weight-only kernel (`gluon_fp8_gemv`, which converts every weight code to bf16 once per
-row tile) is slower than bf16's grouped GEMM (docs/benchmarks.md, session 16), while a step of an RL
+row tile) is slower than bf16's grouped GEMM (docs/benchmarks.md), while a step of an RL
 rollout decodes hundreds of rows: 512 tokens over Qwen3-30B-A3B's 128 experts, top-8, are 32 rows an
 expert. Here each 128-column K step is one MMA of e4m3 x e4m3 -> fp32 whose partial sum is scaled by
 the weight block's scale and each row's activation scale and added in fp32 (DeepSeek-V3's blockwise
@@ -94,10 +94,10 @@ def _w8a8_kernel(
 def grouped_tiling(mean_rows: float) -> tuple[int, int, int, int, int]:
     """(BM, BN, MT, warps, stages) for experts of `mean_rows` routed rows each on average: 128 weight
     rows a program at 4 warps, the rows in tiles of 32 up to a mean of 16, else 64, one program an
-    expert's row tiles. On the H200 (`benchmarks/moe_decode.py --large --w8a8-configs`, session 19,
-    Qwen3-30B-A3B's experts): BM 64 was best or within 3% from 32 rows an expert up (gate+up 114.6 us
-    at 32, 180.4 at 64; 128-row tiles at 8 warps 245-260), BM 32 at 8-16 (101.5 / 104.5 us, BM 64
-    110-114); 64-row weight tiles lost at every mean."""
+    expert's row tiles. From the H200 sweep of Qwen3-30B-A3B's experts
+    (`benchmarks/moe_decode.py --large --w8a8-configs`; docs/benchmarks.md): BM 64 best or within 3%
+    from 32 rows an expert up, BM 32 at 8-16 rows; 128-row tiles at 8 warps and 64-row weight tiles
+    lost at every mean."""
     if mean_rows <= 16:
         return 32, 128, 1, 4, 3
     return 64, 128, 1, 4, 4

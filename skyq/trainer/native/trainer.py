@@ -137,8 +137,8 @@ class NativeTrainer:
             else None
         )
         # On a GPU the fused kernel: one pass over weights, gradients and moments instead of the
-        # ~15 multi-tensor passes of the foreach default (6.3 ms of device time a step for small_moe's
-        # 0.31B fp32 masters on the H200, at the end of a step the host then waits for).
+        # ~15 multi-tensor passes of the foreach default, at the end of a step the host then waits for
+        # (`benchmarks/train_step.py`; docs/benchmarks.md).
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(),
             lr=algorithm_cfg.lr,
