@@ -42,9 +42,11 @@ def _with_env_file(cls: type) -> type:
     return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__})
 
 
-def _actor_options(num_gpus: float, public_env: dict[str, str]) -> dict[str, Any]:
-    """Ray options of one actor; `public_env` holds only allow-listed (non-secret) variables."""
-    options: dict[str, Any] = {"num_cpus": 1, "num_gpus": num_gpus, "max_restarts": 0}
+def _actor_options(num_gpus: float, public_env: dict[str, str], num_cpus: float = 1) -> dict[str, Any]:
+    """Ray options of one actor; `public_env` holds only allow-listed (non-secret) variables. The
+    trainer asks for one logical CPU and the rollout group for one in all (1/m per engine), so the
+    pair fits the local cluster's two whatever the number of engines."""
+    options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_restarts": 0}
     if public_env:
         options["runtime_env"] = {"env_vars": dict(public_env)}
     return options
@@ -78,9 +80,9 @@ class ActorPair(WorkerPair):
             ).remote(env_file=_str(env_files[0]), **spec.trainer_kwargs())
             for i, env_file in enumerate(env_files[1:]):
                 self.engines.append(
-                    engine_actor.options(**_actor_options(placement.engine_gpus, engine_public)).remote(
-                        env_file=_str(env_file), **spec.engine_kwargs(i)
-                    )
+                    engine_actor.options(
+                        **_actor_options(placement.engine_gpus, engine_public, 1 / spec.num_engines)
+                    ).remote(env_file=_str(env_file), **spec.engine_kwargs(i))
                 )
             # Hardware-dependent settings are resolved where the hardware is, then must agree.
             ready = {"trainer actor": self.trainer.report_resolution.remote()}

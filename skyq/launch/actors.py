@@ -304,6 +304,7 @@ class EngineWorker:
         precision_cfg: PrecisionConfig,
         device: str,
         seed: int,
+        eos_token_id: int,
         cuda_graphs: bool = True,
         fp8_codes_decode: bool = True,
     ) -> None:
@@ -313,6 +314,7 @@ class EngineWorker:
             precision_cfg=precision_cfg,
             device=device,
             seed=seed,
+            eos_token_id=eos_token_id,
             cuda_graphs=cuda_graphs,
             fp8_codes_decode=fp8_codes_decode,
         )

@@ -275,6 +275,7 @@ def run_rl(
             placement=placement,
             checkpoint_path=_starting_checkpoint(model, task, checkpoint, placement.device),
             seed=seed,
+            eos_token_id=task_obj.tokenizer.eos_token_id,
         )
         with worker_pair(spec) as pair:
             res = pair.resolution

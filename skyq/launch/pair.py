@@ -48,6 +48,8 @@ class PairSpec:
     placement: Placement
     checkpoint_path: str
     seed: int
+    eos_token_id: int
+    """The task tokenizer's end of response: engines stop a sample there."""
 
     @property
     def num_engines(self) -> int:
@@ -94,6 +96,7 @@ def embedded_engine_kwargs(spec: PairSpec, index: int) -> dict[str, Any]:
         "precision_cfg": spec.precision,
         "device": spec.placement.device,
         "seed": spec.seed,
+        "eos_token_id": spec.eos_token_id,
         "cuda_graphs": spec.rollout.cuda_graphs,
         "fp8_codes_decode": spec.rollout.fp8_codes_decode,
     }

@@ -17,7 +17,7 @@ from typing import Protocol
 from skyq.config.enums import ArithOp, RewardName, TaskName
 from skyq.config.schema import TaskConfig
 from skyq.rl.rewards import RewardFn, get_reward_fn
-from skyq.rl.tokenizer import EOS_ID, ArithTokenizer, HFTokenizer, load_tokenizer
+from skyq.rl.tokenizer import ArithTokenizer, HFTokenizer, load_tokenizer
 
 
 class TaskError(ValueError):
@@ -259,9 +259,7 @@ def tokenizer_for(
     """The tokenizer `build_task` needs for `task_cfg`, checked against the model: arith's own, or for a
     dataset task the model's, read from its checkpoint directory (`checkpoint.hf_checkpoint`).
 
-    The embedded engine stops a response at token id EOS_ID (`skyq.rollout.embedded`), so a tokenizer
-    whose eos is another id is refused: the engine would not stop at its eos and GRPO would train on
-    whatever the model sampled after the answer.
+    The engines stop a response at this tokenizer's eos id (`PairSpec.eos_token_id`).
     """
     if TaskName(task_cfg.name) is TaskName.arith:
         tokenizer: ArithTokenizer | HFTokenizer = ArithTokenizer()
@@ -273,12 +271,6 @@ def tokenizer_for(
         )
     else:
         tokenizer = load_tokenizer(checkpoint_dir)
-        if tokenizer.eos_token_id != EOS_ID:
-            raise TaskError(
-                f"the tokenizer in {checkpoint_dir} ends responses with token id {tokenizer.eos_token_id}, "
-                f"but the embedded engine stops at id {EOS_ID}; it would sample past the answer. Fix: a "
-                f"tokenizer whose eos id is {EOS_ID}"
-            )
     tokenizer.check_fits(model_vocab_size)
     return tokenizer
 

@@ -18,6 +18,7 @@ from skyq.launch.metrics import read_metrics
 from skyq.launch.pair import PairSpec
 from skyq.launch.placement import placement_for, resolve_transport
 from skyq.launch.rundir import METRICS_FILE
+from skyq.rl.tokenizer import EOS_ID
 from skyq.sync.errors import SyncError
 
 from .run_helpers import compose_config, run
@@ -107,6 +108,7 @@ def _pair(overrides):
                 ensure_tiny_checkpoint(cfg.model, cfg.task, cache_dir=cfg.checkpoint.cache_dir)
             ),
             seed=cfg.seed,
+            eos_token_id=EOS_ID,
         )
     )
 
@@ -223,7 +225,7 @@ def _engine_kwargs(overrides: list[str]) -> dict:
     cfg, _ = compose_config(overrides)
     spec = PairSpec(model=cfg.model, precision=cfg.precision, algorithm=cfg.algorithm, trainer=cfg.trainer,
                     rollout=cfg.rollout, placement=placement_for(cfg.topology, cfg.rollout.weight_sync.transport),
-                    checkpoint_path="unused", seed=cfg.seed)  # fmt: skip
+                    checkpoint_path="unused", seed=cfg.seed, eos_token_id=EOS_ID)  # fmt: skip
     return spec.engine_kwargs()
 
 
@@ -235,7 +237,11 @@ def test_rollout_cuda_graphs_reaches_the_engine_worker(base_overrides, override,
 
     kwargs = _engine_kwargs([*base_overrides, IN_PROCESS, *override])
     assert kwargs["cuda_graphs"] is expected
-    assert EngineWorker(**kwargs).engine.decode_mode == "dynamic"
+    worker = EngineWorker(**kwargs)
+    assert worker.engine.decode_mode == "dynamic"
+    assert (
+        worker.engine.eos_token_id == kwargs["eos_token_id"] == EOS_ID
+    )  # the task tokenizer's, via PairSpec
 
 
 @pytest.mark.parametrize(("override", "expected"), [([], True), (["rollout.fp8_codes_decode=false"], False)])

@@ -27,6 +27,7 @@ from skyq.launch.pair import PairSpec
 from skyq.launch.placement import placement_for
 from skyq.launch.ray_local import local_ray
 from skyq.launch.worker_env import ENV_FILE_PREFIX
+from skyq.rl.tokenizer import EOS_ID
 from skyq.sync.errors import SyncError
 
 from .run_helpers import compose_config
@@ -58,6 +59,7 @@ def pair(cluster, base_overrides):
         placement=placement,
         checkpoint_path=_starting_checkpoint(cfg.model, cfg.task, cfg.checkpoint, placement.device),
         seed=cfg.seed,
+        eos_token_id=EOS_ID,
     )
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):

@@ -78,8 +78,6 @@ def test_the_run_loop_does_not_import_matplotlib_until_it_plots():
     import subprocess
     import sys
 
-    code = (
-        "import sys, skyq.train, skyq.launch.loop, skyq.launch.actors; print('matplotlib' in sys.modules)"
-    )
+    code = "import sys, skyq.train, skyq.launch.loop, skyq.launch.actors; print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
