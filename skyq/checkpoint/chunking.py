@@ -3,8 +3,8 @@
 Every skyq weight format is independent across row slabs whose height is a multiple of the block
 (fp8 blockwise: bn rows; per-channel and int4 groups: one row), so quantizing slab by slab gives the
 same bits as one call on the whole tensor while its fp32 temporaries stay in cache and no
-gigabyte-sized intermediate is allocated (page faults dominated the eager quantizers' time: about
-5x faster on 2 CPU cores for a 8192 x 2048 expert stack).
+gigabyte-sized intermediate is allocated (page faults on such temporaries dominated the eager
+quantizers' time on the CPU; docs/benchmarks.md, M6 converters, "The converter code's CPU choices").
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ def quantize_by_rows(
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     if parts[0].dtype.itemsize == 1 and parts[0].dtype.is_floating_point:
-        # torch.cat has no memcpy path for float8 (~8x slower than for bytes): concatenate the bytes
+        # torch.cat has no memcpy path for float8 (much slower than for bytes; docs/benchmarks.md, M6
+        # converters): concatenate the bytes
         return torch.cat([p.view(torch.uint8) for p in parts]).view(parts[0].dtype)
     return torch.cat(parts)

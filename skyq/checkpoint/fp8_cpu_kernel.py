@@ -1,13 +1,14 @@
 """A compiled CPU kernel for `fp8_blockwise.quantize` on 2-D BF16 weights, bit-identical to it.
 
-Eager torch spends ~2 ns per element on blockwise FP8 (a bf16 x fp32 multiply, a clamp and torch's
-scalar fp32 -> e4m3 cast, 0.8 ns alone, each a pass over memory). This kernel does the block max,
-the scale and the multiply-clamp-cast of one row of blocks while it sits in cache, ~10x faster.
+Eager torch makes a pass over memory for each step of blockwise FP8 (a bf16 x fp32 multiply, a clamp
+and torch's scalar fp32 -> e4m3 cast, the costliest of them). This kernel does the block max, the
+scale and the multiply-clamp-cast of one row of blocks while it sits in cache, in one pass (the
+per-element costs of both: docs/benchmarks.md, M6 converters, "The converter code's CPU choices").
 The arithmetic is the reference's: fp32 `448 / amax` (FLT_MAX on overflow, 1 for an all-zero
 block, mantissa cleared for power-of-two scales), one fp32 multiply, the clamp, and c10's
 `fp8e4m3fn_from_fp32_value` rounding, written branch-free so the compiler vectorizes it.
 
-The C source is compiled once per machine with the system C compiler (`cc`, ~0.3 s) into the user
+The C source is compiled once per machine with the system C compiler (`cc`) into the user
 cache and loaded with ctypes (which releases the GIL during the call). Without a compiler, or on a
 weight it does not cover (not BF16, not 2-D, columns not contiguous), the caller uses the
 reference; a block with NaN/inf makes the kernel decline so the reference raises its usual error.

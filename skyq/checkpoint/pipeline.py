@@ -217,8 +217,9 @@ def run_conversion(
             in_flight.release()
 
     # Converter threads run torch single-threaded; `max_workers` is the parallelism. On a shared
-    # 2-core machine intra-op threads made the quantizers up to 5x slower (a stolen core stalls
-    # every parallel op), and the read/write threads need a core slice of their own.
+    # 2-core machine intra-op threads made the quantizers several times slower (a stolen core stalls
+    # every parallel op; docs/benchmarks.md, M6 converters), and the read/write threads need a core
+    # slice of their own.
     intra_op_threads = torch.get_num_threads()
     torch.set_num_threads(1)
     start = time.perf_counter()

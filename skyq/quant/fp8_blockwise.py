@@ -62,8 +62,9 @@ def abs_max(x: Tensor, dim: int | tuple[int, ...], *, keepdim: bool = False) -> 
     """`x.abs().amax(dim)` for a `promotable` tensor, in x's dtype, computed on the bit patterns.
 
     Clearing the sign bit gives |x|, and non-negative IEEE floats order like their bits as
-    integers, so an integer max (~3x faster than a float max on CPU) picks the same element. NaN
-    and inf have the largest magnitude bits, so a block holding one still gets a non-finite max.
+    integers, so an integer max (faster than a float max on CPU; docs/benchmarks.md, M6 converters)
+    picks the same element. NaN and inf have the largest magnitude bits, so a block holding one
+    still gets a non-finite max.
     """
     int_dtype, mask = _MAGNITUDE_BITS[x.dtype]
     return (x.view(int_dtype) & mask).amax(dim=dim, keepdim=keepdim).view(x.dtype)

@@ -40,23 +40,21 @@ TensorFn = Callable[[Tensor], Tensor]
 DECODE_MAX_ROWS = 64
 """Largest row count (tokens in one forward) sent to the FP8 weight-only decode kernel in any forward
 (a dense linear's limit in every forward: above it, on the H200, its dequantize + GEMM and the
-kernel were both ~0.5x bf16, the kernel ahead only at 128 rows of the larger shapes)."""
+kernel were both well behind bf16, the kernel ahead only at 128 rows of the larger shapes; docs/benchmarks.md, M4, "The decode kernels' tuning rules")."""
 
 GROUPED_DECODE_MAX_MEAN_ROWS = 64
 """In a decode step (`decode_step`), the grouped FP8 weight-only kernel takes the routed experts while
 they hold at most this many rows each on average (above: each stack dequantized, one grouped GEMM).
-On the H200 (`benchmarks/moe_decode.py --large`) the kernel beat dequantize + grouped GEMM
-at every mean up to 64 rows (Qwen3-30B-A3B's experts at 1024 tokens, top-8: gate+up 512 vs 651 us),
-and lost above it (small_moe's at 128 rows each: 132 vs 110 us)."""
+On the H200 (`benchmarks/moe_decode.py --large`; docs/benchmarks.md, M4, "The decode kernels' tuning rules") the kernel beat dequantize + grouped GEMM
+at every mean up to 64 rows, and lost above it."""
 
 W8A8_MIN_MEAN_ROWS = 8
 """In a decode step, FP8 experts averaging at least this many rows each multiply FP8 activation codes
 by their FP8 weight codes on the FP8 tensor cores (`fp8_linear.fp8_grouped_w8a8_linear`), where the
 recipe quantizes activations in 1 x 128 tiles; dense FP8 linears do above `DECODE_MAX_ROWS` rows. On
-the H200 (`benchmarks/moe_decode.py --large --w8a8-configs`; Qwen3-30B-A3B's experts, us
-a call, gate+up / down) the grouped weight-only kernel took 128 / 71 at 8 rows an expert, 309 / 168 at
-32, 515 / 280 at 64 (bf16's grouped GEMM 263-271 / 151-158), the FP8 x FP8 kernel 102 / 54, 115 / 69
-and 180 / 92 (its activation codes given; their quantization adds 5-20 us)."""
+the H200 (`benchmarks/moe_decode.py --large --w8a8-configs`, Qwen3-30B-A3B's experts; docs/benchmarks.md, M4, "The decode kernels' tuning rules") the
+FP8 x FP8 kernel beat the grouped weight-only kernel from 8 rows an expert on, its activations'
+quantization included, and the weight-only kernel fell behind bf16's grouped GEMM as rows grew."""
 
 _DECODE_STEP: ContextVar[bool] = ContextVar("skyq_decode_step", default=False)
 
@@ -69,8 +67,7 @@ def decode_step() -> Iterator[None]:
     projections compute from their stacks at any batch: no copy of a gate+up stack's halves, FP8
     experts through the grouped weight-only kernel (`GROUPED_DECODE_MAX_MEAN_ROWS`) instead of
     dequantizing every expert each step. Without it, a batch above `DECODE_MAX_ROWS` rows took the
-    prefill path every step: on the H200 at 128 rows of two Qwen3-30B-A3B-shaped layers, 1.9 ms a
-    step copying bf16 stacks and 1.2 ms more dequantizing FP8 ones."""
+    prefill path every step, copying bf16 stacks and dequantizing FP8 ones each step (docs/benchmarks.md, M4, "The decode kernels' tuning rules")."""
     token = _DECODE_STEP.set(True)
     try:
         yield

@@ -63,9 +63,10 @@ def connect_store(port: int, timeout_s: float, host: str = LOOPBACK) -> dist.TCP
 
 def await_work(work, timeout_s: float, what: str) -> None:
     """Poll a collective's `Work` until it completes, or raise `SyncTimeout` naming `what` once
-    `timeout_s` passes. `Work.wait(timeout)` on NCCL polls in whole-millisecond sleeps: on two H200s
-    that made every bucket cost >= 1.2 ms (a 66 MB broadcast takes a fraction of that), so a plain
-    broadcast of 2.5 GB ran at 53 GB/s; this yields for the first 2 ms, then sleeps 50 us at a time."""
+    `timeout_s` passes. `Work.wait(timeout)` on NCCL polls in whole-millisecond sleeps, a floor on
+    every bucket far above a bucket's transfer time over NVLink (docs/benchmarks.md, "Two GPUs
+    (issue #7)", the first run); this yields (`sleep(0)`) for the first 2e-3 s, then sleeps 5e-5 s at
+    a time."""
     start = time.monotonic()
     deadline = start + timeout_s
     while not work.is_completed():

@@ -2,8 +2,8 @@
 
 `triton_fp8_gemv._gemv_kernel` lets Triton lay the weight tile out: the codes go through shared
 memory (cp.async in, then one 2-byte `ld.shared` per two codes into the MMA operand layout), and
-on the H200 its K loop issued ~7.3 instructions per weight element, which made it issue-bound at
-18-32% of DRAM bandwidth (docs/benchmarks.md, M4). Here the layouts are written out so
+on the H200 its K loop issued ~7.3 instructions per weight element, which made it issue-bound well
+below DRAM bandwidth (docs/benchmarks.md, M4). Here the layouts are written out so
 that every thread loads its weight codes with 16-byte global loads straight into the registers the
 tensor-core operand needs, and converts them there: ~3.4 instructions per element, all of them
 the conversion and the MMA (verified in the sm_90 PTX by tests/quant/test_gluon_gemv.py).
@@ -24,19 +24,18 @@ tile, which stays in L1).
 The codes are loaded with the L1 and L2 evict-first policy: each is read once, and without the
 hint the weight stream pushed the small tensors everything else re-reads out of L2 (the activation
 tiles of every program, and the inputs of the norm and add kernels between the GEMVs). On the H200
-that alone took the decode model from 1.41 / 1.36 / 1.25x bf16 tokens/s at batch 1 / 8 / 16 to
-1.49 / 1.44 / 1.32x, about half of it in the GEMVs; an L1-only bypass (`.cg`, no L2 policy)
-instead, an evict-last hint on the activations, or a programmatic dependent launch
-(waiting for the previous kernel after loading or L2-prefetching the first codes) did not help
-(docs/benchmarks.md, M4).
+that alone raised the decode model's tokens/s at batch 1-16, about half of the gain in the GEMVs; an
+L1-only bypass (`.cg`, no L2 policy) instead, an evict-last hint on the activations, or a
+programmatic dependent launch (waiting for the previous kernel after loading or L2-prefetching the
+first codes) did not help (docs/benchmarks.md, M4, "the codes loaded evict-first").
 
 The K range is spread over warps of one program rather than over programs: the MMA layout is
 3-D ([K groups, rows, batch], the batch dimension of a batched mma.sync on the high warp bits), each
 group of warps sums its own part of K, and the groups' sums are added in the program through shared
 memory once at the end. Splitting K across programs instead (kept for tiles too few to fill the SMs)
 needs a fix-up through memory: fp32 partials, an acq_rel atomic, and the last program to arrive
-reloading and summing them, a chain of dependent memory round trips that cost ~1.7 us a call on the
-H200 at 1-8 rows (docs/benchmarks.md, M4), a quarter of the whole call.
+reloading and summing them, a chain of dependent memory round trips that was about a quarter of a
+call on the H200 at 1-8 rows (docs/benchmarks.md, M4, "the K range on warps of one program").
 
 Numerics are `triton_fp8_gemv`'s: each weight is bf16(fp32(code) * scale) (`fp8_blockwise.dequantize`
 to bf16, the trainer's weight), products exact in fp32, fp32 sums (here in mma.sync order, then the
@@ -429,17 +428,16 @@ def tiling(m: int, n: int, k: int, block_k: int, sms: int) -> tuple[int, int, in
     rows a program on one warp, 128-column steps (<= the scale block), and the K range on kwarps
     warps (powers of two up to 16, >= 2 steps each) until the weight tiles have ~7.5 warps per SM;
     the K range is split across programs (a fix-up through memory) only where fewer than half the
-    SMs would have a program. From the H200 sweeps of the fused model's shapes
-    (benchmarks/decode.py --gluon; docs/benchmarks.md, M4): at one row q/k/v 5120 x 2048
-    6.8 -> 5.9 us (4 K warps), o 2048 x 4096 6.5 -> 5.8 (8), gate/up 12288 x 2048 10.5 -> 10.1 (2),
-    against an earlier version's 64-row tiles on 4 warps split 4-16 ways, whose split fix-up (an atomic
-    and a reload of the partials by the last program) cost ~1.7 us a call; at 16 rows o 7.5 -> 7.0
-    and down 6144 x 2048 9.3 -> 8.8 with two 8-row tiles.
+    SMs would have a program. Tuned on the H200 sweep of the fused model's shapes
+    (benchmarks/decode.py --gluon; docs/benchmarks.md, M4, "The decode kernels' tuning rules"), where the K warps beat an earlier version's 64-row tiles on
+    4 warps split 4-16 ways (whose split fix-up, an atomic and a reload of the partials by the last
+    program, was a large part of a call) in every fused linear, and two 8-row tiles beat one 16-row
+    tile at 16 rows.
     More than 16 rows (small weights only, `triton_fp8_gemv.GLUON_SMALL_WEIGHT`): tiles of 8 rows (at
     most 32 rows) or 16, each program re-reading its weight tile from L2, and 4 K warps where K has
-    >= 8 steps: the best or within 0.4 us of it in every cell of the session-15 sweep of 1536 x
-    1024, 1024 x 1024 and 2048 x 2048 at 24-64 rows, where the batch in one 32- or 64-row tile took
-    up to 1.7x as long."""
+    >= 8 steps: the best or close to it in every cell of the H200 sweep of 1536 x 1024, 1024 x 1024
+    and 2048 x 2048 at 24-64 rows (same section), where the batch in one 32- or 64-row tile was
+    slower."""
     kc = min(128, block_k)
     if m > 16:
         steps = cdiv(k, kc)
@@ -488,7 +486,7 @@ def linear(
     `config` (BM, BN, KC, split, warps, kwarps) for sweeps; by default `tiling`: warps * kwarps
     warps a program, `warps` on the tile's rows, `kwarps` groups of them on parts of the split's K
     range, summed in the program. `prefetch`: steps loaded ahead of the math: 0, 1 (the next,
-    values moved along; the default: fastest or within 5% in most cells of the H200 sweep), 2 (two,
+    values moved along; the default: fastest or close to it in most cells of the H200 sweep), 2 (two,
     ping-pong buffers: no moves, more registers; it spills at 32+ batch rows of 128-column
     steps), 3 (the next step's codes and scales; the activations at their own step)."""
     x2 = x.reshape(-1, x.shape[-1])
@@ -523,11 +521,9 @@ def grouped_tiling(
     rows: int, experts: int, n: int, k: int, block_k: int, sms: int
 ) -> tuple[int, int, int, int, int, int]:
     """(BM, BN, KC, split, warps, kwarps) of `linear_grouped` for `rows` routed rows over `experts`:
-    BM 8, 16 or 32 by the mean rows an expert (a tile loops past it; 16 above a mean of 6: on the
-    H200 at small_moe's mean of 8, 64 tokens, gate+up 26.8 -> 21.4 us, down equal; `benchmarks/
-    moe_decode.py --sweep`; 32 above a mean of 12, for the large decode steps: small_moe
-    at a mean of 16, gate+up 33.5 -> 29.1 us, down 21.7 -> 16.9; Qwen3-30B-A3B's at 64, gate+up 606
-    -> 512; `moe_decode.py --large`), 16 weight rows a warp, 128-column steps, the K
+    BM 8, 16 or 32 by the mean rows an expert (a tile loops past it; 16 above a mean of 6, 32 above a
+    mean of 12, for the large decode steps: tuned on the H200 sweeps of `benchmarks/moe_decode.py
+    --sweep` and `--large` in docs/benchmarks.md, M4, "The decode kernels' tuning rules"), 16 weight rows a warp, 128-column steps, the K
     range on up to 4 warps while the active experts' tiles give fewer than ~7.5 warps an SM (the
     experts with rows are taken to be min(experts, rows))."""
     bm = 8 if rows <= 6 * experts else 16 if rows <= 12 * experts else 32

@@ -7,7 +7,7 @@ as `gluon_fp8_gemv`'s kernel lays out FP8 codes.
 route MXFP8 here on devices of compute capability >= 8.9 (its e4m3 conversion).
 
 `triton_int4_gemv` leaves the layout to Triton, which sends the dequantized tile through shared memory
-to reach the MMA operand (ncu on the H200: DRAM at 8% of peak, L1 at 65%, 134 registers). Here each
+to reach the MMA operand (ncu on the H200: DRAM far from its peak; docs/benchmarks.md, M4). Here each
 thread loads the int32 words of its own `mma.sync` A fragments, exactly as the FP8 Gluon kernel loads
 its codes: per 64-column chunk a thread holds the 16 contiguous columns 16t .. 16t + 15 (two INT4
 words of eight codes, or four MXFP8 words of four), K permuted inside the chunk for both operands
@@ -262,19 +262,16 @@ def supports_mxfp8(q: Tensor) -> bool:
 
 
 def tiling(m: int, n: int, k: int, sms: int, mx: bool = False) -> tuple[int, int, int, int, int, int]:
-    """(BM, BN, KC, split, warps, kwarps) of a dense launch, from the H200 sweep of the fused dense
-    shapes at 1-64 rows (`benchmarks/decode.py --only int4-sweep`; docs/benchmarks.md):
-    - 32 weight rows a warp where that still gives >= 2 tiles an SM, except at 9-16 rows (the fused
-      gate/up, 12288 rows: 8.9 vs 9.6 us at one row, 16.5 vs 17.5 at 32; at 16 rows 15.5 vs 12.1),
-      else 16; MXFP8 (twice INT4's words a thread) only above 16 rows (the fused gate/up at one row
-      11.1 vs 16.8 us with 16; `--only mxfp8-sweep`);
+    """(BM, BN, KC, split, warps, kwarps) of a dense launch, tuned on the H200 sweep of the fused
+    dense shapes at 1-64 rows (`benchmarks/decode.py --only int4-sweep` / `--only mxfp8-sweep`;
+    docs/benchmarks.md, M4, "The decode kernels' tuning rules"):
+    - 32 weight rows a warp where that still gives >= 2 tiles an SM, except at 9-16 rows (where 16
+      won on the fused gate/up), else 16; MXFP8 (twice INT4's words a thread) only above 16 rows;
     - up to 16 rows, `gluon_fp8_gemv.tiling`'s K warps and split, the batch in one tile of 8 or 16
-      rows (two 8-row tiles lost for INT4, whose dequantization costs more than FP8's: o at 16 rows
-      6.9 vs 7.9 us, down 8.9 vs 10.3);
+      rows (two 8-row tiles lost for INT4, whose dequantization costs more than FP8's);
     - above 16 rows, tiles of 32 rows (the dequantized weights serve 32 rows; 8- and 16-row tiles
-      re-dequantize them: the fused gate/up at 32 rows 15.4 vs 35.0 us, at 64 24.3 vs 47.3) and K
-      warps while twice them stay within 8 warps an SM, no split (the best or within 0.5 us in
-      every cell at 32 and 64 rows)."""
+      re-dequantize them, taking twice as long or more) and K warps while twice them stay within 8 warps
+      an SM, no split (the best or close to it in every cell at 32 and 64 rows)."""
     kc = 128
     bn = 32 if cdiv(n, 32) >= 2 * sms and (m > 16 or (m <= 8 and not mx)) else 16
     weight_tiles = cdiv(n, bn)
@@ -300,12 +297,10 @@ def grouped_tiling(
     """(BM, BN, KC, split, warps, kwarps) of a grouped launch: `gluon_fp8_gemv.grouped_tiling`'s row
     tiles (8, 16 or 32 by the mean rows an expert), 32 weight rows a warp, and with 8-row tiles the
     K range on up to 4 warps while the active experts' tiles (taken to be min(experts, rows)) give
-    fewer than 15 warps an SM (16- and 32-row tiles lost with more). On the H200 (a sweep of
-    Qwen3-30B-A3B's and small_moe's fused gate/up and down at 1-256 tokens; docs/benchmarks.md)
-    the best or within 1.6 us, except small_moe's gate/up at 64 tokens (24.7 vs 21.7 us); A3B's
-    gate/up at 256 tokens 151.6 us against bf16's 264.2. MXFP8 with 8-row tiles: the 32 weight rows
-    on two warps and at most 2 K warps (A3B's gate/up at 8 tokens 58.4 vs 69.7 us, at one token 19.5
-    vs 22.7; `--only mxfp8-sweep`)."""
+    fewer than 15 warps an SM (16- and 32-row tiles lost with more). MXFP8 with 8-row tiles: the 32
+    weight rows on two warps and at most 2 K warps. Tuned on the H200 sweep of Qwen3-30B-A3B's and
+    small_moe's fused gate/up and down at 1-256 tokens (`--only int4-sweep` / `--only mxfp8-sweep`;
+    docs/benchmarks.md, M4, "The decode kernels' tuning rules"), where it is the best or close to it but for one cell, named there."""
     bm = 8 if rows <= 6 * experts else 16 if rows <= 12 * experts else 32
     kc, bn = 128, 32
     tiles = cdiv(n, bn) * max(1, min(experts, rows))

@@ -1,7 +1,7 @@
 """Triton weight-only FP8 linear for decode: y = x @ dequant(W)^T with W in e4m3 + blockwise scales.
 
 Decode multiplies a few rows of activations (M <= 64) by the whole weight, so it is bound by the
-weight bytes: reading 1 B per weight instead of bf16's 2 B is what makes it up to 2x faster. The
+weight bytes: reading 1 B per weight instead of bf16's 2 B is what makes it faster. The
 weight is dequantized in registers, never written out. The product is computed as y^T = W x^T
 ("swap-AB"): a BN x TK tile of weights is the MMA's first operand straight from registers, and the
 few activation rows are its second (N = 16..64), so a batch of one wastes no weight bytes and no
@@ -17,7 +17,7 @@ dtype: the same value a bf16 GEMM with fp32 accumulation gives on that weight, n
 bits. The GPU tests bound the difference from both. (The kernel used to scale each tile's fp32
 partial sum instead, `sum(x * q) * s`: one multiply per output rather than per weight, but without
 the bf16 rounding of `q * s` that the trainer's weight has: on the H200 that alone put fp8's
-train/rollout mismatch at 1.71x bf16's, and 0 with this rounding; docs/benchmarks.md, M5.)
+train/rollout mismatch above bf16's, and at 0 with this rounding; docs/benchmarks.md, M5.)
 
 When too few output tiles exist to fill the GPU, K is split across programs. Each writes an fp32
 partial and bumps a per-tile arrival counter; the last program to arrive sums the partials in
@@ -60,21 +60,19 @@ under the interpreter, or with an explicit `config`, `_gemv_kernel`. False: `_ge
 
 GLUON_MAX_M = 16
 """Batches of more rows go to `_gemv_kernel` (but see `GLUON_SMALL_WEIGHT`): the Gluon kernel holds
-each warp's activation tile in registers (they grow with the rows), and on the H200 (benchmarks/decode.py --gluon) its
-best variant lost to `_gemv_kernel` at 32 and 64 rows in every fused shape (e.g. the fused q/k/v at
-64 rows 18.3 vs 13.9 us) while winning at 1-16 (5.9 vs 8.4 us at one row). Rechecked with
-its codes loaded evict-first: at 64 rows no Gluon variant beat it (q/k/v 13.8 us both), at 32
-rows the best won q/k/v and o by <= 0.5 us and lost down (the model with each cell's best: 1.05 vs 1.03x
-bf16 at 32 rows, 0.88 at 64)."""
+each warp's activation tile in registers (they grow with the rows), and on the H200 (benchmarks/decode.py
+--gluon; docs/benchmarks.md, M4, "The decode kernels' tuning rules") its best variant lost to `_gemv_kernel` at 32 and 64 rows in every fused shape while winning
+at 1-16; rechecked with its codes loaded evict-first, it tied or lost at 64 rows and at 32 rows the model
+with each cell's best variant was no faster."""
 
 GLUON_SMALL_WEIGHT = 1 << 22
 """Weights of at most this many elements take the Gluon kernel at up to `DECODE_ROWS` rows too, the
 rows in tiles of 8 or 16 that re-read the weight tile from L2 (`gluon_fp8_gemv.tiling`). Such a
 weight gives `_gemv_kernel`'s 64 x 64 tiles too few programs to fill the GPU (24 for small_moe's fused
 q/k/v, 1536 x 1024). On the H200 (`benchmarks/decode.py --only gluon-sweep --shapes ... --batches 24 32
-48 64`), us a call, Triton / Gluon at 32 and 64 rows: 1536 x 1024 6.4 / 3.8 and 9.5 / 4.8,
-1024 x 1024 6.4 / 3.3 and 9.4 / 4.2, 2048 x 2048 7.1 / 6.1 and 10.1 / 7.6 (bf16 4.7, 4.6, 6.2-6.4);
-from 5120 x 2048 (10.5M) up Triton won or the best Gluon variant (a tiling per cell) won by <= 1.9 us."""
+48 64`; docs/benchmarks.md, M4, "The decode kernels' tuning rules") the Gluon kernel beat it clearly at 32 and 64 rows on such weights (1536 x 1024, 1024 x 1024,
+2048 x 2048); from 5120 x 2048 (10.5M elements) up Triton won, or the best Gluon variant (a tiling per
+cell) won by little."""
 
 DECODE_ROWS = 64
 """The most rows `GLUON_SMALL_WEIGHT` weights send to the Gluon kernel: the engine's decode batches
@@ -83,8 +81,8 @@ DECODE_ROWS = 64
 PDL = False
 """Opt-in programmatic dependent launch (CUDA devices of compute capability >= 9, Triton >= 3.3):
 each program prefetches its weight and scale lines into L2, waits for the previous kernel, then
-lets the next one launch. Off by default: on the H200 (benchmarks/decode.py --tuned, 2026-11-29)
-it made the graphed decode step slower, 484 -> 526 us at batch 1 and 705 -> 783 us at batch 64."""
+lets the next one launch. Off by default: on the H200 (benchmarks/decode.py --tuned) it made the
+graphed decode step slower at batch 1 and 64 (docs/benchmarks.md, M4, "The decode kernels' tuning rules")."""
 
 
 @triton.jit
@@ -113,8 +111,8 @@ def _gemv_kernel(
     UNIFORM: BN divides BLK_N, so all rows of a program's tile share one scale row and each K tile
     has one scale: a scalar, whose multiply leaves the codes' conversion to the MMA operand layout
     in registers (a per-row scale vector of another layout made Triton route every weight tile
-    through shared memory: 0.66x of bf16 decode at batch 1 on the H200 vs 1.15x before the
-    multiply, 2026-11-29)."""
+    through shared memory, which made the decode slower than bf16's on the H200; docs/benchmarks.md,
+    M4, "The decode kernels' tuning rules")."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -131,7 +129,7 @@ def _gemv_kernel(
         # L2 prefetches (hints: no data is read) of this program's code lines and scales, issued
         # before waiting for the previous kernel, whose output x is; addresses clamped in bounds.
         # (The same prefetches without PDL, before the first load, made the graphed decode step
-        # slower on the H200: 1.16x -> 1.01x of bf16 at batch 1.)
+        # slower on the H200; docs/benchmarks.md, M4, "The decode kernels' tuning rules".)
         kc = tl.minimum(tk0, K - 1)[None, :]
         nc = tl.minimum(rn, N - 1)[:, None].to(tl.int64)
         _prefetch_l2(q_ptr + nc * sqn + kc * sqk)
@@ -167,7 +165,7 @@ def _gemv_kernel(
             xt = tl.load(x_cols + rk[:, None] * sxk, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
             # bf16(fp32(q) * s), `fp8_blockwise.dequantize`'s rounding, so the MMA multiplies the very
             # bf16 weight the trainer does. e4m3 -> fp32 is exact (through fp16: full-rate
-            # instructions, where Triton's direct e4m3 -> bf16 was 0.7-0.9x in the H200 sweep).
+            # instructions, where Triton's direct e4m3 -> bf16 was slower in the H200 sweep).
             if SCALES_IN_LOOP:
                 # A [BN, 1] tensor loaded in the loop (pipelined like the codes; one address for all
                 # rows when UNIFORM): Triton then converts the codes straight from shared memory in
@@ -277,8 +275,8 @@ def _gemv_cc_kernel(
 
 SCALES_IN_LOOP_MAX_M = 8
 """Batches of at most this many rows load the scales in the K loop (`SCALES_IN_LOOP`), larger ones
-before it. On the H200 (benchmarks/decode.py, 2026-11-29) the in-loop load made the graphed decode
-step 1.04x -> 1.11x of bf16 at batch 1 and 1.03x -> 0.98x at batch 16 (0.98 -> 0.85 at 32)."""
+before it. On the H200 (benchmarks/decode.py; docs/benchmarks.md, M4, "The decode kernels' tuning rules") the in-loop load made the graphed decode
+step faster at batch 1 and slower at 16 and 32."""
 
 
 @functools.cache
@@ -319,9 +317,8 @@ def tiling(m: int, n: int, k: int, block_k: int, sms: int) -> tuple[int, int, in
     """(BM, BN, TK, split): the batch padded to the dot's minimum of 16 (at most 64 per tile), 64
     weight rows per program, K split in powers of two up to 8 while there are fewer than ~2
     programs per SM and each split keeps >= 4 K tiles (>= 8 at 64 batch rows, whose split-K
-    partials are 4x larger). From the H200 sweeps in benchmarks/decode.py (docs/benchmarks.md, M4;
-    128-row tiles at 64 rows and one program per SM there lost to this, e.g. the fused
-    gate/up 12288 x 2048 at 64 rows 21.8 -> 17.7 us)."""
+    partials are 4x larger). Tuned on the H200 sweeps of benchmarks/decode.py
+    (docs/benchmarks.md, M4, "The decode kernels' tuning rules"): 128-row tiles at 64 rows and one program per SM lost to this."""
     bm = min(64, max(16, triton.next_power_of_2(m)))
     bn = 64
     tk = min(128, block_k)
@@ -337,7 +334,7 @@ def tiling(m: int, n: int, k: int, block_k: int, sms: int) -> tuple[int, int, in
 def launch_options(bm: int, bn: int, split_tiles: int) -> tuple[int, int]:
     """(num_warps, num_stages): 8 warps for 128-row weight tiles (4 spill registers there), and a
     3-stage pipeline (2 for a split of one K tile): 4 stages were slower or equal in every cell of
-    the session-7 H200 sweep (e.g. the fused q/k/v 5120 x 2048 at one row 9.0 -> 8.4 us)."""
+    the H200 sweep (docs/benchmarks.md, M4, "The decode kernels' tuning rules")."""
     return (8 if bn >= 128 else 4), max(2, min(3, split_tiles + 1))
 
 

@@ -106,27 +106,24 @@ if tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 6):
 GLUON = True
 """Launches without an explicit `config` on a CUDA device of compute capability >= 9 go to
 `gluon_wo_gemv` (each thread dequantizes the words of its own MMA operand fragments in registers;
-no shared memory in the K loop): on the H200 (`benchmarks/decode.py --only int4`) the
-fused dense shapes at one row 5.6-8.9 us against this kernel's 9.7-19.6 (bf16 8.0-15.6), at 64 rows
-11.6-25.4 against 20.6-53.1, and the grouped experts 1.5-2.6x faster. False: `_w4_kernel` always
-(the A/B in the benchmarks and tests)."""
+no shared memory in the K loop): on the H200 (`benchmarks/decode.py --only int4`; docs/benchmarks.md, M4, "The decode kernels' tuning rules") it
+beat this kernel, and bf16, on every fused dense shape at 1 and 64 rows, and on the grouped experts.
+False: `_w4_kernel` always (the A/B in the benchmarks and tests)."""
 
 
 KERNEL_MAX_ROWS = 64
 """`int4_mxfp8_linear.int4_weight_only_linear` (and `mxfp8_weight_only_linear`, the same Gluon kernel body)
 take the decode kernel up to this many rows; past it, only while rows x N x K is at most
 `KERNEL_MAX_WORK`, else the weight is dequantized once for bf16's GEMM: each row tile of the decode
-kernels dequantizes the whole weight again (on the H200 at 256 rows the fused q/k/v took 52.7 us on
-the Gluon INT4 kernel against bf16's 10.5; docs/benchmarks.md)."""
+kernels dequantizes the whole weight again (on the H200 at 256 rows the fused q/k/v took several
+times bf16's time on the Gluon INT4 kernel; docs/benchmarks.md, M4, "The decode kernels' tuning rules")."""
 
 KERNEL_MAX_WORK = 300_000_000
 """rows x N x K up to which a decode linear past `KERNEL_MAX_ROWS` rows stays on the kernel: a small
-weight's dequantize + GEMM is mostly two launches' fixed cost. Fitted on the H200 (`benchmarks/
-decode.py --only int4` / `--only mxfp8 --batches 64 65 128 256 --shapes ...`), us a call,
-kernel / dequantize + linear: INT4 1024 x 1024 at 256 rows 7.0 / 7.7 (2.7e8), 2048 x 2048 at 65
-9.9 / 11.6 (2.7e8) and at 128 11.9 / 11.7, 1536 x 1024 at 256 9.0 / 7.9 (4.0e8); MXFP8 1536 x
-1024 at 128 6.7 / 9.3 and at 256 10.0 / 9.7, 5120 x 2048 at 65 19.0 / 17.9 (6.8e8), 12288 x 2048
-at 65 61.1 / 37.6. (Missed by the rule: INT4 2048 x 4096 at 65 rows, 16.6 / 19.2.)"""
+weight's dequantize + GEMM is mostly two launches' fixed cost. Fitted on the H200 sweep of kernel
+against dequantize + linear past 64 rows (`benchmarks/decode.py --only int4` / `--only mxfp8 --batches
+64 65 128 256 --shapes ...`; docs/benchmarks.md, M4, "The decode kernels' tuning rules", with the one shape the rule misses): the kernel won up to about
+this much work and lost beyond it."""
 
 
 def dequantizes_first(rows: int, n: int, k: int) -> bool:
@@ -138,8 +135,7 @@ def dequantizes_first(rows: int, n: int, k: int) -> bool:
 
 ASM_MAX_ROWS = 32
 """Row tiles above this dequantize in the Triton formulation (the same bits): on the H200
-(`benchmarks/decode.py --only int4`) the PTX took 0.87-0.99x the time at 1-32 rows
-(e.g. the fused gate/up at one row 19.4 vs 21.5 us) and 1.01-1.15x at 64 (q/k/v 31.5 vs 27.3)."""
+(`benchmarks/decode.py --only int4`; docs/benchmarks.md, M4, "The decode kernels' tuning rules") the PTX was faster at 1-32 rows and slower at 64."""
 
 
 def gluon_applies(x: Tensor) -> bool:
@@ -161,10 +157,9 @@ def _row_tile(rows: int) -> int:
 def tiling(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int, int]:
     """(BM, BN, TK, split, warps, stages) of a dense launch: the rows in one tile of 16-64, 64 weight
     rows and 128 columns a step at 4 warps, K split in powers of two while twice the programs stay
-    within 3 an SM and each split keeps >= 2 K steps. From the H200 sweep (docs/benchmarks.md, INT4
-    decode): best or within 12% at 1-64 rows of 2048-12288 x 2048-6144 weights (splits
-    4 / 8 / 2 / 8 for the fused q/k/v, o, gate/up and down of Qwen3-30B-A3B's active path at one row);
-    TK 256 and 512 spilled or ran out of shared memory, 128-row tiles at 8 warps lost everywhere."""
+    within 3 an SM and each split keeps >= 2 K steps. Tuned on the H200 sweep at 1-64 rows of
+    2048-12288 x 2048-6144 weights (docs/benchmarks.md, M4, "The decode kernels' tuning rules"), where it is the best or close to it; TK 256 and 512 spilled
+    or ran out of shared memory, 128-row tiles at 8 warps lost everywhere."""
     bm, bn, tk = _row_tile(m), 64, 128
     tiles = cdiv(n, bn) * cdiv(m, bm)
     steps = cdiv(k, tk)
@@ -176,9 +171,9 @@ def tiling(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int, int, i
 
 def grouped_tiling(mean_rows: float) -> tuple[int, int, int, int, int, int]:
     """(BM, BN, TK, MT, warps, stages) of a grouped launch: an expert's rows in tiles of 16 up to a
-    mean of 16 rows an expert, else 32, one program per N tile of 64 rows, 128 columns a step. On the
-    H200 (Qwen3-30B-A3B's experts, 1-256 tokens, top-8): 16-row tiles best at 1-64 tokens (gate+up
-    34.9 us at one token, 242 at 64; 32-row tiles 91 and 510), 32 best for down at 256 tokens."""
+    mean of 16 rows an expert, else 32, one program per N tile of 64 rows, 128 columns a step. Tuned on
+    the H200 sweep of Qwen3-30B-A3B's experts at 1-256 tokens, top-8 (docs/benchmarks.md, M4, "The decode kernels' tuning rules"): 16-row tiles best at 1-64
+    tokens, 32 best for down at 256 tokens."""
     return (16 if mean_rows <= 16 else 32), 64, 128, 1, 4, 3
 
 
