@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from skyq.launch import actors, embedded, pair
+from skyq.launch import actors, loop, pair
 from skyq.launch.checkpointing import TRAINER_STATE, RunCheckpointError, latest_checkpoint
 from skyq.launch.metrics import read_metrics
 from skyq.launch.ray_local import local_ray
@@ -118,7 +118,7 @@ def test_an_async_save_is_committed_before_the_next_save_begins(
     """The step-2 checkpoint is in place while step 2 runs, without waiting for the next save (at
     the run's end here): a run killed before then resumes from it."""
     root = tmp_path / "run" / "checkpoints"
-    real_run_step = embedded.run_step
+    real_run_step = loop.run_step
     seen: list[list[str]] = []
 
     def run_step(pair, task, step, **kwargs):
@@ -129,7 +129,7 @@ def test_an_async_save_is_committed_before_the_next_save_begins(
             seen.append(sorted(p.name for p in root.iterdir()))
         return real_run_step(pair, task, step, **kwargs)
 
-    monkeypatch.setattr(embedded, "run_step", run_step)
+    monkeypatch.setattr(loop, "run_step", run_step)
     run(
         [*base_overrides, IN_PROCESS, "algorithm.num_steps=3", "checkpoint.save_interval=2"], tmp_path / "run"
     )
