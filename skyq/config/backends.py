@@ -106,6 +106,10 @@ READS: dict[Backend, tuple[str, ...]] = {
         "precision.persistent_fp8_params",
         "checkpoint.load",
         "checkpoint.ref_load",
+        # Multimodal tasks: no runnable backend serves a vision tower yet; listed with the planned
+        # Megatron trainer so that every runnable pair refuses them.
+        "task.image_key",
+        "task.max_image_tokens",
     ),
     RolloutBackend.embedded: (
         "rollout.cuda_graphs",
@@ -117,15 +121,17 @@ READS: dict[Backend, tuple[str, ...]] = {
         "rollout.dp_size",
         "rollout.ep_size",
         "rollout.gpu_memory_fraction",
+        "rollout.max_model_len",
+        "rollout.max_num_seqs",
+        "rollout.kv_cache_bytes",
+        "rollout.enforce_eager",
         "rollout.weight_sync.mode",
         "checkpoint.rollout_checkpoint",
-        "task.image_key",
-        "task.max_image_tokens",
     ),
 }
 """Keys each backend reads on top of `UNIVERSAL` (a new backend adds its entry here)."""
 
-AVAILABLE: frozenset[Backend] = frozenset({TrainerBackend.torch, RolloutBackend.embedded})
+AVAILABLE: frozenset[Backend] = frozenset({TrainerBackend.torch, RolloutBackend.embedded, RolloutBackend.vllm})
 """Backends this build of skyq runs (the others are planned: their keys are declared, not yet read)."""
 
 

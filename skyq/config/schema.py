@@ -254,6 +254,14 @@ class RolloutConfig:
     """Engine expert parallel size."""
     gpu_memory_fraction: float = bounded(0.7, gt=0, le=1)
     """Fraction of GPU memory the engine may take."""
+    max_model_len: Optional[int] = bounded(None, ge=1)
+    """vLLM: longest prompt + response an engine serves (None: model.max_position_embeddings)."""
+    max_num_seqs: int = bounded(64, ge=1)
+    """vLLM: sequences an engine decodes together."""
+    kv_cache_bytes: Optional[int] = bounded(None, ge=1)
+    """vLLM: KV-cache size in bytes (None: gpu_memory_fraction of the device; on a CPU, of host memory)."""
+    enforce_eager: bool = True
+    """vLLM: run eagerly (no torch.compile, no CUDA graphs): boots in seconds; false for decode speed."""
     temperature: float = bounded(1.0, gt=0)
     """Sampling temperature."""
     top_p: float = bounded(1.0, gt=0, le=1)

@@ -282,10 +282,10 @@ def _topology_errors(cfg: TrainConfig) -> list[str]:
                 f"{t.rollout_gpus}, gpus_per_node={t.gpus_per_node}: a CPU topology has no GPUs. "
                 "Fix: set them to 0 or pick topology=1gpu/8gpu/256gpu."
             )
-        if r.backend is RolloutBackend.vllm or cfg.trainer.backend is TrainerBackend.megatron:
+        if cfg.trainer.backend is TrainerBackend.megatron:
             errors.append(
-                f"rollout.backend={r.backend.value}, trainer.backend={cfg.trainer.backend.value} need GPUs but "
-                "topology.device=cpu. Fix: rollout=embedded trainer=torch, or a GPU topology."
+                f"trainer.backend={cfg.trainer.backend.value} needs GPUs but topology.device=cpu. "
+                "Fix: trainer=torch, or a GPU topology."
             )
         if par.tp * par.pp * par.cp * par.ep * par.etp != 1:
             errors.append(

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skyq.config.enums import WeightSyncMode
+from skyq.config.enums import TransportKind, WeightSyncMode
 from skyq.config.schema import (
     AlgorithmConfig,
     CheckpointConfig,
@@ -87,6 +87,22 @@ def check_supported(*, rollout: RolloutConfig, trainer: TrainerConfig, algorithm
             f"algorithm.global_batch_size={algorithm.global_batch_size} is not a multiple of "
             f"algorithm.group_size={algorithm.group_size}; each prompt gets group_size responses"
         )
+
+
+def worker_transport(trainer: TrainerConfig, rollout: RolloutConfig) -> TransportKind:
+    """`rollout.weight_sync.transport`, except that `auto` never picks the in-process layout for a
+    backend pair that cannot share the driver's process (vLLM owns its engine process): its workers
+    are Ray actors, on one GPU too (frames through host memory)."""
+    transport = TransportKind(rollout.weight_sync.transport)
+    backends = lookup(trainer.backend, rollout.backend)
+    if backends.in_process:
+        return transport
+    if transport is TransportKind.in_process:
+        raise ValueError(
+            f"rollout.weight_sync.transport=in_process: rollout={rollout.backend.value} runs each engine in "
+            "its own Ray actor; use transport=auto or broadcast"
+        )
+    return TransportKind.broadcast
 
 
 def rollout_seed(seed: int, step: int) -> int:
@@ -235,7 +251,7 @@ def run_rl(
         resume: continue `run_dir` from its newest checkpoint.
     """
     check_supported(rollout=rollout, trainer=trainer, algorithm=algorithm)
-    placement = placement_for(topology, rollout.weight_sync.transport)
+    placement = placement_for(topology, worker_transport(trainer, rollout))
     # The task (its tokenizer and dataset) is checked before the run directory is touched.
     tokenizer = tokenizer_for(
         task, checkpoint_dir=checkpoint.hf_checkpoint, model_vocab_size=model.vocab_size
@@ -276,6 +292,7 @@ def run_rl(
             checkpoint_path=_starting_checkpoint(model, task, checkpoint, placement.device),
             seed=seed,
             eos_token_id=task_obj.tokenizer.eos_token_id,
+            rollout_checkpoint=checkpoint.rollout_checkpoint,
         )
         with worker_pair(spec) as pair:
             res = pair.resolution

@@ -50,6 +50,8 @@ class PairSpec:
     seed: int
     eos_token_id: int
     """The task tokenizer's end of response: engines stop a sample there."""
+    rollout_checkpoint: str | None = None
+    """`checkpoint.rollout_checkpoint`: a converted checkpoint a vLLM engine boots from."""
 
     @property
     def num_engines(self) -> int:
@@ -99,6 +101,21 @@ def embedded_engine_kwargs(spec: PairSpec, index: int) -> dict[str, Any]:
         "eos_token_id": spec.eos_token_id,
         "cuda_graphs": spec.rollout.cuda_graphs,
         "fp8_codes_decode": spec.rollout.fp8_codes_decode,
+    }
+
+
+def vllm_engine_kwargs(spec: PairSpec, index: int) -> dict[str, Any]:
+    """Arguments of `skyq.rollout.vllm.worker.VllmEngineWorker` (rollout=vllm); engine `index` samples
+    with its own seed (`engine_seed`), so two engines never draw the same stream."""
+    return {
+        "model_cfg": spec.model,
+        "precision_cfg": spec.precision,
+        "rollout_cfg": spec.rollout,
+        "checkpoint_path": spec.checkpoint_path,
+        "rollout_checkpoint": spec.rollout_checkpoint,
+        "device": spec.placement.device,
+        "seed": engine_seed(spec.seed, index),
+        "eos_token_id": spec.eos_token_id,
     }
 
 

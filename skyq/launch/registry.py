@@ -101,3 +101,14 @@ register(
         engine_kwargs="skyq.launch.pair:embedded_engine_kwargs",
     ),
 )
+register(
+    TrainerBackend.torch,
+    RolloutBackend.vllm,
+    WorkerBackends(
+        trainer="skyq.launch.actors:TrainerWorker",
+        engine="skyq.rollout.vllm.worker:VllmEngineWorker",
+        trainer_kwargs="skyq.launch.pair:native_trainer_kwargs",
+        engine_kwargs="skyq.launch.pair:vllm_engine_kwargs",
+        in_process=False,
+    ),
+)

@@ -102,7 +102,13 @@ def engine_env(
     """Environment of an engine process: the strategy's engine variables, rollout.env, and vLLM's
     engine core in the same process as its driver (one engine per process; deadlines and shutdown
     stay in skyq's hands)."""
-    env = dict(get_strategy(precision_cfg).env_vars(resolved_recipe)["engine"])
+    # A worker with no GPU leaves the recipe `auto` (nothing to resolve it for); the strategies'
+    # engine variables select GPU kernels, so a CPU engine has none of them.
+    env = (
+        {}
+        if resolved_recipe is Fp8Recipe.auto
+        else dict(get_strategy(precision_cfg).env_vars(resolved_recipe)["engine"])
+    )
     env.update(rollout_cfg.env)
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     return env

@@ -38,6 +38,7 @@ from vllm.model_executor.model_loader.reload.utils import get_tensor_load_numel
 from skyq.rollout.vllm.compat import repack_cpu_moe
 from skyq.rollout.vllm.transfer_names import BACKEND  # noqa: F401  (re-exported)
 from skyq.sync.errors import SyncError
+from skyq.sync.plan_wire import WireDigest, wire_digest
 from skyq.sync.receiver import ExpectedUnit, ReceiveStats, WeightReceiver
 from skyq.sync.torch_dist import RECEIVER_RANK, TorchDistChannel, connect_store
 from skyq.sync.wire_dtypes import dtype_from_name
@@ -145,6 +146,9 @@ class SkyqWeightTransferEngine(WeightTransferEngine[SkyqInitInfo, SkyqUpdateInfo
         self._receiver: WeightReceiver | None = None
         self._channel: TorchDistChannel | None = None
         self._committed_this_update = False
+        self.first_digest: WireDigest | None = None
+        """Digest of the wire state of this engine's first committed sync (`plan_wire.wire_digest`):
+        the run compares it with the trainer's serialized weights, bit for bit, once per session."""
 
     def init_transfer_engine(self, init_info: SkyqInitInfo) -> None:
         expected = expected_from_json(init_info.expected)
@@ -194,6 +198,8 @@ class SkyqWeightTransferEngine(WeightTransferEngine[SkyqInitInfo, SkyqUpdateInfo
                 f"(first: {uncovered[:4]}); the engine's weights are mixed until a sync succeeds"
             )
         repack_cpu_moe(self.model)
+        if self.first_digest is None:
+            self.first_digest = wire_digest(wire)
         self.version = version
         self.unusable = None
 

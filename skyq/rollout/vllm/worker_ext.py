@@ -54,3 +54,7 @@ class SkyqWorkerExtension:
     def skyq_checkpoint_numel(self) -> int:
         """Elements a complete sync loads (`transfer.checkpoint_numel`)."""
         return checkpoint_numel(self.model_runner.get_model())
+
+    def skyq_first_wire_digest(self) -> Any:
+        """Digest of the wire state of the first sync this engine committed (None before one)."""
+        return self._skyq_transfer().first_digest
