@@ -92,3 +92,14 @@ def on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return current_platform.is_cpu()
+
+
+def is_deferred_attention_layer(layer) -> bool:
+    """Whether vLLM's layerwise reload processes `layer` last (attention-like layers)."""
+    try:
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer as deferred
+    except ImportError:  # vLLM 0.26: attention and MLA layers, by class
+        from vllm.model_executor.layers.attention import Attention, MLAAttention
+
+        return isinstance(layer, (Attention, MLAAttention))
+    return deferred(layer)
