@@ -17,6 +17,7 @@ from typing import Any
 
 from skyq.config.resolve import agree
 from skyq.launch.actors import EngineWorker, TrainerWorker
+from skyq.launch.deadlines import CALL_TIMEOUT_KEY, WorkerTimeout
 from skyq.launch.pair import PairSpec, WorkerPair, describe_error
 from skyq.launch.redaction import is_public_env_name
 from skyq.sync.errors import SyncError
@@ -51,6 +52,10 @@ class LocalPair(WorkerPair):
         self.trainer: TrainerWorker | None = None
         self.engine: EngineWorker | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skyq-engine-recv")
+        self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skyq-worker-call")
+        """Every other worker call runs on this one thread, waited for with the call deadline: a hung
+        call cannot be interrupted in-process, but the run stops at its deadline instead of waiting."""
+        self.call_timeout_s = self.sync_cfg.worker_call_timeout_s
         try:
             backends = spec.backends()
             if spec.num_engines != 1 or not backends.in_process:
@@ -70,7 +75,14 @@ class LocalPair(WorkerPair):
             raise
 
     def _call(self, side: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.trainer if side == "trainer" else self.engine, method)(*args, **kwargs)
+        worker = self.trainer if side == "trainer" else self.engine
+        future = self._calls.submit(getattr(worker, method), *args, **kwargs)
+        try:
+            return future.result(timeout=self.call_timeout_s)
+        except FutureTimeout:
+            raise WorkerTimeout(
+                f"{side} (in this process)", method, self.call_timeout_s, CALL_TIMEOUT_KEY
+            ) from None
 
     def sync(self, version: int) -> dict[str, float]:
         assert self.trainer is not None and self.engine is not None
@@ -101,6 +113,7 @@ class LocalPair(WorkerPair):
             if worker is not None:
                 worker.close()
         self._pool.shutdown(wait=True)
+        self._calls.shutdown(wait=False, cancel_futures=True)  # a call past its deadline is not waited for
         for key, value in self._saved_env.items():
             if value is None:
                 os.environ.pop(key, None)

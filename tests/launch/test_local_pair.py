@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 import pytest
@@ -135,6 +136,28 @@ def test_failed_local_sync_names_both_sides_and_keeps_the_engine(base_overrides,
     finally:
         pair.shutdown()
     assert "SKYQ_TEST_ENV" not in os.environ
+
+
+def test_a_hung_in_process_call_stops_the_run_at_its_deadline(base_overrides, monkeypatch):
+    """In one process a hung generate cannot be interrupted, but the driver stops waiting at
+    rollout.weight_sync.worker_call_timeout_s and names the worker, the call and the key."""
+    from skyq.launch.deadlines import WorkerTimeout
+
+    pair = _pair([*base_overrides, IN_PROCESS, "rollout.weight_sync.worker_call_timeout_s=1"])
+    release = threading.Event()
+    try:
+        pair.sync(1)
+        monkeypatch.setattr(pair.engine, "generate", lambda *a, **k: release.wait(60))
+        started = time.monotonic()
+        with pytest.raises(
+            WorkerTimeout,
+            match=r"engine \(in this process\): generate did not return within 1 s \(rollout.weight_sync.worker_call_timeout_s\)",
+        ):
+            pair.generate([[1, 2, 3]], n=1, max_new_tokens=2, temperature=1.0, top_p=1.0, seed=0)
+        assert time.monotonic() - started < 30
+    finally:
+        release.set()
+        pair.shutdown()
 
 
 def test_trainer_fp8_gemm_reaches_the_trainer(base_overrides):
