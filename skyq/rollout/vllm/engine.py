@@ -130,8 +130,9 @@ class VllmEngine:
         return self._rpc("skyq_weight_version")
 
     def weight_checksums(self) -> dict[str, str]:
-        """sha256 of every vLLM parameter (vLLM's own `compute_weight_checksums`), for comparisons."""
-        return self.llm.collective_rpc("compute_weight_checksums")[0]
+        """sha256 of every vLLM parameter, for comparisons (the worker extension's: vLLM 0.26 has
+        no `compute_weight_checksums`)."""
+        return self._rpc("skyq_weight_checksums")
 
     def build_seconds(self) -> float:
         return self.build_s
@@ -144,7 +145,8 @@ class VllmEngine:
             return
         self._closed = True
         try:
-            self.llm.shutdown_weight_transfer_engine()
+            # The worker extension's: vLLM 0.26's LLM has no shutdown_weight_transfer_engine.
+            self.llm.collective_rpc("skyq_shutdown_transfer")
         finally:
             self.llm.llm_engine.engine_core.shutdown()
             del self.llm

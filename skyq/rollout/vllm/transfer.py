@@ -24,18 +24,20 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
-    layerwise_groups,
 )
-from vllm.model_executor.layers.attention import is_deferred_attention_layer
 from vllm.model_executor.model_loader.reload.layerwise import (
     finalize_layerwise_reload,
     get_layerwise_info,
     initialize_layerwise_reload,
 )
-from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
-from vllm.model_executor.model_loader.reload.utils import get_tensor_load_numel
 
-from skyq.rollout.vllm.compat import repack_cpu_moe
+from skyq.rollout.vllm.compat import (
+    is_deferred_attention_layer,
+    layer_groups,
+    repack_cpu_moe,
+    skip_load_tensors,
+    tensor_load_numel,
+)
 from skyq.rollout.vllm.transfer_names import BACKEND  # noqa: F401  (re-exported)
 from skyq.sync.errors import SyncError
 from skyq.sync.plan_wire import WireDigest, wire_digest
@@ -76,8 +78,8 @@ def loadable_numel(layer: torch.nn.Module) -> int:
     """Elements a checkpoint fills in `layer` (checkpoint format): its loadable tensors, less
     non-persistent buffers (computed, e.g. RoPE's cos/sin cache) and a vocabulary's padding rows."""
     params, buffers = get_layerwise_info(layer).restore_metadata
-    skip = SKIP_LOAD_TENSORS | set(layer._non_persistent_buffers_set)
-    total = sum(get_tensor_load_numel(t) for n, t in (params | buffers).items() if n not in skip)
+    skip = skip_load_tensors() | set(layer._non_persistent_buffers_set)
+    total = sum(tensor_load_numel(t) for n, t in (params | buffers).items() if n not in skip)
     shard = getattr(layer, "shard_indices", None)  # VocabParallelEmbedding / ParallelLMHead
     if shard is not None and total:
         rows = (shard.org_vocab_end_index - shard.org_vocab_start_index) + (
@@ -182,7 +184,7 @@ class SkyqWeightTransferEngine(WeightTransferEngine[SkyqInitInfo, SkyqUpdateInfo
 
     def _load(self, wire: dict[str, torch.Tensor], version: int) -> None:
         """Load a verified wire state into vLLM, one decoder layer at a time, and account for it."""
-        groups = layerwise_groups(list(wire))
+        groups = layer_groups(list(wire))
         self.unusable = f"the load of weight version {version} failed part-way"
         initialize_layerwise_reload(self.model)
         try:
@@ -202,6 +204,12 @@ class SkyqWeightTransferEngine(WeightTransferEngine[SkyqInitInfo, SkyqUpdateInfo
             self.first_digest = wire_digest(wire)
         self.version = version
         self.unusable = None
+
+    @staticmethod
+    def trainer_send_weights(iterator, trainer_args) -> None:
+        """vLLM 0.26's base class declares the trainer's send here (abstract); skyq's trainer sends
+        with `skyq.sync.sender.WeightSender`, never through the worker-side class."""
+        raise NotImplementedError("skyq's trainer sends with skyq.sync.sender.WeightSender")
 
     def shutdown(self) -> None:
         if self._channel is not None:

@@ -7,8 +7,10 @@ skyq's weight-transfer backend there and asks Linux for the AMX tile state (`com
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
+import torch
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from skyq.rollout.vllm.compat import request_amx_tiles
@@ -58,3 +60,19 @@ class SkyqWorkerExtension:
     def skyq_first_wire_digest(self) -> Any:
         """Digest of the wire state of the first sync this engine committed (None before one)."""
         return self._skyq_transfer().first_digest
+
+    def skyq_weight_checksums(self) -> dict[str, str]:
+        """sha256 of every parameter's bytes, by name (vLLM 0.26 workers have no
+        `compute_weight_checksums`)."""
+        model = self.model_runner.get_model()
+        return {
+            name: hashlib.sha256(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+            for name, p in model.named_parameters()
+        }
+
+    def skyq_shutdown_transfer(self) -> None:
+        """Close skyq's sync channel without stopping the engine (vLLM 0.26 has no
+        `shutdown_weight_transfer_engine`)."""
+        engine = getattr(self, "weight_transfer_engine", None)
+        if engine is not None:
+            engine.shutdown()
