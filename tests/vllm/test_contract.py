@@ -40,7 +40,7 @@ from skyq.config.schema import ModelConfig, PrecisionConfig
 from skyq.quant.plan import build_plan
 from skyq.quant.strategies import get_strategy
 from skyq.rollout.vllm import compat
-from skyq.rollout.vllm.engine_args import CPU_REFUSALS, refuse_on_cpu
+from skyq.rollout.vllm.engine_args import block_fp8_problem, refuse_on_cpu
 from skyq.rollout.vllm.transfer import loadable_numel
 from skyq.sync.plan_wire import plan_serializer
 
@@ -48,9 +48,8 @@ TINY = ModelConfig(head_dim=32)
 WIDE = ModelConfig(head_dim=32, hidden_size=128, moe_intermediate_size=128)
 """Expert K of 128, so INT4 groups of 128 fit."""
 FP8_TINY = ModelConfig(head_dim=64, hidden_size=128, moe_intermediate_size=128)
-"""Whole 128 x 128 blocks where vLLM needs them: its fused qkv_proj / w13 take block-FP8 shards of
-whole blocks (k_proj of 64 rows fails to load), and its MoE block refinement for a narrower expert
-width upsamples scales as if every block were whole (a K of 64 overshoots)."""
+"""Whole 128-row blocks where vLLM needs them (`engine_args.block_fp8_problem`): the leading shards
+of its fused qkv_proj and w13 (k_proj and gate_proj of 128 rows)."""
 
 CASES = {
     "bf16": (TINY, PrecisionConfig(name=Precision.bf16)),
@@ -61,9 +60,19 @@ CASES = {
     "int4_g128": (WIDE, PrecisionConfig(name=Precision.int4_qat, int4_group_size=128)),
 }
 
+FP8_SHAPES = {
+    "fp8_kv64": ModelConfig(head_dim=32, hidden_size=128, moe_intermediate_size=128),  # k_proj: 64 rows
+    "fp8_moe64": ModelConfig(head_dim=64, hidden_size=128, moe_intermediate_size=64),  # gate_proj: 64 rows
+    "fp8_hidden192": ModelConfig(head_dim=64, hidden_size=192, moe_intermediate_size=128),  # K 1.5 blocks
+}
+"""Block-FP8 shapes vLLM's loader takes or refuses (`test_block_fp8_rule_agrees_with_vllm`)."""
+ALL_CASES = CASES | {
+    name: (m, PrecisionConfig(name=Precision.fp8_blockwise)) for name, m in FP8_SHAPES.items()
+}
+
 
 def _quant(case: str) -> dict | None:
-    model_cfg, precision_cfg = CASES[case]
+    model_cfg, precision_cfg = ALL_CASES[case]
     return get_strategy(precision_cfg).quantization_config(build_plan(model_cfg, precision_cfg))
 
 
@@ -145,7 +154,7 @@ def _config_dir_for(case: str | None) -> str:
 
     key = case or "bf16"
     if key not in _DIRS:
-        model_cfg, _ = CASES[key]
+        model_cfg, _ = ALL_CASES[key]
         config = hf_config(model_cfg).to_dict()
         config |= {"architectures": ["Qwen3MoeForCausalLM"], "dtype": "bfloat16"}
         quant = _quant(key)
@@ -159,7 +168,7 @@ def _config_dir_for(case: str | None) -> str:
 
 def _skeleton(case: str, monkeypatch) -> torch.nn.Module:
     """vLLM's Qwen3-MoE as the engine builds it (`load_format="dummy"`), on the CPU, weights unset."""
-    if CASES[case][1].name is Precision.int4_qat:
+    if ALL_CASES[case][1].name is Precision.int4_qat:
         from vllm.model_executor.layers.fused_moe.oracle.int_wna16 import WNA16MoEBackend
         from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors_moe import (
             compressed_tensors_moe_wna16 as wna16,
@@ -180,7 +189,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _wire(case: str) -> dict[str, torch.Tensor]:
     """skyq's serializer output for fresh random weights of the case's model."""
-    model_cfg, precision_cfg = CASES[case]
+    model_cfg, precision_cfg = ALL_CASES[case]
     plan = build_plan(model_cfg, precision_cfg)
     serialize = plan_serializer(get_strategy(precision_cfg), plan)
     gen = torch.Generator().manual_seed(len(case))
@@ -272,9 +281,35 @@ def test_ue8m0_scales_are_powers_of_two():
 # refuse_on_cpu -------------------------------------------------------------------------------------
 
 
-def test_refuse_on_cpu_serves_bf16_only():
-    refuse_on_cpu(Precision.bf16)
-    for precision in (Precision.fp8_blockwise, Precision.mxfp8, Precision.int4_qat):
+def test_refuse_on_cpu_decides_fp8_by_amx(monkeypatch):
+    refuse_on_cpu(Precision.bf16, amx=False)
+    refuse_on_cpu(Precision.fp8_blockwise, amx=True)
+    with pytest.raises(ValueError, match="precision=fp8_blockwise .* this CPU has no AMX"):
+        refuse_on_cpu(Precision.fp8_blockwise, amx=False)
+    for precision in (Precision.mxfp8, Precision.int4_qat):
         with pytest.raises(ValueError, match=f"precision={precision.value} with rollout.backend=vllm"):
-            refuse_on_cpu(precision)
-    assert set(CPU_REFUSALS) == set(Precision) - {Precision.bf16}
+            refuse_on_cpu(precision, amx=True)
+    # amx=None asks this machine (CPU capability and Linux's grant), not an assumption
+    monkeypatch.setattr(compat, "request_amx_tiles", lambda: False)
+    with pytest.raises(ValueError, match="no AMX"):
+        refuse_on_cpu(Precision.fp8_blockwise)
+    monkeypatch.setattr(compat, "request_amx_tiles", lambda: True)
+    refuse_on_cpu(Precision.fp8_blockwise)
+
+
+# vLLM's block-FP8 shape rule -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", list(FP8_SHAPES))
+def test_block_fp8_rule_agrees_with_vllm(case, vllm_dist, monkeypatch):
+    """`engine_args.block_fp8_problem` refuses exactly the shapes vLLM's loader fails on."""
+    model_cfg, precision_cfg = ALL_CASES[case]
+    problem = block_fp8_problem(model_cfg, precision_cfg)
+    model, wire = _skeleton(case, monkeypatch), _wire(case)
+    if problem is None:
+        _placements(model, wire)
+    else:
+        with pytest.raises(RuntimeError):
+            _placements(model, wire)
+    assert (problem is None) == (case == "fp8_hidden192")
+    assert block_fp8_problem(*CASES["fp8_fp32"]) is None

