@@ -4,6 +4,10 @@
 for each tensor, whether it is quantized and what it becomes on the wire. The trainer (fake-quant
 scope), the converters (checkpoint contents and ignore list) and the rollout engine (what it expects
 to receive) each build or load the same plan; `diff` says where two of them disagree.
+
+The plan is pure Python (dtypes by name, see `dtype_names`; shapes as tuples): building, printing
+and comparing one imports no torch, so a dry run answers without loading it. `.dtype` of a tensor's
+entry is the torch dtype, for the code that makes tensors.
 """
 
 from __future__ import annotations
@@ -12,21 +16,18 @@ import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, NamedTuple
 
 from skyq.config.enums import ModelFamily, Precision
 from skyq.config.schema import ModelConfig, PrecisionConfig
-from skyq.quant import patterns
+from skyq.quant import dtype_names, patterns
 from skyq.quant.layouts import LINEAR_ROLES, Role, get_layout
 from skyq.quant.strategies import WireSpec, get_strategy
 
+if TYPE_CHECKING:
+    import torch
+
 PLAN_VERSION = 1
-_DTYPES: dict[str, torch.dtype] = {
-    str(d): d for d in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.uint8,
-                        torch.int8, torch.int32, torch.int64)
-}  # fmt: skip
 _DIFF_LIMIT = 20
 _DIFF_FIELDS = ("role", "shape", "dtype", "quantized", "format", "block", "bytes", "wire")
 _JSON_FIELDS = ["name", "role", "shape", "dtype", "quantized", "format", "block", "bytes", "wire_template"]
@@ -42,8 +43,8 @@ class ParamPlan(NamedTuple):
     name: str
     role: Role
     shape: tuple[int, ...]
-    dtype: torch.dtype
-    """The unquantized (HF bf16 checkpoint) dtype."""
+    dtype_name: str
+    """The unquantized (HF bf16 checkpoint) dtype, by name (`torch.bfloat16`); `dtype` is the torch dtype."""
     quantized: bool
     format: str | None
     """Wire format of a quantized weight (`fp8_blockwise`, `mxfp8`, `int4`), None when unquantized."""
@@ -51,9 +52,14 @@ class ParamPlan(NamedTuple):
     """Quantization block (rows, cols) or group (1, G) of a quantized weight."""
     bytes: int
     """Bytes of the wire tensors."""
-    wire_template: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
-    """(suffix, shape, dtype) of each wire tensor; shared by all tensors of one shape and role, so
-    a 70k-tensor plan does not hold 200k name strings it can derive."""
+    wire_template: tuple[tuple[str, tuple[int, ...], str], ...]
+    """(suffix, shape, dtype name) of each wire tensor; shared by all tensors of one shape and role,
+    so a 70k-tensor plan does not hold 200k name strings it can derive."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The unquantized dtype as a torch dtype (imports torch)."""
+        return dtype_names.torch_dtype(self.dtype_name)
 
     @property
     def wire(self) -> tuple[WireSpec, ...]:
@@ -63,7 +69,7 @@ class ParamPlan(NamedTuple):
 
     @property
     def bf16_bytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        return math.prod(self.shape) * dtype_names.ITEMSIZE[self.dtype_name]
 
 
 def _is_linear_weight(p: ParamPlan) -> bool:
@@ -212,7 +218,7 @@ class QuantPlan:
                     p.name,
                     p.role.value,
                     list(p.shape),
-                    str(p.dtype),
+                    p.dtype_name,
                     p.quantized,
                     p.format,
                     block,
@@ -228,7 +234,7 @@ class QuantPlan:
                 "model_name": self.model_name,
                 "settings": self.settings,
                 "fields": _JSON_FIELDS,
-                "wire_templates": [[[sfx, list(shape), str(dt)] for sfx, shape, dt in t] for t in templates],
+                "wire_templates": [[[sfx, list(shape), dt] for sfx, shape, dt in t] for t in templates],
                 "params": rows,
             },
             separators=(",", ":"),
@@ -266,11 +272,10 @@ def _limited(lines: list[str]) -> list[str]:
     return lines[:_DIFF_LIMIT] + [f"... and {len(lines) - _DIFF_LIMIT} more like these"]
 
 
-def _dtype(text: str) -> torch.dtype:
-    try:
-        return _DTYPES[text]
-    except KeyError:
-        raise PlanError(f"unknown dtype {text!r} in plan JSON; known: {sorted(_DTYPES)}") from None
+def _dtype(text: str) -> str:
+    if text not in dtype_names.ITEMSIZE:
+        raise PlanError(f"unknown dtype {text!r} in plan JSON; known: {sorted(dtype_names.ITEMSIZE)}")
+    return text
 
 
 def build_plan(model_cfg: ModelConfig, precision_cfg: PrecisionConfig) -> QuantPlan:
@@ -292,12 +297,12 @@ def build_plan(model_cfg: ModelConfig, precision_cfg: PrecisionConfig) -> QuantP
             quantized = strategy.quantizes_param(spec.name, spec.shape, spec.role)
             wire = strategy.wire_specs(spec.name, spec.shape, spec.role)
             stem = spec.name.removesuffix("weight") if quantized else spec.name
-            template = tuple((w.name[len(stem) :], w.shape, w.dtype) for w in wire)
-            nbytes = sum(math.prod(w.shape) * w.dtype.itemsize for w in wire)
+            template = tuple((w.name[len(stem) :], w.shape, w.dtype_name) for w in wire)
+            nbytes = sum(w.nbytes for w in wire)
             decision = decided[key] = (quantized, nbytes, template)
         quantized, nbytes, template = decision
         params.append(
-            ParamPlan(spec.name, spec.role, spec.shape, spec.dtype, quantized, fmt if quantized else None,
+            ParamPlan(spec.name, spec.role, spec.shape, spec.dtype_name, quantized, fmt if quantized else None,
                       block if quantized else None, nbytes, template)
         )  # fmt: skip
     return QuantPlan(

@@ -93,3 +93,35 @@ def test_help_imports_no_torch_and_the_config_cli_nothing_beyond_skyq_config():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0 and "lean" in out.stdout, out.stderr
+
+
+def test_dry_run_and_the_plan_import_no_torch(tmp_path):
+    """`skyq.train dry_run=true` loaded torch (most of its wall time) through the quantization plan,
+    the layouts and the strategies, though a dry run handles no tensor. The Kimi recipe (70k tensors,
+    INT4); then the plan API of every quantized precision: build, summary, JSON round trip, diff,
+    ignore list and quantization_config."""
+    code = (
+        "import runpy, sys, io, contextlib\n"
+        f"sys.argv = ['skyq.train', 'recipe=kimi_k26_int4_qat_256gpu_text', 'dry_run=true', 'hydra.run.dir={tmp_path / 'run'}']\n"
+        "with contextlib.redirect_stdout(io.StringIO()) as out:\n"
+        "    try:\n"
+        "        runpy.run_module('skyq.train', run_name='__main__')\n"
+        "    except SystemExit as exc:\n"
+        "        assert not exc.code, out.getvalue()\n"
+        "assert 'config valid; dry run only' in out.getvalue(), out.getvalue()\n"
+        "from omegaconf import OmegaConf\n"
+        "from skyq.config.store import compose\n"
+        "from skyq.quant.plan import QuantPlan, build_plan\n"
+        "from skyq.quant.strategies import get_strategy\n"
+        "for precision in ('fp8_blockwise', 'mxfp8', 'int4_qat'):\n"
+        "    cfg = OmegaConf.to_object(compose(['model=qwen3_30b', f'precision={precision}']))\n"
+        "    plan = build_plan(cfg.model, cfg.precision)\n"
+        "    assert plan.wire_bytes < plan.bf16_bytes and plan.summary()\n"
+        "    assert QuantPlan.from_json(plan.to_json()).diff(plan) == []\n"
+        "    assert get_strategy(cfg.precision).quantization_config(plan) and plan.ignore_list()\n"
+        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'numpy', 'transformers', 'ray', 'triton'})\n"
+        "assert not heavy, heavy\n"
+        "print('lean')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and "lean" in out.stdout, out.stderr

@@ -10,7 +10,7 @@ from skyq.quant.layouts.base import (
     ModelQuantizationLayout,
     ParamSpec,
     Role,
-    hf_dtype,
+    hf_dtype_name,
 )
 from skyq.quant.layouts.deepseek_v3 import DeepseekV3Layout
 from skyq.quant.layouts.qwen3_moe import Qwen3MoeLayout
@@ -42,5 +42,5 @@ __all__ = [
     "Qwen3MoeLayout",
     "Role",
     "get_layout",
-    "hf_dtype",
+    "hf_dtype_name",
 ]

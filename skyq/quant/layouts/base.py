@@ -16,14 +16,16 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import ClassVar, NamedTuple
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 from skyq.config.enums import ModelFamily
 from skyq.config.schema import ModelConfig
+from skyq.quant import dtype_names
 from skyq.quant.layouts import experts
+
+if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
 
 
 class Role(str, Enum):
@@ -53,13 +55,14 @@ class LayoutError(ValueError):
     """A parameter name the layout does not know, or a model config the layout cannot describe."""
 
 
-def hf_dtype(role: Role) -> torch.dtype:
-    """The checkpoint dtype of an unquantized parameter: fp32 for the router bias, else bf16.
+def hf_dtype_name(role: Role) -> str:
+    """The checkpoint dtype (by name, `dtype_names`) of an unquantized parameter: fp32 for the
+    router bias, else bf16.
 
     DeepSeek-V3 / Kimi keep `e_score_correction_bias` in fp32 (it is added to sigmoid scores and a
     bf16 copy changes expert selection); every other unquantized tensor is bf16.
     """
-    return torch.float32 if role is Role.router_bias else torch.bfloat16
+    return dtype_names.FP32 if role is Role.router_bias else dtype_names.BF16
 
 
 class ParamSpec(NamedTuple):
@@ -72,7 +75,13 @@ class ParamSpec(NamedTuple):
     name: str
     shape: tuple[int, ...]
     role: Role
-    dtype: torch.dtype
+    dtype_name: str
+    """The checkpoint dtype by name (`torch.bfloat16`): specs are made without importing torch."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The checkpoint dtype (imports torch)."""
+        return dtype_names.torch_dtype(self.dtype_name)
 
 
 @dataclass(frozen=True, slots=True)

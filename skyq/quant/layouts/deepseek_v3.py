@@ -25,7 +25,7 @@ from skyq.quant.layouts.base import (
     ModelQuantizationLayout,
     ParamSpec,
     Role,
-    hf_dtype,
+    hf_dtype_name,
     require_positive,
 )
 from skyq.quant.layouts.qwen3_moe import routed_expert_specs, split_layer_name
@@ -66,7 +66,7 @@ _MTP_ONLY += ("shared_head.norm.weight", "shared_head.head.weight")
 
 
 def _spec(name: str, shape: tuple[int, ...], role: Role) -> ParamSpec:
-    return ParamSpec(name, shape, role, hf_dtype(role))
+    return ParamSpec(name, shape, role, hf_dtype_name(role))
 
 
 class DeepseekV3Layout(ModelQuantizationLayout):
@@ -149,7 +149,7 @@ class DeepseekV3Layout(ModelQuantizationLayout):
             _spec(layer + "shared_head.norm.weight", (h,), Role.mtp),
             _spec(layer + "shared_head.head.weight", (v, h), Role.mtp),
         ]
-        return extra + [ParamSpec(s.name, s.shape, Role.mtp, s.dtype) for s in decoder]
+        return extra + [ParamSpec(s.name, s.shape, Role.mtp, s.dtype_name) for s in decoder]
 
     def hf_parameters(self, model_cfg: ModelConfig) -> list[ParamSpec]:
         self._check(model_cfg)

@@ -9,11 +9,12 @@ transformers 5 keeps each MoE layer's routed experts as two fused parameters of 
 from __future__ import annotations
 
 from collections.abc import Mapping
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from skyq.config.schema import ModelConfig
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 FUSED_LEAVES = ("gate_up_proj", "down_proj")
 PROJECTIONS_OF: dict[str, tuple[str, ...]] = {
@@ -89,6 +90,8 @@ def stack_projections(
     trainer_name: str, members: Mapping[tuple[str, int], Tensor], model_cfg: ModelConfig
 ) -> Tensor:
     """Stack per-expert 2-D tensors keyed by (projection, expert) into the fused trainer tensor."""
+    import torch  # here, not at the top: the layouts' name and shape rules are used without torch
+
     leaf = trainer_name.rpartition(".")[2]
     projections = PROJECTIONS_OF[leaf]
     missing = [

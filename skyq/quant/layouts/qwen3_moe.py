@@ -15,7 +15,7 @@ from skyq.quant.layouts.base import (
     ModelQuantizationLayout,
     ParamSpec,
     Role,
-    hf_dtype,
+    hf_dtype_name,
     require_positive,
 )
 
@@ -57,7 +57,7 @@ def split_layer_name(body: str) -> tuple[int, str] | None:
 def routed_expert_specs(layer: str, model_cfg: ModelConfig) -> list[ParamSpec]:
     """The per-expert HF tensors of one MoE layer, expert-major (as `save_pretrained` groups them)."""
     e_count, h, i = model_cfg.num_experts, model_cfg.hidden_size, model_cfg.moe_intermediate_size
-    dtype = hf_dtype(Role.routed_expert)
+    dtype = hf_dtype_name(Role.routed_expert)
     specs = []
     for e in range(e_count):
         base = f"{layer}mlp.experts.{e}."
@@ -93,7 +93,7 @@ class Qwen3MoeLayout(ModelQuantizationLayout):
         h, hd = model_cfg.hidden_size, model_cfg.head_dim
         q_out, kv_out = model_cfg.num_attention_heads * hd, model_cfg.num_key_value_heads * hd
         p = model_cfg.text_prefix
-        bf16 = hf_dtype(Role.attention)
+        bf16 = hf_dtype_name(Role.attention)
         specs = [ParamSpec(f"{p}model.embed_tokens.weight", (model_cfg.vocab_size, h), Role.embedding, bf16)]
         for layer_index in range(model_cfg.num_layers):
             layer = f"{p}{_LAYER}{layer_index}."

@@ -9,22 +9,26 @@ the trainer's fake-quant (`fake_quant`, bit-identical to `deserialize(serialize(
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
-import torch
-from torch import Tensor
-
 from skyq.config.enums import Fp8Recipe, Precision, QuantScope
 from skyq.config.schema import ModelConfig, PrecisionConfig
-from skyq.quant.errors import QuantizationError
-from skyq.quant.kernels import dispatch
-from skyq.quant.layouts import ModelQuantizationLayout, Role, hf_dtype
+from skyq.quant import dtype_names
+from skyq.quant.layouts import ModelQuantizationLayout, Role, hf_dtype_name
 from skyq.quant.layouts import experts as expert_layout
 
 if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
     from skyq.quant.plan import QuantPlan
+
+# torch, the quantizers (`skyq.quant.kernels.dispatch`, `fake_quant`) and `QuantizationError`
+# (skyq.quant.errors imports torch) are imported by the methods that handle tensors: the scope and
+# wire-spec methods serve the plan, which a dry run builds without torch.
 
 LINEAR_SCOPE: dict[QuantScope, frozenset[Role]] = {
     QuantScope.routed_experts: frozenset({Role.routed_expert}),
@@ -40,7 +44,18 @@ class WireSpec(NamedTuple):
 
     name: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype_name: str
+    """The dtype by name (`torch.float8_e4m3fn`, see `dtype_names`): specs are made without torch."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The torch dtype (imports torch)."""
+        return dtype_names.torch_dtype(self.dtype_name)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor."""
+        return math.prod(self.shape) * dtype_names.ITEMSIZE[self.dtype_name]
 
 
 class StrategyError(ValueError):
@@ -93,7 +108,7 @@ class QuantizationStrategy(ABC):
     def wire_specs(self, name: str, shape: tuple[int, ...], role: Role) -> list[WireSpec]:
         """The wire tensors of one parameter, from its shape alone; raises if the format cannot take it."""
         if not self.quantizes_param(name, shape, role):
-            return [WireSpec(name, tuple(shape), hf_dtype(role))]
+            return [WireSpec(name, tuple(shape), hf_dtype_name(role))]
         return self._quantized_wire_specs(name[: -len("weight")], tuple(shape))
 
     def _quantized_wire_specs(self, stem: str, shape: tuple[int, ...]) -> list[WireSpec]:
@@ -246,6 +261,8 @@ class QuantizationStrategy(ABC):
         return False, writing nothing (no grouped quantizer; or not on CUDA, where the quantizer
         runs per tensor and whole stacks then copied beat one call per piece); the caller then
         serializes and copies. `names`: the name of each input's (first) weight, for errors."""
+        from skyq.quant.kernels import dispatch
+
         if not self.grouped_quantizer or not all(dispatch.uses_kernel(x) for x in inputs):
             return False
         self._quantize_group(inputs, names, out=list(outs))
@@ -319,6 +336,8 @@ class QuantizationStrategy(ABC):
         """The wire tensors of every matrix of `stack`, stacked [E, ...] per wire position (in
         `wire_specs` order); this default encodes one matrix at a time, formats override it with
         one batched quantizer call."""
+        import torch
+
         wires = [list(self._encode(stem, stack[i]).values()) for i, stem in enumerate(stems)]
         return tuple(torch.stack(column) for column in zip(*wires))
 
@@ -328,9 +347,10 @@ class QuantizationStrategy(ABC):
         )
 
     def deserialize(
-        self, name: str, wire: Mapping[str, Tensor], *, role: Role, dtype: torch.dtype = torch.bfloat16
+        self, name: str, wire: Mapping[str, Tensor], *, role: Role, dtype: torch.dtype | None = None
     ) -> Tensor:
-        """The tensor an engine computes with: dequantized (in `dtype`) or the unquantized tensor as sent.
+        """The tensor an engine computes with: dequantized (in `dtype`, None: bf16) or the unquantized
+        tensor as sent.
 
         `role` says whether `name` is quantized under this precision; a quantized weight must arrive
         as its whole unit (weight and scales, nothing else), so an e4m3 weight without its scale is an
@@ -342,11 +362,15 @@ class QuantizationStrategy(ABC):
         stem = name.removesuffix("weight")
         expected = {stem + suffix for suffix in self.wire_suffixes}
         if not self.quantizes(role) or not name.endswith(".weight") or set(wire) != expected:
+            from skyq.quant.errors import QuantizationError
+
             want = sorted(expected) if self.quantizes(role) and name.endswith(".weight") else [name]
             raise QuantizationError(
                 f"{name} ({role.value}): {self.precision.value} wire tensors must be exactly {want}, "
                 f"got {sorted(wire)}"
             )
+        if dtype is None:
+            dtype = dtype_names.torch_dtype(dtype_names.BF16)
         return self._decode(stem, wire, dtype)
 
     def _decode(self, stem: str, wire: Mapping[str, Tensor], dtype: torch.dtype) -> Tensor:
@@ -382,7 +406,11 @@ class QuantizationStrategy(ABC):
             return tensor
         stacks = expert_layout.projection_stacks(trainer_name, tensor, model_cfg)
         parts = [self.fake_quant(stack, name=f"{trainer_name}[{projection}]") for projection, stack in stacks]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        if len(parts) == 1:
+            return parts[0]
+        import torch
+
+        return torch.cat(parts, dim=1)
 
     def te_recipe_kwargs(self) -> dict[str, object] | None:
         """Transformer Engine recipe for a Megatron trainer, as plain data (None: no TE FP8 recipe).

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from torch import Tensor
-
 from skyq.config.enums import Precision
 from skyq.quant.layouts import Role
 from skyq.quant.strategies.base import QuantizationStrategy, register_strategy
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from skyq.quant.plan import QuantPlan
 
 

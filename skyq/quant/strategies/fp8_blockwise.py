@@ -11,13 +11,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
-
 from skyq.config.enums import Fp8Recipe, Precision, ScaleFormat
 from skyq.config.schema import PrecisionConfig
-from skyq.quant import fake_quant
-from skyq.quant.kernels import dispatch
+from skyq.quant import dtype_names
 from skyq.quant.layouts import Role
 from skyq.quant.strategies.base import (
     LINEAR_SCOPE,
@@ -28,6 +24,9 @@ from skyq.quant.strategies.base import (
 )
 
 if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
     from skyq.quant.plan import QuantPlan
 
 
@@ -58,17 +57,21 @@ class Fp8BlockwiseStrategy(QuantizationStrategy):
     def _quantized_wire_specs(self, stem: str, shape: tuple[int, ...]) -> list[WireSpec]:
         (bn, bk), (n, k) = self.block_size, shape
         return [
-            WireSpec(stem + "weight", (n, k), torch.float8_e4m3fn),
-            WireSpec(stem + "weight_scale_inv", (math.ceil(n / bn), math.ceil(k / bk)), torch.float32),
+            WireSpec(stem + "weight", (n, k), dtype_names.FP8_E4M3),
+            WireSpec(stem + "weight_scale_inv", (math.ceil(n / bn), math.ceil(k / bk)), dtype_names.FP32),
         ]
 
     def _encode(self, stem: str, tensor: Tensor) -> dict[str, Tensor]:
+        from skyq.quant.kernels import dispatch
+
         q, scale_inv = dispatch.quantize_fp8_blockwise(
             tensor, block_size=self.block_size, pow2_scale=self.pow2_scale, name=stem + "weight"
         )
         return {stem + "weight": q, stem + "weight_scale_inv": scale_inv}
 
     def _encode_stack(self, stems: Sequence[str], stack: Tensor) -> tuple[Tensor, ...]:
+        from skyq.quant.kernels import dispatch
+
         return dispatch.quantize_fp8_blockwise(
             stack, block_size=self.block_size, pow2_scale=self.pow2_scale, name=stems[0] + "weight"
         )
@@ -79,6 +82,8 @@ class Fp8BlockwiseStrategy(QuantizationStrategy):
         self, inputs: Sequence[Tensor], names: Sequence[str], out: Sequence[tuple[Tensor, ...]] | None = None
     ) -> list[tuple[Tensor, ...]]:
         """`dispatch.quantize_fp8_blockwise_group` (one launch on CUDA)."""
+        from skyq.quant.kernels import dispatch
+
         return dispatch.quantize_fp8_blockwise_group(
             inputs,
             names,
@@ -88,6 +93,8 @@ class Fp8BlockwiseStrategy(QuantizationStrategy):
         )
 
     def _decode(self, stem: str, wire: Mapping[str, Tensor], dtype: torch.dtype) -> Tensor:
+        from skyq.quant.kernels import dispatch
+
         # the Triton kernel on CUDA (same bits; its checks deferred inside a deferred-checks scope)
         return dispatch.dequantize_fp8_blockwise(
             wire[stem + "weight"], wire[stem + "weight_scale_inv"], block_size=self.block_size,
@@ -95,6 +102,8 @@ class Fp8BlockwiseStrategy(QuantizationStrategy):
         )  # fmt: skip
 
     def fake_quant(self, tensor: Tensor, *, name: str = "weight") -> Tensor:
+        from skyq.quant import fake_quant
+
         return fake_quant.fake_quant_fp8_blockwise(tensor, self.block_size, self.pow2_scale, name=name)
 
     def quantization_config(self, plan: QuantPlan) -> dict[str, object]:

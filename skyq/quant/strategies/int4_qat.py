@@ -11,14 +11,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
-
 from skyq.config.enums import Precision
 from skyq.config.schema import PrecisionConfig
-from skyq.quant import fake_quant, int4
-from skyq.quant.errors import QuantizationError
-from skyq.quant.kernels import dispatch
+from skyq.quant import dtype_names
 from skyq.quant.layouts import Role
 from skyq.quant.strategies.base import (
     LINEAR_SCOPE,
@@ -29,7 +24,14 @@ from skyq.quant.strategies.base import (
 )
 
 if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
     from skyq.quant.plan import QuantPlan
+
+CODES_PER_WORD = 8
+"""INT4 codes per int32 word of `weight_packed` (`int4.CODES_PER_WORD`, which imports torch; a test
+checks they agree)."""
 
 
 @register_strategy
@@ -61,17 +63,22 @@ class Int4QatStrategy(QuantizationStrategy):
         n, k = shape
         g = self.group_size
         if k % g:
+            from skyq.quant.errors import QuantizationError
+
             raise QuantizationError(
                 f"{stem}weight: INT4 needs K % group_size == 0, but K = {k} = {k // g} * {g} + {k % g} "
                 f"(shape {shape}, precision.int4_group_size={g}); pick a group size dividing {k}"
             )
         return [
-            WireSpec(stem + "weight_packed", (n, math.ceil(k / int4.CODES_PER_WORD)), torch.int32),
-            WireSpec(stem + "weight_scale", (n, k // g), torch.bfloat16),
-            WireSpec(stem + "weight_shape", (2,), torch.int64),
+            WireSpec(stem + "weight_packed", (n, math.ceil(k / CODES_PER_WORD)), dtype_names.INT32),
+            WireSpec(stem + "weight_scale", (n, k // g), dtype_names.BF16),
+            WireSpec(stem + "weight_shape", (2,), dtype_names.INT64),
         ]
 
     def _encode(self, stem: str, tensor: Tensor) -> dict[str, Tensor]:
+        from skyq.quant import int4
+        from skyq.quant.kernels import dispatch
+
         name = stem + "weight"
         packed, scale = dispatch.quantize_int4_packed(
             tensor, group_size=self.group_size, grid=self.precision_cfg.int4_grid, name=name
@@ -84,6 +91,8 @@ class Int4QatStrategy(QuantizationStrategy):
         }
 
     def _encode_stack(self, stems: Sequence[str], stack: Tensor) -> tuple[Tensor, ...]:
+        from skyq.quant.kernels import dispatch
+
         packed, scale = dispatch.quantize_int4_packed(
             stack, group_size=self.group_size, grid=self.precision_cfg.int4_grid, name=stems[0] + "weight"
         )
@@ -101,6 +110,10 @@ class Int4QatStrategy(QuantizationStrategy):
         the stream (a blocking copy), once per matrix and stack of every sync otherwise. They are
         shared by every sync and never written (the sender only reads wire tensors); into `out`
         they are copied by one multi-tensor copy."""
+        import torch
+
+        from skyq.quant.kernels import dispatch
+
         pairs = dispatch.quantize_int4_packed_group(
             inputs,
             names,
@@ -121,6 +134,8 @@ class Int4QatStrategy(QuantizationStrategy):
         members = t.shape[0] if t.ndim == 3 else 0
         key = (n, k, members, t.device)
         if key not in self._shape_rows:
+            from skyq.quant import int4
+
             rows = int4.weight_shape_tensor(n, k)
             self._shape_rows[key] = (
                 rows.expand(members, 2).contiguous().to(t.device) if members else rows.to(t.device)
@@ -128,6 +143,8 @@ class Int4QatStrategy(QuantizationStrategy):
         return self._shape_rows[key]
 
     def _decode(self, stem: str, wire: Mapping[str, Tensor], dtype: torch.dtype) -> Tensor:
+        from skyq.quant.kernels import dispatch
+
         # `int4.dequantize_packed`'s bits; one Triton launch for CUDA tensors (the engine's prefill)
         return dispatch.dequantize_int4_packed(
             wire[stem + "weight_packed"], wire[stem + "weight_scale"], wire[stem + "weight_shape"],
@@ -135,6 +152,8 @@ class Int4QatStrategy(QuantizationStrategy):
         )  # fmt: skip
 
     def fake_quant(self, tensor: Tensor, *, name: str = "weight") -> Tensor:
+        from skyq.quant import fake_quant
+
         return fake_quant.fake_quant_int4(tensor, self.group_size, self.precision_cfg.int4_grid, name=name)
 
     def quantization_config(self, plan: QuantPlan) -> dict[str, object]:

@@ -10,13 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-import torch
-from torch import Tensor
-
 from skyq.config.enums import Fp8Recipe, Precision
-from skyq.quant import fake_quant
-from skyq.quant.errors import QuantizationError
-from skyq.quant.kernels import dispatch
+from skyq.quant import dtype_names
 from skyq.quant.layouts import Role
 from skyq.quant.strategies.base import (
     LINEAR_SCOPE,
@@ -27,6 +22,9 @@ from skyq.quant.strategies.base import (
 )
 
 if TYPE_CHECKING:
+    import torch
+    from torch import Tensor
+
     from skyq.quant.plan import QuantPlan
 
 MX_BLOCK = 32
@@ -64,20 +62,26 @@ class Mxfp8Strategy(QuantizationStrategy):
     def _quantized_wire_specs(self, stem: str, shape: tuple[int, ...]) -> list[WireSpec]:
         n, k = shape
         if k % MX_BLOCK:
+            from skyq.quant.errors import QuantizationError
+
             raise QuantizationError(
                 f"{stem}weight: MXFP8 needs K % {MX_BLOCK} == 0, but K = {k} = {k // MX_BLOCK} * {MX_BLOCK} + "
                 f"{k % MX_BLOCK} (shape {shape}); narrow precision.mxfp8_targets or leave this module bf16"
             )
         return [
-            WireSpec(stem + "weight", (n, k), torch.float8_e4m3fn),
-            WireSpec(stem + "weight_scale", (n, k // MX_BLOCK), torch.uint8),
+            WireSpec(stem + "weight", (n, k), dtype_names.FP8_E4M3),
+            WireSpec(stem + "weight_scale", (n, k // MX_BLOCK), dtype_names.UINT8),
         ]
 
     def _encode(self, stem: str, tensor: Tensor) -> dict[str, Tensor]:
+        from skyq.quant.kernels import dispatch
+
         q, scale = dispatch.quantize_mxfp8(tensor, name=stem + "weight")
         return {stem + "weight": q, stem + "weight_scale": scale}
 
     def _encode_stack(self, stems: Sequence[str], stack: Tensor) -> tuple[Tensor, ...]:
+        from skyq.quant.kernels import dispatch
+
         return dispatch.quantize_mxfp8(stack, name=stems[0] + "weight")
 
     grouped_quantizer = True
@@ -86,15 +90,21 @@ class Mxfp8Strategy(QuantizationStrategy):
         self, inputs: Sequence[Tensor], names: Sequence[str], out: Sequence[tuple[Tensor, ...]] | None = None
     ) -> list[tuple[Tensor, ...]]:
         """`dispatch.quantize_mxfp8_group` (one launch on CUDA)."""
+        from skyq.quant.kernels import dispatch
+
         return dispatch.quantize_mxfp8_group(inputs, names, out=out)  # type: ignore[arg-type]
 
     def _decode(self, stem: str, wire: Mapping[str, Tensor], dtype: torch.dtype) -> Tensor:
+        from skyq.quant.kernels import dispatch
+
         # the Triton kernel on CUDA (same bits; its checks deferred inside a deferred-checks scope)
         return dispatch.dequantize_mxfp8(
             wire[stem + "weight"], wire[stem + "weight_scale"], dtype=dtype, name=stem + "weight"
         )
 
     def fake_quant(self, tensor: Tensor, *, name: str = "weight") -> Tensor:
+        from skyq.quant import fake_quant
+
         return fake_quant.fake_quant_mxfp8(tensor, name=name)
 
     def quantization_config(self, plan: QuantPlan) -> dict[str, object]:
