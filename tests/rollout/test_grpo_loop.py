@@ -14,8 +14,11 @@ from skyq.trainer.native.trainer import NativeTrainer
 STEPS = 12
 SAMPLING_SEED = 3000
 """The engine's call seeds are SAMPLING_SEED + step. One fixed draw: over call seeds 1000-5000 (step 1000)
-the 12 steps took the expected reward from 0.336 to 0.358-0.460 (the sampler of session 13; the one
-before gave 0.387-0.416), so the bar below (+0.03) is met with a margin at this seed, not at every one."""
+the 12 steps took the expected reward from 0.336 to 0.358-0.460 (the 0.387-0.416 of an earlier
+sampler), so the bar below (+0.03) is met with a margin at this seed, not at every one. The tiny
+checkpoint is trained on the machine that runs the tests, and torch's AVX-512 and AVX2 kernels
+differ in the last place, which its warm-up grows into other weights: both kernel sets measured
+(start 0.353 / 0.391, +0.084 / +0.087), and the mismatch bounds below hold on both."""
 
 
 def _expected_reward(trainer: NativeTrainer) -> float:
@@ -58,4 +61,7 @@ def test_grpo_loop_raises_the_add_mod10_reward_with_fp8_blockwise(run_cfg, tiny_
     print(f"expected reward {start:.3f} -> {end:.3f} in {STEPS} steps ({time.perf_counter() - started:.1f} s); "
           f"mismatch_mean_abs {min(mismatches):.4f}..{max(mismatches):.4f}")  # fmt: skip
     assert end > start + 0.03
-    assert max(mismatches) < 0.03
+    # The train/rollout mismatch stays at quantization noise. Healthy runs (both CPU kernel sets,
+    # model.init_seed 0-3): medians <= 0.013 and single-step spikes up to 0.039; an engine left on
+    # step 0's weights: 0.09-0.15 at its first stale step, 0.26-1.3 after.
+    assert max(mismatches) < 0.06 and sorted(mismatches)[STEPS // 2] < 0.02, mismatches

@@ -73,7 +73,14 @@ def test_other_precisions_keep_their_path(run_cfg, tiny_checkpoint, precision):
 
 def test_fp8_gemm_forward_matches_fake_quant_and_trains(run_cfg, tiny_checkpoint):
     """Same weights and input codes; the GEMM path rounds its operands through bf16 and its output
-    to bf16, so log-probs agree to bf16 accuracy. A train step then moves every master weight."""
+    to bf16, so log-probs agree to bf16 accuracy. A train step then moves every master weight.
+
+    The bounds hold on any CPU: the tiny checkpoint is trained on the machine that runs the tests,
+    and torch's AVX-512 and AVX2 kernels (softmax, reductions) differ in the last place, which the
+    warm-up grows into different weights. Measured on both kernel sets over 16 batches: mean
+    |diff| 0.011-0.036 and at most 2 of 96 tokens above 0.3, the largest 0.65 (one token whose
+    difference grows through both layers); activation scales applied to the wrong rows give a mean
+    of 0.50-0.75 with 44-54 tokens above 0.3."""
     batch = _batch(run_cfg)
     fake = _trainer(run_cfg, tiny_checkpoint, "fp8_blockwise", Fp8Gemm.off)
     gemm = _trainer(run_cfg, tiny_checkpoint, "fp8_blockwise", Fp8Gemm.emulated)
@@ -81,7 +88,8 @@ def test_fp8_gemm_forward_matches_fake_quant_and_trains(run_cfg, tiny_checkpoint
     lp_fake = fake.logprobs(batch.input_ids, batch.attention_mask)[mask]
     lp_gemm = gemm.logprobs(batch.input_ids, batch.attention_mask)[mask]
     diff = (lp_fake - lp_gemm).abs()
-    assert float(diff.mean()) < 0.04 and float(diff.max()) < 0.3, (float(diff.mean()), float(diff.max()))
+    summary = (float(diff.mean()), float(diff.max()), int((diff > 0.3).sum()))
+    assert summary[0] < 0.04 and summary[1] < 1.0 and summary[2] <= 3, summary
     assert float(diff.max()) > 0  # the GEMM path really ran (bf16 operands differ from fp32 ones)
 
     before = {n: p.detach().clone() for n, p in gemm.model.named_parameters()}
