@@ -125,7 +125,8 @@ def engine_environment(
     env: dict[str, str] = {"VLLM_USE_FLASHINFER_SAMPLER": "0"} if device == "cuda" else {}
     refused: dict[str, str] = {}
     if importlib.util.find_spec("vllm") is None:
-        why = f"vLLM is not installed for {sys.executable} (on the CPU: make setup-vllm, then .venv-vllm/bin/python)"
+        why = (f"vLLM is not installed for {sys.executable} (GPU: install vllm there; "
+               "CPU: make setup-vllm, then run with .venv-vllm/bin/python)")  # fmt: skip
         return env, dict.fromkeys(cfgs, why)
     for name, cfg in cfgs.items():
         try:
@@ -337,7 +338,7 @@ def run_precision(name: str, cfg: schema.TrainConfig, checkpoint: Path, refused:
     if refused is not None:
         print(f"  vLLM sections (sync, decode, mismatch) skipped: {refused}", flush=True)
     else:
-        run_vllm(name, cfg, trainer, serialize, checkpoint, args, results)
+        guarded(f"{name} vLLM", run_vllm, name, cfg, trainer, serialize, checkpoint, args, results)
         synchronize(device)
     if args.device == "cuda":
         torch.cuda.empty_cache()
@@ -373,10 +374,14 @@ def run_vllm(name: str, cfg: schema.TrainConfig, trainer, serialize, checkpoint:
         kv_cache_bytes=args.kv_cache_mib << 20, enforce_eager=not args.cuda_graphs, dummy_weights=True, device=device,
     )  # fmt: skip
     rollout = dataclasses.replace(cfg.rollout, gpu_memory_fraction=args.gpu_memory_fraction)
-    kwargs = engine_kwargs(model_path=str(checkpoint), model_cfg=cfg.model, precision_cfg=cfg.precision,
-                           rollout_cfg=rollout, seed=cfg.seed, options=options)  # fmt: skip
-    engine = guarded(f"{name} vLLM boot", lambda: VllmEngine(llm_kwargs=kwargs, model_cfg=cfg.model,
-                                                           precision_cfg=cfg.precision))  # fmt: skip
+
+    def boot() -> VllmEngine:
+        # engine_kwargs refuses (ValueError) what vLLM cannot serve here: a precision, a block shape
+        kwargs = engine_kwargs(model_path=str(checkpoint), model_cfg=cfg.model, precision_cfg=cfg.precision,
+                               rollout_cfg=rollout, seed=cfg.seed, options=options)  # fmt: skip
+        return VllmEngine(llm_kwargs=kwargs, model_cfg=cfg.model, precision_cfg=cfg.precision)
+
+    engine = guarded(f"{name} vLLM boot", boot)
     if engine is None:
         return
     print(f"  vLLM engine booted in {engine.build_seconds():.1f} s", flush=True)
@@ -416,8 +421,14 @@ def run_vllm(name: str, cfg: schema.TrainConfig, trainer, serialize, checkpoint:
 # tables -----------------------------------------------------------------------------------------
 
 
-def ratio(ours: float | None, base: float | None) -> str:
-    return f"{ours / base:.2f}" if ours is not None and base else "-"
+def ratio(ours: float | None, base: float | None, bar: float | None = None, at_most: bool = True) -> str:
+    """ours / base to two decimals, with ' met' / ' MISS' against `bar` when one applies."""
+    if ours is None or not base:
+        return "-"
+    value = ours / base
+    if bar is None:
+        return f"{value:.2f}"
+    return f"{value:.2f} {'met' if (value <= bar if at_most else value >= bar) else 'MISS'}"
 
 
 def number(value: float | None, fmt: str) -> str:
@@ -432,14 +443,14 @@ def print_tables(
     print(f"\n1. sync into vLLM: one full sync (serialize + gloo send + receive, verify, layerwise load), "
           f"median of {args.repeats}; bar fmt / bf16 <= {SYNC_BAR}")  # fmt: skip
     print(f"  {'precision':14} {'wall s':>8} {'min s':>8} {'quant s':>8} {'recv s':>8} {'load s':>8} {'MiB':>8} "
-          f"{'/ bf16':>7}")  # fmt: skip
+          f"{'/ bf16':>10}")  # fmt: skip
     for p in precisions:
         s = sync.get(p)
         if s is None:
             print(f"  {p:14} {'-':>8}")
             continue
         print(f"  {p:14} {s['wall_s']:8.3f} {s['min_s']:8.3f} {s['quantize_s']:8.3f} {s['recv_s']:8.3f} "
-              f"{s['load_s']:8.3f} {s['bytes'] / 2**20:8.1f} {ratio(s['wall_s'], base.get('wall_s')):>7}")  # fmt: skip
+              f"{s['load_s']:8.3f} {s['bytes'] / 2**20:8.1f} {ratio(s['wall_s'], base.get('wall_s'), None if p == 'bf16' else SYNC_BAR):>10}")  # fmt: skip
 
     decode, embedded = results["decode"], results["embedded"]
     print(f"\n2. vLLM decode tokens/s (prompt {args.prompt_len}, {args.new_tokens} new tokens, eos ignored, "
@@ -451,20 +462,25 @@ def print_tables(
     print(f"  {'batch':>6}{head}")
     for b in args.batches:
         cells = [number(decode.get(p, {}).get(b), ".0f") for p in precisions]
-        cells += [ratio(decode.get(p, {}).get(b), decode.get("bf16", {}).get(b)) for p in others]
+        bar = DECODE_BAR if b <= DECODE_BAR_MAX_BATCH else None
+        cells += [
+            ratio(decode.get(p, {}).get(b), decode.get("bf16", {}).get(b), bar, at_most=False) for p in others
+        ]
         print(f"  {b:>6}" + "".join(f"{c:>14}" for c in cells))
 
     base_m = results["mismatch"].get("bf16", {}).get("mean")
     print(f"\n3. mismatch trainer vs vLLM: mean |logp_trainer - logp_vllm| over vLLM's samples at temperature 1; "
           f"bar fmt / bf16 <= {MISMATCH_BAR}")  # fmt: skip
-    print(f"  {'precision':14} {'mean':>10} {'max':>10} {'tokens':>8} {'/ bf16':>7}")
+    print(f"  {'precision':14} {'mean':>10} {'max':>10} {'tokens':>8} {'/ bf16':>10}")
     for p in precisions:
         m = results["mismatch"].get(p)
         if m is None:
             print(f"  {p:14} {'-':>10}")
             continue
         # bf16 on both sides can be exactly 0: the ratio is then undefined and shown as '-'
-        print(f"  {p:14} {m['mean']:10.5f} {m['max']:10.4f} {m['tokens']:8d} {ratio(m['mean'], base_m):>7}")
+        print(
+            f"  {p:14} {m['mean']:10.5f} {m['max']:10.4f} {m['tokens']:8d} {ratio(m['mean'], base_m, None if p == 'bf16' else MISMATCH_BAR):>10}"
+        )
 
     print("\n4. embedded engine tokens/s beside vLLM's (same prompts and batches)")
     head = "".join(f"{'emb ' + SHORT.get(p, p):>14}{'emb / vLLM':>12}" for p in precisions)
@@ -535,6 +551,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     env, refused = engine_environment(cfgs, args.device)
+    env.setdefault(
+        "VLLM_LOGGING_LEVEL", os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")
+    )  # the tables stay readable
     apply_env(env)  # before vLLM is imported (it reads several of these at import)
     from importlib.metadata import PackageNotFoundError, version
 
