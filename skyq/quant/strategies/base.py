@@ -30,6 +30,19 @@ if TYPE_CHECKING:
 # (skyq.quant.errors imports torch) are imported by the methods that handle tensors: the scope and
 # wire-spec methods serve the plan, which a dry run builds without torch.
 
+
+class _LazyDispatch:
+    """`skyq.quant.kernels.dispatch`, imported on first attribute access (it imports torch); a
+    module attribute, so a test can stand in for it."""
+
+    def __getattr__(self, name: str) -> object:
+        from skyq.quant.kernels import dispatch as module
+
+        return getattr(module, name)
+
+
+dispatch = _LazyDispatch()
+
 LINEAR_SCOPE: dict[QuantScope, frozenset[Role]] = {
     QuantScope.routed_experts: frozenset({Role.routed_expert}),
     QuantScope.all_linear: frozenset(
@@ -261,8 +274,6 @@ class QuantizationStrategy(ABC):
         return False, writing nothing (no grouped quantizer; or not on CUDA, where the quantizer
         runs per tensor and whole stacks then copied beat one call per piece); the caller then
         serializes and copies. `names`: the name of each input's (first) weight, for errors."""
-        from skyq.quant.kernels import dispatch
-
         if not self.grouped_quantizer or not all(dispatch.uses_kernel(x) for x in inputs):
             return False
         self._quantize_group(inputs, names, out=list(outs))
