@@ -92,7 +92,7 @@ def check_vllm(cfg: TrainConfig, run_dir: Path) -> None:
 
 def run(cfg: DictConfig, run_dir: Path) -> None:
     """Validate, then dry-run or run. Raises on any configuration problem."""
-    from skyq import preflight  # the quantization plan, and with it torch
+    from skyq import preflight  # the quantization plan
 
     cfg = strict(cfg)
     obj: TrainConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]

@@ -22,7 +22,14 @@ from skyq.config.enums import Precision
 from skyq.config.resolve import WorkerResolution, resolve_worker
 from skyq.config.schema import ModelConfig, PrecisionConfig, RolloutConfig
 from skyq.rl.batch import Sample
-from skyq.rollout.vllm.engine_args import VllmOptions, apply_env, engine_env, engine_kwargs, refuse_on_cpu
+from skyq.rollout.vllm.engine_args import (
+    VllmOptions,
+    apply_env,
+    block_fp8_problem,
+    engine_env,
+    engine_kwargs,
+    refuse_on_cpu,
+)
 from skyq.sync.errors import SyncError
 
 
@@ -55,6 +62,9 @@ def check_engine_config(
     *, model: ModelConfig, precision: PrecisionConfig, rollout: RolloutConfig, device: str
 ) -> None:
     """Refuse, before anything starts, what a vLLM engine on `device` cannot serve (imports no vLLM)."""
+    problem = block_fp8_problem(model, precision)
+    if problem is not None:
+        raise ValueError(problem)
     if device != "cpu":
         return
     refuse_on_cpu(precision.name)
