@@ -75,7 +75,8 @@ def check_vllm(cfg: TrainConfig, run_dir: Path) -> None:
 
     device = placement_for(cfg.topology).device
     check_engine_config(model=cfg.model, precision=cfg.precision, rollout=cfg.rollout, device=device)
-    if importlib.util.find_spec("vllm") is not None:
+    spec = importlib.util.find_spec("vllm")
+    if spec is not None and spec.origin is not None:  # an installed vLLM, not a folder named vllm
         return
     python = vllm_python()
     # Compared by environment, not by resolved interpreter: venvs link to one base Python.
