@@ -36,6 +36,7 @@ from skyq.launch.placement import placement_for
 from skyq.quant import fp8_blockwise, mxfp8
 from skyq.rl.batch import RolloutBatch, collate
 from skyq.rl.tasks import build_task
+from skyq.rl.tokenizer import EOS_ID
 from skyq.rollout.quantized_linear import WireExperts, WireLinear
 from skyq.trainer.native.precision import (
     ActivationQuantExperts,
@@ -56,7 +57,7 @@ def build_pair(overrides: list[str], device: str) -> tuple[LocalPair, object]:
     spec = PairSpec(
         model=cfg.model, precision=cfg.precision, algorithm=cfg.algorithm, trainer=cfg.trainer,
         rollout=cfg.rollout, placement=placement_for(cfg.topology, cfg.rollout.weight_sync.transport),
-        checkpoint_path=str(checkpoint), seed=cfg.seed,
+        checkpoint_path=str(checkpoint), seed=cfg.seed, eos_token_id=EOS_ID,
     )  # fmt: skip
     return LocalPair(spec), cfg
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from skyq.launch.actors import EngineWorker, TrainerWorker
+from skyq.rl.tokenizer import EOS_ID
 from skyq.sync.errors import SyncError, SyncRefused
 from skyq.sync.in_process import in_process_pair
 from skyq.sync.plan_wire import wire_digest
@@ -38,7 +39,9 @@ def build_workers(overrides: list[str]) -> tuple[TrainerWorker, EngineWorker]:
         seed=cfg.seed,
         temperature=cfg.rollout.temperature,
     )
-    engine = EngineWorker(model_cfg=cfg.model, precision_cfg=cfg.precision, device="cpu", seed=cfg.seed)
+    engine = EngineWorker(
+        model_cfg=cfg.model, precision_cfg=cfg.precision, device="cpu", seed=cfg.seed, eos_token_id=EOS_ID
+    )
     return trainer, engine
 
 
