@@ -9,7 +9,7 @@ guesses which it has).
 
 from __future__ import annotations
 
-from skyq.config.enums import ComputeDtype, Device, Precision, RolloutBackend, TrainerBackend
+from skyq.config.enums import ComputeDtype, Device, Precision, RolloutBackend, TrainerBackend, TransportKind
 from skyq.config.resolve import packing_alignment, resolve_worker
 from skyq.config.schema import TrainConfig
 from skyq.config.validate import ValidationReport, num_engines, trainer_dp
@@ -44,6 +44,32 @@ def _embedded(cfg: TrainConfig) -> bool:
     return cfg.trainer.backend is TrainerBackend.torch and cfg.rollout.backend is RolloutBackend.embedded
 
 
+def _torch_vllm_placement(cfg: TrainConfig) -> str:
+    """What trainer=torch rollout=vllm really starts: one native trainer actor and rollout.num_engines vLLM
+    engine actors (one unless set), never in the driver's process (vLLM owns its engine process)."""
+    from skyq.launch.placement import placement_for
+
+    t, r = cfg.topology, cfg.rollout
+    transport = r.weight_sync.transport
+    placed = placement_for(t, TransportKind.broadcast if transport is TransportKind.auto else transport)
+    engines = r.num_engines or 1
+    if t.device is Device.cpu:
+        where = "on the CPU"
+    else:
+        gpus = t.num_nodes * t.gpus_per_node
+        used = placed.trainer_gpus + engines * placed.engine_gpus
+        where = f"on {used:g} of the topology's {gpus} GPU(s) (trainer {placed.trainer_gpus:g}, each engine {placed.engine_gpus:g})"
+    return "\n".join(
+        [
+            f"placement: the native trainer and {engines} vLLM engine(s) as Ray actors {where}",
+            "  trainer: one process, the whole model (no TP/PP/EP/DP)",
+            f"  rollout: {engines} engine(s), each one vLLM process (TP{r.tp_size or r.gpus_per_engine} "
+            f"DP{r.dp_size} EP{r.ep_size}), memory fraction {r.gpu_memory_fraction}",
+            "  sync: skyq's accounted sync over gloo through host memory into each engine, verified per engine",
+        ]
+    )
+
+
 def _placement(cfg: TrainConfig) -> str:
     t, p, r = cfg.topology, cfg.topology.parallel, cfg.rollout
     if _embedded(cfg):
@@ -64,6 +90,8 @@ def _placement(cfg: TrainConfig) -> str:
                 f"  sync: {where}",
             ]
         )
+    if cfg.trainer.backend is TrainerBackend.torch and r.backend is RolloutBackend.vllm:
+        return _torch_vllm_placement(cfg)
     if r.backend is RolloutBackend.embedded:
         from skyq.launch.placement import describe, placement_for
 

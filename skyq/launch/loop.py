@@ -15,6 +15,7 @@ weight version with the same data order, after verifying that the engine holds t
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from collections.abc import Iterator
@@ -41,7 +42,7 @@ from skyq.launch.deadlines import WorkerTimeout
 from skyq.launch.guards import MismatchGuard
 from skyq.launch.metrics import MetricsLogger, keep_rows_before, read_metrics
 from skyq.launch.pair import PairSpec, WorkerPair
-from skyq.launch.placement import describe, placement_for
+from skyq.launch.placement import Placement, describe, placement_for
 from skyq.launch.plot import plot_run
 from skyq.launch.ray_local import local_ray, startup_line
 from skyq.launch.redaction import redact
@@ -103,6 +104,16 @@ def worker_transport(trainer: TrainerConfig, rollout: RolloutConfig) -> Transpor
             "its own Ray actor; use transport=auto or broadcast"
         )
     return TransportKind.broadcast
+
+
+def run_placement(topology: TopologyConfig, trainer: TrainerConfig, rollout: RolloutConfig) -> Placement:
+    """Where the run's workers live and how frames move, for the chosen backend pair: the topology's
+    placement, Ray actors for a backend that cannot share the driver's process, and frames through
+    host memory for an engine that cannot receive them on its GPU."""
+    placement = placement_for(topology, worker_transport(trainer, rollout))
+    if not lookup(trainer.backend, rollout.backend).device_sync:
+        placement = dataclasses.replace(placement, sync_device="cpu")
+    return placement
 
 
 def rollout_seed(seed: int, step: int) -> int:
@@ -251,7 +262,7 @@ def run_rl(
         resume: continue `run_dir` from its newest checkpoint.
     """
     check_supported(rollout=rollout, trainer=trainer, algorithm=algorithm)
-    placement = placement_for(topology, worker_transport(trainer, rollout))
+    placement = run_placement(topology, trainer, rollout)
     # The task (its tokenizer and dataset) is checked before the run directory is touched.
     tokenizer = tokenizer_for(
         task, checkpoint_dir=checkpoint.hf_checkpoint, model_vocab_size=model.vocab_size

@@ -34,6 +34,9 @@ class WorkerBackends:
     in_process: bool = True
     """Whether the pair can share the driver's process (the one-GPU layout); a backend that owns its
     process (vLLM's engine core) runs as Ray actors only."""
+    device_sync: bool = True
+    """Whether the engine can receive sync frames on its GPU (NCCL); False: over gloo through host
+    memory whatever the placement (skyq's vLLM transfer today)."""
 
     def trainer_class(self) -> type:
         """The trainer worker class, checked against `TrainerWorkerApi`."""
@@ -110,5 +113,6 @@ register(
         trainer_kwargs="skyq.launch.pair:native_trainer_kwargs",
         engine_kwargs="skyq.launch.pair:vllm_engine_kwargs",
         in_process=False,
+        device_sync=False,
     ),
 )

@@ -62,3 +62,35 @@ def test_a_run_without_vllm_anywhere_is_one_error_line(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: rollout=vllm needs vLLM"), proc.stderr
     assert "make setup-vllm" in lines[0]
     assert not list(tmp_path.glob("*/*"))  # no run directory left behind
+
+
+@pytest.mark.parametrize(
+    ("overrides", "transport", "device", "sync_device"),
+    [
+        (["rollout=vllm", "topology=1gpu"], "broadcast", "cuda", "cpu"),  # never in the driver's process
+        (["rollout=vllm", "topology=2gpu"], "broadcast", "cuda", "cpu"),  # frames through host memory
+        (["rollout=embedded", "topology=2gpu"], "broadcast", "cuda", "cuda"),  # NCCL between the GPUs
+        (["rollout=embedded", "topology=1gpu"], "in_process", "cuda", "cuda"),
+        (["rollout=vllm", "topology=cpu"], "broadcast", "cpu", "cpu"),
+    ],
+)
+def test_the_run_places_each_backend_pair_where_it_can_work(overrides, transport, device, sync_device):
+    from skyq.launch.loop import run_placement
+
+    cfg = to_object(compose(["precision=bf16", "model=small_moe", *overrides]))
+    placed = run_placement(cfg.topology, cfg.trainer, cfg.rollout)
+    assert (placed.transport.value, placed.device, placed.sync_device) == (transport, device, sync_device)
+
+
+def test_in_process_transport_is_refused_for_vllm():
+    from skyq.launch.loop import run_placement
+
+    cfg = to_object(
+        compose(
+            ["precision=bf16", "rollout=vllm", "topology=1gpu", "rollout.weight_sync.transport=in_process"]
+        )
+    )
+    with pytest.raises(
+        ValueError, match="rollout.weight_sync.transport=in_process: rollout=vllm runs each engine"
+    ):
+        run_placement(cfg.topology, cfg.trainer, cfg.rollout)
