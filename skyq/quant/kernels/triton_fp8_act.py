@@ -57,7 +57,7 @@ def _rows_cols_kernel(
     L2) as [T, SUB] column slices, which hold whole columns, so each slice has its own column amax
     and its transposed codes go out as full T-byte rows of qt. SUB == T loads the whole tile once
     and derives both orientations from those registers. (Accumulating the column amax in
-    the rows sweep and writing SUB-byte pieces of qt rows measured 0.29 of copy against 0.47.)
+    the rows sweep and writing SUB-byte pieces of qt rows was measured slower; docs/benchmarks.md, M1.)
     M and n_tiles_k are never specialized: with Triton 3.6 a launch where both are 1 (one 1 x 128
     input), specialized as constants, wrote wrong row codes on the H200 at 4 and 16 warps (and an
     explicit-layout Gluon version of this kernel at 8 and 16); as runtime values every warp count

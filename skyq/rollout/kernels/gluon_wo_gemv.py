@@ -7,7 +7,7 @@ as `gluon_fp8_gemv`'s kernel lays out FP8 codes.
 route MXFP8 here on devices of compute capability >= 8.9 (its e4m3 conversion).
 
 `triton_int4_gemv` leaves the layout to Triton, which sends the dequantized tile through shared memory
-to reach the MMA operand (ncu on the H200: DRAM far from its peak; docs/benchmarks.md, M4). Here each
+to reach the MMA operand (the profile is in docs/benchmarks.md, M4). Here each
 thread loads the int32 words of its own `mma.sync` A fragments, exactly as the FP8 Gluon kernel loads
 its codes: per 64-column chunk a thread holds the 16 contiguous columns 16t .. 16t + 15 (two INT4
 words of eight codes, or four MXFP8 words of four), K permuted inside the chunk for both operands

@@ -207,8 +207,9 @@ class SkyqWeightTransferEngine(WeightTransferEngine[SkyqInitInfo, SkyqUpdateInfo
 
     @staticmethod
     def trainer_send_weights(iterator, trainer_args) -> None:
-        """vLLM 0.26's base class declares the trainer's send here (abstract); skyq's trainer sends
-        with `skyq.sync.sender.WeightSender`, never through the worker-side class."""
+        """vLLM 0.26's base class declares the trainer's send here (abstract, so the class must define
+        it to be built); skyq's trainer sends with `skyq.sync.sender.WeightSender`, never through the
+        worker-side class, so a call here is a programming error, refused."""
         raise NotImplementedError("skyq's trainer sends with skyq.sync.sender.WeightSender")
 
     def shutdown(self) -> None:
