@@ -26,6 +26,20 @@ precisions' vLLM sections print why they are skipped, and their embedded engine 
     python benchmarks/vllm_rollout.py --precisions bf16 fp8_blockwise int4_qat mxfp8
     .venv-vllm/bin/python benchmarks/vllm_rollout.py --device cpu --precisions bf16 --smoke
 
+Variants of one precision run as separate processes (vLLM reads its environment at import) and are
+combined afterwards: `--label NAME` keys a process's results, `--engine-env KEY=VALUE` and
+`--vllm-kwarg KEY=JSON` change the engine (e.g. `VLLM_TEST_FORCE_FP8_MARLIN=1` with `moe_backend="marlin"`
+`linear_backend="marlin"`: FP8 weights, bf16 activations), `--json` writes the results and `--combine`
+prints the tables of several files. `--decode-only` boots the engine on a config-only checkpoint with
+random weights (a model too large to train here, e.g. `--model qwen3_30b model.num_layers=12`) and
+measures decode alone. `--turn DIR:N` lets N processes boot at once (the CPU-bound compile overlaps)
+and measure one at a time: each waits until all N have booted (or ended), then takes a lock.
+
+    python benchmarks/vllm_rollout.py --precisions fp8_blockwise --no-baseline --label fp8_marlin \
+        --engine-env VLLM_TEST_FORCE_FP8_MARLIN=1 --vllm-kwarg moe_backend='"marlin"' \
+        --vllm-kwarg linear_backend='"marlin"' --cuda-graphs --json fp8_marlin.json
+    python benchmarks/vllm_rollout.py --combine bf16.json fp8_marlin.json
+
 Configs come from skyq's composition when Hydra is installed, else straight from conf/<group>/*.yaml
 (model and precision groups only; every other key keeps its dataclass default).
 """
@@ -36,12 +50,15 @@ import argparse
 import dataclasses
 import datetime
 import enum
+import fcntl
 import importlib.util
+import json
 import os
 import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -327,6 +344,12 @@ def run_precision(name: str, cfg: schema.TrainConfig, checkpoint: Path, refused:
 
     device, vocab = args.device, cfg.model.vocab_size
     print(f"\n[{name}]", flush=True)
+    if args.decode_only:
+        if refused is not None:
+            print(f"  vLLM skipped: {refused}", flush=True)
+            return
+        guarded(f"{name} vLLM", run_vllm, name, cfg, None, None, checkpoint, args, results)
+        return
     trainer = guarded(f"{name} trainer", lambda: NativeTrainer(
         model_cfg=cfg.model, precision_cfg=cfg.precision, optimizer_cfg=cfg.trainer.optimizer,
         algorithm_cfg=cfg.algorithm, micro_batch_size=cfg.trainer.micro_batch_size, checkpoint_path=str(checkpoint),
@@ -359,14 +382,15 @@ def run_precision(name: str, cfg: schema.TrainConfig, checkpoint: Path, refused:
                 results["embedded"].setdefault(name, {})[batch] = rate
                 print(f"  embedded decode batch {batch:>4}: {rate:>10.0f} tokens/s", flush=True)
 
-    guarded(f"{name} embedded engine", embedded)
+    if not args.skip_embedded:
+        guarded(f"{name} embedded engine", embedded)
 
 
 def run_vllm(name: str, cfg: schema.TrainConfig, trainer, serialize, checkpoint: Path, args: argparse.Namespace,
              results: dict[str, dict]) -> None:  # fmt: skip
     from skyq.rollout.vllm.engine import VllmEngine
 
-    device, vocab = args.device, cfg.model.vocab_size
+    device = args.device
     needed = max(args.prompt_len + args.new_tokens, cfg.task.max_prompt_length + cfg.task.max_response_length)
     options = VllmOptions(
         max_model_len=min(cfg.model.max_position_embeddings, max(needed, 256)),
@@ -379,43 +403,102 @@ def run_vllm(name: str, cfg: schema.TrainConfig, trainer, serialize, checkpoint:
         # engine_kwargs refuses (ValueError) what vLLM cannot serve here: a precision, a block shape
         kwargs = engine_kwargs(model_path=str(checkpoint), model_cfg=cfg.model, precision_cfg=cfg.precision,
                                rollout_cfg=rollout, seed=cfg.seed, options=options)  # fmt: skip
+        if args.cuda_graphs:  # capture the measured batch sizes only (each capture costs boot time)
+            sizes = sorted({*args.batches, options.max_num_seqs})
+            kwargs["compilation_config"] = {"cudagraph_capture_sizes": sizes}
+        kwargs.update(args.vllm_kwargs)
         return VllmEngine(llm_kwargs=kwargs, model_cfg=cfg.model, precision_cfg=cfg.precision)
 
     engine = guarded(f"{name} vLLM boot", boot)
     if engine is None:
         return
+    results["boot_s"][name] = engine.build_seconds()
     print(f"  vLLM engine booted in {engine.build_seconds():.1f} s", flush=True)
     try:
+        args.turn.booted()
+        measure_vllm(name, engine, cfg, trainer, serialize, args, results)
+    finally:
+        args.turn.finished()
+        guarded(f"{name} vLLM shutdown", engine.shutdown)
+
+
+class Turn:
+    """`--turn DIR:N`: boot alongside N-1 other processes, measure alone. Once booted, a process marks
+    itself ready in DIR and waits (at most `wait_s`) until all N are ready or finished, then holds
+    DIR/lock while it measures; `finished` (also on an error, or without a boot) releases it."""
+
+    def __init__(self, spec: str | None, wait_s: float) -> None:
+        self.wait_s = wait_s
+        self.folder: Path | None = None
+        if spec is None:
+            return
+        where, count = spec.rsplit(":", 1)
+        self.folder, self.total = Path(where), int(count)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.me = str(os.getpid())
+        self.lock = open(self.folder / "lock", "a+")  # noqa: SIM115 (held across calls)
+
+    def booted(self) -> None:
+        if self.folder is None:
+            return
+        (self.folder / f"{self.me}.ready").touch()
+        deadline = time.monotonic() + self.wait_s
+        while time.monotonic() < deadline:
+            arrived = {p.stem for p in self.folder.glob("*.ready")} | {
+                p.stem for p in self.folder.glob("*.done")
+            }
+            if len(arrived) >= self.total:
+                break
+            time.sleep(1)
+        start = time.monotonic()
+        fcntl.flock(self.lock, fcntl.LOCK_EX)
+        print(f"  measuring alone (waited {time.monotonic() - start:.1f} s for the lock)", flush=True)
+
+    def finished(self) -> None:
+        if self.folder is None or self.lock.closed:
+            return
+        (self.folder / f"{self.me}.done").touch()
+        fcntl.flock(self.lock, fcntl.LOCK_UN)
+        self.lock.close()
+
+
+def measure_vllm(name: str, engine, cfg: schema.TrainConfig, trainer, serialize, args: argparse.Namespace,
+                 results: dict[str, dict]) -> None:  # fmt: skip
+    """On a booted engine: sync, decode at every batch, mismatch; decode alone without a trainer
+    (`--decode-only`: the random weights it booted with are decoded)."""
+    device, vocab = args.device, cfg.model.vocab_size
+    pair = None
+    if trainer is not None:
         pair = guarded(
             f"{name} sync group", lambda: SyncPair(engine, trainer, serialize, cfg.rollout.weight_sync)
         )
-        synced = None
-        if pair is not None:
-            synced = guarded(f"{name} sync", lambda: sync_section(pair, args.repeats, device))
-        if synced is not None:
-            results["sync"][name] = synced
-            print(f"  sync: median {synced['wall_s']:.3f} s (min {synced['min_s']:.3f}) for "
-                  f"{synced['bytes'] / 2**20:.1f} MiB", flush=True)  # fmt: skip
-        else:
+        synced = (
+            None
+            if pair is None
+            else guarded(f"{name} sync", lambda: sync_section(pair, args.repeats, device))
+        )
+        if synced is None:
             print(
                 "  decode and mismatch skipped: no sync committed (the engine holds dummy weights)",
                 flush=True,
             )
             return
-        for batch in args.batches:
-            rate = guarded(f"{name} vLLM batch {batch}", vllm_tokens_per_s, engine.llm, batch, args, vocab)
-            if rate is not None:
-                results["decode"].setdefault(name, {})[batch] = rate
-                print(f"  vLLM decode batch {batch:>4}: {rate:>10.0f} tokens/s", flush=True)
-        mismatch = guarded(f"{name} mismatch", lambda: mismatch_section(engine, trainer, cfg, args))
-        if mismatch is not None:
-            results["mismatch"][name] = mismatch
-            print(f"  mismatch: mean |dlogp| {mismatch['mean']:.5f} (max {mismatch['max']:.4f}) over "
-                  f"{mismatch['tokens']} tokens", flush=True)  # fmt: skip
-        if pair is not None:
-            pair.close()
-    finally:
-        guarded(f"{name} vLLM shutdown", engine.shutdown)
+        results["sync"][name] = synced
+        print(f"  sync: median {synced['wall_s']:.3f} s (min {synced['min_s']:.3f}) for "
+              f"{synced['bytes'] / 2**20:.1f} MiB", flush=True)  # fmt: skip
+    for batch in args.batches:
+        rate = guarded(f"{name} vLLM batch {batch}", vllm_tokens_per_s, engine.llm, batch, args, vocab)
+        if rate is not None:
+            results["decode"].setdefault(name, {})[batch] = rate
+            print(f"  vLLM decode batch {batch:>4}: {rate:>10.0f} tokens/s", flush=True)
+    if pair is None:
+        return
+    mismatch = guarded(f"{name} mismatch", lambda: mismatch_section(engine, trainer, cfg, args))
+    if mismatch is not None:
+        results["mismatch"][name] = mismatch
+        print(f"  mismatch: mean |dlogp| {mismatch['mean']:.5f} (max {mismatch['max']:.4f}) over "
+              f"{mismatch['tokens']} tokens", flush=True)  # fmt: skip
+    pair.close()
 
 
 # tables -----------------------------------------------------------------------------------------
@@ -524,6 +607,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--cuda-graphs", action="store_true", help="vLLM with CUDA graphs / compile (default eager)"
     )
     ap.add_argument("--smoke", action="store_true", help="one tiny run of every section (tests)")
+    ap.add_argument("--label", help="results key of this process's one precision (default: the precision)")
+    ap.add_argument("--no-baseline", action="store_true", help="measure the given precisions only (no bf16)")
+    ap.add_argument("--engine-env", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra vLLM environment variable (set before vLLM is imported)")  # fmt: skip
+    ap.add_argument("--vllm-kwarg", action="append", default=[], metavar="KEY=JSON",
+                    help='extra vllm.LLM keyword, e.g. moe_backend=\'"marlin"\'')  # fmt: skip
+    ap.add_argument("--decode-only", action="store_true",
+                    help="no trainer: boot on a config-only checkpoint with random weights, measure decode")  # fmt: skip
+    ap.add_argument("--skip-embedded", action="store_true", help="no embedded-engine section")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument(
+        "--turn", metavar="DIR:N", help="boot with N-1 other processes, measure alone (see above)"
+    )
+    ap.add_argument(
+        "--turn-wait-s", type=float, default=300.0, help="--turn: longest wait for the others' boots"
+    )
+    ap.add_argument("--combine", type=Path, nargs="+", help="print the tables of these --json files and exit")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. model.init_sft_steps=20")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -539,18 +639,54 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.mismatch_prompts, args.mismatch_group = 4, 2
         if not any(o.startswith("model.init_sft_steps=") for o in args.overrides):
             args.overrides.append("model.init_sft_steps=20")
-    args.precisions = ["bf16", *dict.fromkeys(p for p in args.precisions if p != "bf16")]
+    if not args.no_baseline:
+        args.precisions = ["bf16", *dict.fromkeys(p for p in args.precisions if p != "bf16")]
+    if args.label is not None and len(args.precisions) != 1:
+        ap.error("--label names the results of one precision: use it with --no-baseline and one precision")
+    try:
+        args.vllm_kwargs = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.vllm_kwarg)}
+        args.engine_env = dict(kv.split("=", 1) for kv in args.engine_env)
+    except ValueError as exc:
+        ap.error(f"--vllm-kwarg KEY=JSON / --engine-env KEY=VALUE: {exc}")
+    args.turn = Turn(args.turn, args.turn_wait_s)
     return args
+
+
+def combine(paths: list[Path]) -> int:
+    """Print the tables of several `--json` results files (one precision or variant each)."""
+    results: dict[str, dict] = {"sync": {}, "decode": {}, "mismatch": {}, "embedded": {}, "boot_s": {}}
+    labels: list[str] = []
+    for path in paths:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        for section, values in data["results"].items():
+            results.setdefault(section, {}).update({k: ({int(b): r for b, r in v.items()} if section in
+                                                        ("decode", "embedded") else v) for k, v in values.items()})  # fmt: skip
+        labels += [label for label in data["labels"] if label not in labels]
+        args = argparse.Namespace(**data["args"])
+    labels = ["bf16", *(x for x in labels if x != "bf16")] if "bf16" in labels else labels
+    print("boot s: " + ", ".join(f"{k} {v:.1f}" for k, v in results["boot_s"].items()))
+    print_tables(results, labels, args, data["where"])
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.combine:
+        return combine(args.combine)
     try:
-        cfgs = {p: build_config(args.model, p, args.overrides) for p in args.precisions}
+        return measure(args)
+    finally:
+        args.turn.finished()  # a process that fails before its turn must not hold the others up
+
+
+def measure(args: argparse.Namespace) -> int:
+    try:
+        cfgs = {args.label or p: build_config(args.model, p, args.overrides) for p in args.precisions}
     except Exception as exc:  # a bad model / precision / override: one line, nothing started
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     env, refused = engine_environment(cfgs, args.device)
+    env.update(args.engine_env)
     env.setdefault(
         "VLLM_LOGGING_LEVEL", os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")
     )  # the tables stay readable
@@ -563,7 +699,8 @@ def main(argv: list[str] | None = None) -> int:
         except PackageNotFoundError:
             return "absent"
 
-    model = cfgs["bf16"].model
+    base = next(iter(cfgs.values()))
+    model = base.model
     where = (f"{args.model} ({model.num_layers} layers, hidden {model.hidden_size}, {model.num_experts} experts "
              f"top-{model.num_experts_per_tok}, head_dim {model.head_dim}), {machine(args.device)}")  # fmt: skip
     print(f"command: {' '.join([Path(sys.executable).name, *sys.argv])}")
@@ -576,16 +713,29 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {where.split(', ' + machine(args.device))[0]}; vLLM env {env}")
     from skyq.trainer.native.tiny_checkpoint import ensure_tiny_checkpoint
 
-    base = cfgs["bf16"]
     start = time.perf_counter()
-    checkpoint = ensure_tiny_checkpoint(
-        base.model, base.task, cache_dir=base.checkpoint.cache_dir, device=args.device
-    )
+    if args.decode_only:  # vLLM's dummy load needs the config alone
+        from skyq.checkpoint.hf_config import checkpoint_config_json
+
+        checkpoint = Path(tempfile.mkdtemp(prefix="skyq-config-only-"))
+        (checkpoint / "config.json").write_text(
+            json.dumps(checkpoint_config_json(base.model)), encoding="utf-8"
+        )
+    else:
+        checkpoint = ensure_tiny_checkpoint(
+            base.model, base.task, cache_dir=base.checkpoint.cache_dir, device=args.device
+        )
     print(f"checkpoint: {checkpoint} ({time.perf_counter() - start:.1f} s)", flush=True)
-    results: dict[str, dict] = {"sync": {}, "decode": {}, "mismatch": {}, "embedded": {}}
+    results: dict[str, dict] = {"sync": {}, "decode": {}, "mismatch": {}, "embedded": {}, "boot_s": {}}
     for name, cfg in cfgs.items():
         run_precision(name, cfg, checkpoint, refused.get(name), args, results)
-    print_tables(results, args.precisions, args, where)
+    print_tables(results, list(cfgs), args, where)
+    if args.json is not None:
+        plain = {k: v for k, v in vars(args).items() if k in ("repeats", "decode_repeats", "batches", "prompt_len",
+                                                               "new_tokens", "cuda_graphs")}  # fmt: skip
+        record = {"labels": list(cfgs), "results": results, "args": plain, "where": where, "env": env,
+                  "vllm_kwargs": args.vllm_kwargs}  # fmt: skip
+        args.json.write_text(json.dumps(record, indent=1), encoding="utf-8")
     return 0
 
 
