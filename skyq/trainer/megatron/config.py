@@ -1,0 +1,318 @@
+"""skyq's typed model / precision / trainer / parallel configs -> a megatron-core `TransformerConfig`.
+
+Pure: no process group, no device, no Transformer Engine import (its absence on the CPU is what the
+FP8 refusals name). `transformer_config` is the only entry point; the worker passes its result to
+`skyq.trainer.megatron.model.build_model` (which calls it itself).
+
+The two families, as skyq's HF configs define them (`skyq.checkpoint.hf_config`):
+
+- qwen3_moe: GQA (`num_query_groups = num_key_value_heads`, `kv_channels = head_dim`), per-head
+  RMSNorm on q and k (`qk_layernorm`), SwiGLU experts, softmax top-k routing renormalised over the
+  top k (HF `norm_topk_prob=True`; Megatron's softmax after top-k on the logits is the same
+  function), every layer MoE, no aux loss (RL updates, as the native trainer).
+- deepseek_v3 (DeepSeek-V3, Kimi-K2.x): MLA (`MLATransformerConfig`, q_lora_rank None = a plain
+  q projection), shared experts of width `num_shared_experts * moe_intermediate_size`, the first
+  `first_k_dense_replace` layers dense (`moe_layer_freq` list), sigmoid routing with the expert
+  bias (`e_score_correction_bias`) used for selection only, top-k weights renormalised.
+  The expert bias is kept as loaded (`moe_router_bias_update_rate=0`): the HF model and the engine
+  hold it as a fixed buffer, and an RL update must not move the routing under the engine.
+
+  Not expressible from a skyq `ModelConfig` today (it has no such fields; `MISSING_DEEPSEEK_FIELDS`):
+  group-limited top-k (HF `n_group` / `topk_group`; Kimi-K2 uses 1 / 1, i.e. no group limit,
+  DeepSeek-V3 8 / 4), `routed_scaling_factor` (taken as 1.0), and YaRN rope scaling (HF
+  `rope_parameters` with `rope_type: yarn`; plain rope is used). A checkpoint that needs them
+  computes a different function here until `ModelConfig` carries them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from skyq.config.enums import (
+    ComputeDtype,
+    ModelFamily,
+    Precision,
+    QuantScope,
+    RecomputeGranularity,
+)
+from skyq.config.schema import ModelConfig, ParallelConfig, PrecisionConfig, TrainerConfig
+from skyq.trainer.megatron import compat
+
+DEVICES = ("cpu", "cuda")
+MISSING_DEEPSEEK_FIELDS = ("n_group", "topk_group", "routed_scaling_factor", "rope_parameters (yarn)")
+"""HF deepseek_v3 config fields a skyq `ModelConfig` cannot express (see the module docstring)."""
+
+ROUTED_EXPERTS_PATTERN = "*.mlp.experts.*"
+"""Glob on Megatron module paths matching the routed experts' linears only (`mlp.shared_experts`
+and attention do not match): `decoder.layers.{i}.mlp.experts.linear_fc1` (TE spec)."""
+
+TE_FP8_BLOCK = (128, 128)
+TE_FP8_ACTIVATION_TILE = 128
+
+
+class MegatronConfigError(ValueError):
+    """A skyq config trainer=megatron cannot run as asked (one line naming the key and the fix)."""
+
+
+def transformer_config(
+    model_cfg: ModelConfig,
+    precision_cfg: PrecisionConfig,
+    trainer_cfg: TrainerConfig,
+    parallel_cfg: ParallelConfig,
+    *,
+    device: str,
+) -> Any:
+    """The megatron-core `TransformerConfig` (qwen3_moe) or `MLATransformerConfig` (deepseek_v3)
+    of these configs on `device` ("cpu": local spec, fp32 params, no TE; "cuda": TE spec)."""
+    if device not in DEVICES:
+        raise MegatronConfigError(f"device={device!r}: expected one of {DEVICES}")
+    compat.check_version()
+    kwargs = {
+        **_architecture(model_cfg),
+        **_parallel(parallel_cfg, device),
+        **_moe(model_cfg, trainer_cfg, device),
+        **_recompute(trainer_cfg),
+        **_dtypes(trainer_cfg, device),
+        **_fp8(precision_cfg, device),
+    }
+    family = ModelFamily(model_cfg.family)
+    if family is ModelFamily.deepseek_v3:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig as cls
+
+        kwargs.update(_mla(model_cfg))
+    else:
+        from megatron.core.transformer.transformer_config import TransformerConfig as cls
+
+        kwargs.update(_gqa(model_cfg))
+    try:
+        return compat.build_config(cls, kwargs)
+    except (ValueError, AssertionError) as err:
+        raise MegatronConfigError(
+            f"megatron-core refused the {cls.__name__} built from model={model_cfg.name}, "
+            f"precision={Precision(precision_cfg.name).value}, topology.parallel={parallel_cfg}: {err}"
+        ) from err
+
+
+def _architecture(m: ModelConfig) -> dict[str, Any]:
+    return {
+        "num_layers": m.num_layers,
+        "hidden_size": m.hidden_size,
+        "num_attention_heads": m.num_attention_heads,
+        "ffn_hidden_size": m.intermediate_size,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": m.rms_norm_eps,
+        "gated_linear_unit": True,
+        "activation_func": F.silu,
+        "add_bias_linear": False,
+        "add_qkv_bias": False,
+        "qk_layernorm": True,
+        # RL log-probs must be a deterministic function of the weights (trainer vs engine)
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        # fused kernels are CUDA (apex / TE / jit); the unfused paths are the same math
+        "masked_softmax_fusion": False,
+        "bias_activation_fusion": False,
+        "bias_dropout_fusion": False,
+        "apply_rope_fusion": False,
+        "persist_layer_norm": False,
+    }
+
+
+def _gqa(m: ModelConfig) -> dict[str, Any]:
+    return {"num_query_groups": m.num_key_value_heads, "kv_channels": m.head_dim}
+
+
+def _mla(m: ModelConfig) -> dict[str, Any]:
+    if not (m.kv_lora_rank and m.qk_nope_head_dim and m.qk_rope_head_dim and m.v_head_dim):
+        raise MegatronConfigError(
+            f"model={m.name} (family deepseek_v3): MLA needs kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim "
+            f"and v_head_dim > 0; got {m.kv_lora_rank}, {m.qk_nope_head_dim}, {m.qk_rope_head_dim}, "
+            f"{m.v_head_dim}. Fix: set them in the model preset"
+        )
+    return {
+        "multi_latent_attention": True,
+        "q_lora_rank": m.q_lora_rank,
+        "kv_lora_rank": m.kv_lora_rank,
+        "qk_head_dim": m.qk_nope_head_dim,
+        "qk_pos_emb_head_dim": m.qk_rope_head_dim,
+        "v_head_dim": m.v_head_dim,
+        "rope_type": "rope",
+        "rotary_base": m.rope_theta,
+    }
+
+
+def _parallel(p: ParallelConfig, device: str) -> dict[str, Any]:
+    if p.sequence_parallel and p.tp == 1:
+        raise MegatronConfigError(
+            "topology.parallel.sequence_parallel=true with topology.parallel.tp=1: sequence parallelism "
+            "splits along the TP group. Fix: tp > 1, or sequence_parallel=false"
+        )
+    if p.cp > 1 and device == "cpu":
+        raise MegatronConfigError(
+            f"topology.parallel.cp={p.cp} on the CPU: context parallelism needs Transformer Engine's "
+            "attention (TEDotProductAttention), which needs a GPU. Fix: cp=1"
+        )
+    out = {
+        "tensor_model_parallel_size": p.tp,
+        "pipeline_model_parallel_size": p.pp,
+        "context_parallel_size": p.cp,
+        "expert_model_parallel_size": p.ep,
+        "expert_tensor_parallel_size": p.etp,
+        "sequence_parallel": p.sequence_parallel,
+    }
+    if p.first_stage_layers is not None:
+        out["num_layers_in_first_pipeline_stage"] = p.first_stage_layers
+    if p.last_stage_layers is not None:
+        out["num_layers_in_last_pipeline_stage"] = p.last_stage_layers
+    return out
+
+
+def _moe(m: ModelConfig, t: TrainerConfig, device: str) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "num_moe_experts": m.num_experts,
+        "moe_ffn_hidden_size": m.moe_intermediate_size,
+        "moe_router_topk": m.num_experts_per_tok,
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_router_dtype": "fp32",
+        # TE's grouped GEMM on the GPU (TEGroupedMLP); the local spec's grouped MLP needs the
+        # `grouped_gemm` CUDA package, so the CPU runs SequentialMLP (one linear pair per expert)
+        "moe_grouped_gemm": device == "cuda",
+        "moe_permute_fusion": False,
+        "moe_token_dispatcher_type": _dispatcher(t, device),
+    }
+    if ModelFamily(m.family) is ModelFamily.deepseek_v3:
+        if m.first_k_dense_replace:
+            out["moe_layer_freq"] = [0] * m.first_k_dense_replace + [1] * (
+                m.num_layers - m.first_k_dense_replace
+            )
+        if m.num_shared_experts:
+            out["moe_shared_expert_intermediate_size"] = m.num_shared_experts * m.moe_intermediate_size
+        out.update(
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_router_bias_update_rate=0.0,
+        )
+    else:
+        out.update(moe_router_score_function="softmax", moe_router_pre_softmax=False)
+    if t.deepep_max_dispatch_tokens > 0:
+        # 0.16.1 has no TransformerConfig field for the per-rank token count: DeepEP sizes its
+        # buffers itself; the key switches the flex dispatcher on
+        out["moe_flex_dispatcher_backend"] = "deepep"
+    return out
+
+
+def _dispatcher(t: TrainerConfig, device: str) -> str:
+    name = t.moe_token_dispatcher
+    if t.deepep_max_dispatch_tokens > 0:
+        if device == "cpu":
+            raise MegatronConfigError(
+                f"trainer.deepep_max_dispatch_tokens={t.deepep_max_dispatch_tokens} on the CPU: DeepEP is a "
+                "CUDA/NVSHMEM library. Fix: trainer.deepep_max_dispatch_tokens=0"
+            )
+        return "flex"
+    if name == "flex":
+        raise MegatronConfigError(
+            "trainer.moe_token_dispatcher=flex with trainer.deepep_max_dispatch_tokens=0: flex is DeepEP's "
+            "dispatcher. Fix: set trainer.deepep_max_dispatch_tokens > 0, or moe_token_dispatcher=alltoall"
+        )
+    if name not in ("alltoall", "allgather"):
+        raise MegatronConfigError(
+            f"trainer.moe_token_dispatcher={name!r}: expected alltoall, allgather or flex (with DeepEP)"
+        )
+    # alltoall on the CPU runs through cpu_compat's stream stand-in (its D2H side stream)
+    return name
+
+
+def _recompute(t: TrainerConfig) -> dict[str, Any]:
+    r = t.recompute
+    granularity = RecomputeGranularity(r.granularity)
+    if granularity is RecomputeGranularity.none:
+        return {}
+    if granularity is RecomputeGranularity.selective:
+        # Megatron's selective recompute takes modules, not a method or layer count
+        return {"recompute_granularity": "selective"}
+    return {
+        "recompute_granularity": "full",
+        "recompute_method": r.method.value,
+        "recompute_num_layers": r.num_layers,
+    }
+
+
+def _dtypes(t: TrainerConfig, device: str) -> dict[str, Any]:
+    bf16 = ComputeDtype(t.compute_dtype) is ComputeDtype.bf16
+    return {
+        "bf16": bf16,
+        # CPU: fp32 parameters (the worker's mixed-precision wrapper casts the compute); GPU: bf16
+        "params_dtype": torch.bfloat16 if bf16 and device == "cuda" else torch.float32,
+        "use_cpu_initialization": device == "cpu",
+        # TE accumulates weight grads straight into Megatron's fp32 main_grad (GPU only; the
+        # fake-INT4 experts keep that path exact, see fake_int4.py)
+        "gradient_accumulation_fusion": device == "cuda",
+    }
+
+
+def _fp8(p: PrecisionConfig, device: str) -> dict[str, Any]:
+    precision = Precision(p.name)
+    if precision not in (Precision.fp8_blockwise, Precision.mxfp8):
+        return {}
+    if device == "cpu":
+        raise MegatronConfigError(
+            f"precision={precision.value} with trainer=megatron on the CPU: Megatron's FP8 runs through "
+            "Transformer Engine, which needs a GPU (without TE megatron-core silently runs bf16). "
+            "Fix: precision=bf16 or int4_qat on the CPU, or a GPU topology"
+        )
+    if precision is Precision.fp8_blockwise:
+        if tuple(p.block_size) != TE_FP8_BLOCK or p.activation_tile != TE_FP8_ACTIVATION_TILE:
+            raise MegatronConfigError(
+                f"precision.block_size={list(p.block_size)}, activation_tile={p.activation_tile}: TE's "
+                f"Float8BlockScaling is fixed at {list(TE_FP8_BLOCK)} weight blocks and 1 x "
+                f"{TE_FP8_ACTIVATION_TILE} activation tiles. Fix: those values"
+            )
+        scope, recipe = QuantScope(p.fp8_targets), "blockwise"
+
+    else:
+        scope, recipe = QuantScope(p.mxfp8_targets), "mxfp8"
+    if p.persistent_fp8_params and (precision is Precision.mxfp8 or scope is QuantScope.routed_experts):
+        raise MegatronConfigError(
+            f"precision.persistent_fp8_params=true with precision={precision.value}, targets={scope.value}: "
+            "Megatron keeps FP8 parameters (fp8_param) only under a global blockwise recipe. "
+            "Fix: persistent_fp8_params=false, or fp8_blockwise with fp8_targets=all_linear"
+        )
+    if scope is QuantScope.all_linear:
+        return {"fp8": "e4m3", "fp8_recipe": recipe, "fp8_param": p.persistent_fp8_params}
+    return {"quant_recipe": routed_experts_recipe(recipe)}
+
+
+def routed_experts_recipe(recipe: str) -> Any:
+    """A per-module `RecipeConfig`: TE FP8 with `recipe` ("blockwise" / "mxfp8") on the routed experts'
+    linears only; every other linear stays bf16 (no global `fp8`)."""
+    from megatron.core.enums import Fp8Recipe
+    from megatron.core.quantization.quant_config import RecipeConfig
+
+    return RecipeConfig.from_config_dict(
+        {
+            "configs": {
+                "routed_experts": {
+                    "transformer_engine_config_type": "TEQuantizationParams",
+                    "training_recipe": {
+                        "fp8_quantization_recipe": Fp8Recipe(recipe),
+                        "fp8_format": "e4m3",
+                        # no global fp8 autocast is open: this module opens its own
+                        "override_nonquantized_autocast": True,
+                    },
+                }
+            },
+            "matchers": {
+                "routed_experts": {
+                    "type": "glob",
+                    "pattern": ROUTED_EXPERTS_PATTERN,
+                    "config": "routed_experts",
+                    "enabled": True,
+                }
+            },
+        }
+    )
