@@ -128,8 +128,8 @@ def apply() -> None:
         return
     from megatron.core.fusions import fused_softmax
     from megatron.core.tensor_parallel import random as mcore_random
-    from megatron.core.transformer import utils as mcore_utils
     from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer import utils as mcore_utils
     from megatron.core.transformer.moe import moe_utils
 
     torch.cuda.current_device = _current_device

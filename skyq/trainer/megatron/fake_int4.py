@@ -164,10 +164,14 @@ def te_int4_grouped_linears() -> tuple[type, type]:
 
             def _get_weight_tensors(self):
                 weights = super()._get_weight_tensors()
-                return [self.skyq_fake_quant(w, f"{type(self).__name__}.weight{i}") for i, w in enumerate(weights)]
+                return [
+                    self.skyq_fake_quant(w, f"{type(self).__name__}.weight{i}") for i, w in enumerate(weights)
+                ]
 
         Int4Grouped.__name__ = Int4Grouped.__qualname__ = f"Int4{base.__name__}"
-        Int4Grouped.__doc__ = f"`{base.__name__}` computing with fq of each expert's weight (precision=int4_qat)."
+        Int4Grouped.__doc__ = (
+            f"`{base.__name__}` computing with fq of each expert's weight (precision=int4_qat)."
+        )
         return Int4Grouped
 
     return make(TEColumnParallelGroupedLinear), make(TERowParallelGroupedLinear)

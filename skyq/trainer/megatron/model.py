@@ -90,7 +90,9 @@ def block_spec(config, precision_cfg: PrecisionConfig, *, device: str):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     te = device == "cuda"
-    spec = copy.deepcopy(get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm"))
+    spec = copy.deepcopy(
+        get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
+    )
     int4 = Precision(precision_cfg.name) is Precision.int4_qat
     if te:
         if int4:
@@ -201,9 +203,7 @@ def _localize(spec, config, int4_precision: PrecisionConfig | None) -> None:
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     spec.layer_norm = _swap(spec.layer_norm, {WrappedTorchNorm: SkyqRMSNorm})
-    all_linear = (
-        int4_precision is not None and QuantScope(int4_precision.qat_scope) is QuantScope.all_linear
-    )
+    all_linear = int4_precision is not None and QuantScope(int4_precision.qat_scope) is QuantScope.all_linear
     if int4_precision is not None:
         col, row = fake_int4.local_int4_linears()
         int4_linears = {
