@@ -1,4 +1,5 @@
-"""A skyq `ModelConfig` derived from a checkpoint's `config.json` (for converters and inspect).
+"""skyq `ModelConfig` <-> HF configs: from a checkpoint's `config.json`, and to the transformers config
+(and config.json) of the model the native trainer and the embedded engine build.
 
 Converters see a checkpoint without a skyq run config; to ask the quantization plan what each
 tensor is, they rebuild the model config from the HF one. Handles `qwen3_moe`, `deepseek_v3` /
@@ -14,7 +15,7 @@ from skyq.config.enums import ModelFamily
 from skyq.config.schema import ModelConfig
 
 if TYPE_CHECKING:
-    from transformers import Qwen3MoeConfig
+    from transformers import PretrainedConfig
 
 FAMILY_OF_MODEL_TYPE = {
     "qwen3_moe": ModelFamily.qwen3_moe,
@@ -84,6 +85,9 @@ def _deepseek_fields(hf: dict[str, Any]) -> dict[str, Any]:
         "qk_rope_head_dim": int(_required(hf, "qk_rope_head_dim")),
         "v_head_dim": int(_required(hf, "v_head_dim")),
         "num_nextn_predict_layers": int(_optional(hf, 0, "num_nextn_predict_layers")),
+        "routed_scaling_factor": float(_optional(hf, 1.0, "routed_scaling_factor")),
+        "n_group": int(_optional(hf, 1, "n_group")),
+        "topk_group": int(_optional(hf, 1, "topk_group")),
     }
 
 
@@ -129,31 +133,168 @@ class ModelBuildError(ValueError):
     """A model config the native backend cannot build, or a checkpoint that does not match it."""
 
 
-def hf_config(model_cfg: ModelConfig) -> Qwen3MoeConfig:
-    """The transformers config of `model_cfg` (qwen3_moe family only)."""
-    from transformers import Qwen3MoeConfig  # lazily: the converters import this module too
+CAUSAL_LM_ARCHITECTURE = {
+    ModelFamily.qwen3_moe: "Qwen3MoeForCausalLM",
+    ModelFamily.deepseek_v3: "DeepseekV3ForCausalLM",
+}
+"""The transformers causal-LM class (by name) the trainer and the embedded engine build per family."""
+MULTIMODAL_ARCHITECTURE = "KimiK25ForConditionalGeneration"
+"""config.json `architectures` of a checkpoint whose text model sits under `MULTIMODAL_TEXT_PREFIX`."""
 
-    if ModelFamily(model_cfg.family) is not ModelFamily.qwen3_moe:
-        raise ModelBuildError(
-            f"model.family={model_cfg.family.value}: the native trainer builds qwen3_moe models only; "
-            "use trainer=megatron for deepseek_v3"
+
+def causal_lm_class(model_cfg: ModelConfig) -> type:
+    """The transformers causal-LM class of `model_cfg`'s family."""
+    import transformers
+
+    return getattr(transformers, CAUSAL_LM_ARCHITECTURE[ModelFamily(model_cfg.family)])
+
+
+def check_buildable(model_cfg: ModelConfig) -> None:
+    """Refuse what a transformers causal LM of the family cannot hold, naming the key and the fix."""
+    family = ModelFamily(model_cfg.family)
+    problems = []
+    if model_cfg.vision_num_layers:
+        problems.append(
+            f"model.vision_num_layers={model_cfg.vision_num_layers}: the native trainer and the embedded "
+            "engine build the text model only (set it to 0, or trainer=megatron rollout=vllm)"
         )
+    if family is ModelFamily.deepseek_v3:
+        if model_cfg.num_nextn_predict_layers:
+            problems.append(
+                f"model.num_nextn_predict_layers={model_cfg.num_nextn_predict_layers}: transformers' "
+                "DeepseekV3ForCausalLM has no multi-token-prediction layers (set it to 0)"
+            )
+        if model_cfg.num_shared_experts < 1:
+            problems.append(
+                "model.num_shared_experts=0: transformers' DeepseekV3 MoE layers always hold a shared expert "
+                "(set it to 1 or more)"
+            )
+        if model_cfg.num_key_value_heads != model_cfg.num_attention_heads:
+            problems.append(
+                f"model.num_key_value_heads={model_cfg.num_key_value_heads}: MLA expands one key and value per "
+                f"head (set it to model.num_attention_heads={model_cfg.num_attention_heads})"
+            )
+        if model_cfg.num_experts % model_cfg.n_group or model_cfg.topk_group > model_cfg.n_group:
+            problems.append(
+                f"model.n_group={model_cfg.n_group}, model.topk_group={model_cfg.topk_group}: n_group must "
+                f"divide model.num_experts={model_cfg.num_experts} and topk_group must not exceed it"
+            )
+    if problems:
+        raise ModelBuildError(f"model={model_cfg.name}: " + "; ".join(problems))
+
+
+def hf_config(model_cfg: ModelConfig) -> PretrainedConfig:
+    """The transformers config of `model_cfg`: a `Qwen3MoeConfig` or a `DeepseekV3Config`.
+
+    DeepSeek-V3 / Kimi-K2.x: MLA with one key and value per head, sigmoid routing with the fp32
+    `e_score_correction_bias` (the noaux_tc top-k), top-k weights renormalized and scaled by
+    `model.routed_scaling_factor`, interleaved rotary dims (the released checkpoints' layout), the
+    first `model.first_k_dense_replace` layers dense. Only plain RoPE: a YaRN-scaled release
+    (Kimi-K2.6's 256k context) is described at its base frequencies.
+    """
+    check_buildable(model_cfg)
+    common = {
+        "vocab_size": model_cfg.vocab_size,
+        "hidden_size": model_cfg.hidden_size,
+        "num_hidden_layers": model_cfg.num_layers,
+        "num_attention_heads": model_cfg.num_attention_heads,
+        "moe_intermediate_size": model_cfg.moe_intermediate_size,
+        "num_experts_per_tok": model_cfg.num_experts_per_tok,
+        # Qwen3-MoE, DeepSeek-V3 and Kimi-K2.x releases renormalize the top-k routing weights.
+        "norm_topk_prob": True,
+        "max_position_embeddings": model_cfg.max_position_embeddings,
+        "rope_parameters": {"rope_theta": model_cfg.rope_theta, "rope_type": "default"},
+        "rms_norm_eps": model_cfg.rms_norm_eps,
+        "tie_word_embeddings": model_cfg.tie_word_embeddings,
+        "attn_implementation": "sdpa",
+    }
+    if ModelFamily(model_cfg.family) is ModelFamily.deepseek_v3:
+        from transformers import DeepseekV3Config  # lazily: the converters import this module too
+
+        return DeepseekV3Config(
+            **common,
+            num_key_value_heads=model_cfg.num_attention_heads,
+            intermediate_size=model_cfg.intermediate_size,
+            n_routed_experts=model_cfg.num_experts,
+            n_shared_experts=model_cfg.num_shared_experts,
+            first_k_dense_replace=model_cfg.first_k_dense_replace,
+            q_lora_rank=model_cfg.q_lora_rank,
+            kv_lora_rank=model_cfg.kv_lora_rank,
+            qk_nope_head_dim=model_cfg.qk_nope_head_dim,
+            qk_rope_head_dim=model_cfg.qk_rope_head_dim,
+            v_head_dim=model_cfg.v_head_dim,
+            routed_scaling_factor=model_cfg.routed_scaling_factor,
+            n_group=model_cfg.n_group,
+            topk_group=model_cfg.topk_group,
+            rope_interleave=True,
+            num_mtp_layers=0,
+        )
+    from transformers import Qwen3MoeConfig
+
     return Qwen3MoeConfig(
-        vocab_size=model_cfg.vocab_size,
-        hidden_size=model_cfg.hidden_size,
-        num_hidden_layers=model_cfg.num_layers,
-        num_attention_heads=model_cfg.num_attention_heads,
+        **common,
         num_key_value_heads=model_cfg.num_key_value_heads,
         head_dim=model_cfg.head_dim,
-        intermediate_size=model_cfg.intermediate_size,
-        moe_intermediate_size=model_cfg.moe_intermediate_size,
         num_experts=model_cfg.num_experts,
-        num_experts_per_tok=model_cfg.num_experts_per_tok,
-        # Qwen3-MoE releases renormalize the top-k routing weights.
-        norm_topk_prob=True,
-        max_position_embeddings=model_cfg.max_position_embeddings,
-        rope_parameters={"rope_theta": model_cfg.rope_theta, "rope_type": "default"},
-        rms_norm_eps=model_cfg.rms_norm_eps,
-        tie_word_embeddings=model_cfg.tie_word_embeddings,
-        attn_implementation="sdpa",
     )
+
+
+def checkpoint_config_json(model_cfg: ModelConfig) -> dict[str, Any]:
+    """The config.json of a bf16 checkpoint skyq writes for `model_cfg`: the causal LM's config,
+    nested under `text_config` of a `KimiK25ForConditionalGeneration` config when the text weights
+    carry `MULTIMODAL_TEXT_PREFIX` (so `model_config_from_hf` gives `model_cfg` back)."""
+    text = hf_config(model_cfg).to_dict()
+    text["architectures"] = [CAUSAL_LM_ARCHITECTURE[ModelFamily(model_cfg.family)]]
+    text["dtype"] = "bfloat16"
+    if ModelFamily(model_cfg.family) is ModelFamily.deepseek_v3:
+        text["scoring_func"], text["topk_method"] = "sigmoid", "noaux_tc"
+        text["num_nextn_predict_layers"] = model_cfg.num_nextn_predict_layers
+    if not model_cfg.text_prefix:
+        return text
+    if model_cfg.text_prefix != MULTIMODAL_TEXT_PREFIX:
+        raise ModelBuildError(
+            f"model.text_prefix={model_cfg.text_prefix!r}: a checkpoint's text weights sit under "
+            f"{MULTIMODAL_TEXT_PREFIX!r} (Kimi-K2.6) or under no prefix"
+        )
+    return {
+        "architectures": [MULTIMODAL_ARCHITECTURE],
+        "model_type": "kimi_k25",
+        "dtype": "bfloat16",
+        "text_config": text,
+    }
+
+
+ARCHITECTURE_KEYS = (
+    "family", "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
+    "moe_intermediate_size", "num_experts", "num_experts_per_tok", "tie_word_embeddings", "text_prefix",
+)  # fmt: skip
+"""`ModelConfig` keys a checkpoint's config.json must agree on to be loaded into the model."""
+FAMILY_ARCHITECTURE_KEYS = {
+    ModelFamily.qwen3_moe: ("head_dim",),
+    ModelFamily.deepseek_v3: (
+        "intermediate_size", "num_shared_experts", "first_k_dense_replace", "q_lora_rank", "kv_lora_rank",
+        "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "routed_scaling_factor", "n_group", "topk_group",
+    ),
+}  # fmt: skip
+
+
+def architecture_mismatches(hf: dict[str, Any], model_cfg: ModelConfig) -> list[str]:
+    """`key: checkpoint X != model config Y` for each architecture key on which the parsed config.json
+    `hf` disagrees with `model_cfg` (the routing rule too: renormalized top-k, DeepSeek's sigmoid)."""
+    on_disk = model_config_from_hf(hf)
+    keys = ARCHITECTURE_KEYS + FAMILY_ARCHITECTURE_KEYS[ModelFamily(model_cfg.family)]
+    wrong = [
+        f"model.{key}: checkpoint {getattr(on_disk, key)!r} != model config {getattr(model_cfg, key)!r}"
+        for key in keys
+        if getattr(on_disk, key) != getattr(model_cfg, key)
+    ]
+    text = text_config_of(hf)
+    fixed: dict[str, Any] = {"norm_topk_prob": True}
+    if on_disk.family is ModelFamily.deepseek_v3:
+        fixed["scoring_func"] = "sigmoid"
+    wrong += [
+        f"{key}: checkpoint {text[key]!r}, skyq builds {value!r}"
+        for key, value in fixed.items()
+        if key in text and text[key] != value
+    ]
+    return wrong

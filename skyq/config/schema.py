@@ -164,6 +164,12 @@ class ModelConfig:
     """MLA value head dimension (deepseek_v3)."""
     num_nextn_predict_layers: int = bounded(0, ge=0)
     """Multi-token-prediction layers in the checkpoint (never quantized)."""
+    routed_scaling_factor: float = bounded(1.0, gt=0)
+    """Factor on the routed experts' top-k weights (deepseek_v3; Kimi-K2.x: 2.827, DeepSeek-V3: 2.5)."""
+    n_group: int = bounded(1, ge=1)
+    """Expert groups the router picks among before its top-k (deepseek_v3; Kimi-K2.x: 1)."""
+    topk_group: int = bounded(1, ge=1)
+    """Expert groups each token's experts may come from (deepseek_v3; Kimi-K2.x: 1)."""
     text_prefix: str = ""
     """Prefix of text weights in the checkpoint (Kimi-K2.6: `language_model.`)."""
     vision_num_layers: int = bounded(0, ge=0)

@@ -22,7 +22,6 @@ from skyq.config.checkpoint_rules import checkpoint_errors
 from skyq.config.enums import (
     Device,
     LoggerBackend,
-    ModelFamily,
     Placement,
     Precision,
     RolloutBackend,
@@ -174,12 +173,14 @@ def _choice_errors(cfg: TrainConfig) -> list[str]:
 
 def _backend_errors(cfg: TrainConfig) -> list[str]:
     """Settings the chosen backends would ignore (`skyq.config.backends`), and models they cannot build."""
+    from skyq.checkpoint.hf_config import ModelBuildError, check_buildable
+
     errors = ignored_setting_errors(cfg)
-    if cfg.trainer.backend is TrainerBackend.torch and cfg.model.family is not ModelFamily.qwen3_moe:
-        errors.append(
-            f"model={cfg.model.name} (model.family={cfg.model.family.value}) with trainer=torch: the native "
-            "trainer builds qwen3_moe models only. Fix: trainer=megatron rollout=vllm (a GPU cluster)."
-        )
+    if cfg.trainer.backend is TrainerBackend.torch or cfg.rollout.backend is RolloutBackend.embedded:
+        try:
+            check_buildable(cfg.model)
+        except ModelBuildError as exc:
+            errors.append(str(exc))
     return errors
 
 

@@ -1,14 +1,18 @@
 """EmbeddedEngine: an in-process rollout engine that holds its weights in the wire format.
 
-It is the transformers Qwen3-MoE model with every quantized linear replaced by a `WireLinear`
-(buffers = the wire tensors) and every fused experts block by per-expert modules named like the HF
-tensors, so `model.state_dict()` has exactly the plan's wire names, shapes and dtypes. Weights change
+It is the transformers causal LM of the model's family (Qwen3-MoE, or DeepSeek-V3 with its MLA
+attention, shared expert, dense first layers and fp32 router bias) with every quantized linear
+replaced by a `WireLinear` (buffers = the wire tensors) and every fused experts block by per-expert
+modules named like the HF tensors, under the checkpoint's text prefix (`TextPrefixed`: Kimi-K2.6's
+`language_model.`), so `model.state_dict()` has exactly the plan's wire names, shapes and dtypes. Weights change
 only through `load_weights`, which validates the complete set against the plan before touching
 anything and bumps the weight version only after it has copied everything in.
 
 The engine computes in bf16, like a serving engine; the trainer's fp32 compute on the same weights
 is what the mismatch metrics measure against. KV cache contents live inside one `generate` call
-only, so no cached state can survive a weight update. On a GPU the decode loop replays a CUDA graph
+only, so no cached state can survive a weight update. DeepSeek-V3's cache is transformers' MLA cache:
+per layer and position the compressed latent (`kv_lora_rank`) and the rotated shared key
+(`qk_rope_head_dim`), expanded into every head's key and value at each forward. On a GPU the decode loop replays a CUDA graph
 of its one-token step over a fixed-capacity cache (`skyq.rollout.decoding`; `cuda_graphs=False`
 launches every step eagerly over transformers' growing cache, as on CPU).
 """
@@ -19,13 +23,14 @@ import functools
 import hashlib
 import inspect
 from collections import OrderedDict
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
 from skyq import ops
-from skyq.checkpoint.hf_config import hf_config
-from skyq.config.enums import Precision
+from skyq.checkpoint.hf_config import causal_lm_class, hf_config
+from skyq.config.enums import ModelFamily, Precision
 from skyq.config.schema import ModelConfig, PrecisionConfig
 from skyq.quant import int4
 from skyq.quant.errors import QuantizationError
@@ -98,10 +103,6 @@ class EmbeddedEngine:
         cuda_graphs: bool = True,
         fp8_codes_decode: bool = True,
     ) -> None:
-        if model_cfg.text_prefix:
-            raise ValueError(
-                f"model.text_prefix={model_cfg.text_prefix!r}: the embedded engine serves text-only qwen3_moe models"
-            )
         self.model_cfg, self.precision_cfg = model_cfg, precision_cfg
         self.device = torch.device(device)
         self.seed = seed
@@ -144,11 +145,11 @@ class EmbeddedEngine:
 
     def _build_model(self) -> nn.Module:
         """The transformers model with wire-format linears, every held tensor allocated as the plan says."""
-        from transformers import Qwen3MoeForCausalLM
-
         with torch.device("meta"):  # nothing of the stock model is kept: skip allocating and initializing it
-            model = Qwen3MoeForCausalLM(hf_config(self.model_cfg))
-        ops.install(model)  # the trainer's norm, rotary and router kernels (same bits on a GPU)
+            lm = causal_lm_class(self.model_cfg)(hf_config(self.model_cfg))
+        ops.install(lm)  # the trainer's norm, rotary and router kernels (same bits on a GPU)
+        prefix = self.model_cfg.text_prefix
+        model = TextPrefixed(prefix, lm) if prefix else lm
         for name, module in list(model.named_modules()):
             if isinstance(module, nn.Linear) and f"{name}.weight" in self.plan:
                 self._replace(model, name, self._linear(f"{name}.weight"))
@@ -169,7 +170,7 @@ class EmbeddedEngine:
             else:
                 owner._buffers[leaf] = tensor
         # RoPE frequencies are computed, not loaded: a fresh module keeps them in fp32 like the trainer's.
-        self._replace(model, "model.rotary_emb", type(model.model.rotary_emb)(model.config))
+        self._replace(model, prefix + "model.rotary_emb", type(lm.model.rotary_emb)(lm.config))
         return model
 
     @staticmethod
@@ -304,6 +305,40 @@ class EmbeddedEngine:
         self._copier.copy(wire)
         self._version = version
 
+    def load_checkpoint(self, path: str | Path, *, version: int = 0) -> None:
+        """Boot from a checkpoint already in the precision's wire format, as `version`: the rollout
+        checkpoint of the seed's two-checkpoint layout (int4_qat: the W4A16 release, e.g. Kimi-K2.6's,
+        while the trainer starts from its BF16 cast; bf16: the BF16 checkpoint itself).
+
+        The checkpoint is read through `ShardedCheckpoint` (index, shards and their checksums
+        verified), its config.json must describe this model, and its tensors must be exactly the
+        plan's wire tensors: they go through `load_weights`, so a missing scale, a BF16 tensor where
+        the plan sends INT4 words or a non-finite value is refused naming it, and nothing changes."""
+        from skyq.checkpoint.errors import CheckpointError
+        from skyq.checkpoint.hf_config import HFConfigError, architecture_mismatches
+        from skyq.checkpoint.reader import ShardedCheckpoint
+
+        try:
+            checkpoint = ShardedCheckpoint(path)
+            checkpoint.verify_checksums()
+            wrong = architecture_mismatches(checkpoint.config(), self.model_cfg)
+        except (CheckpointError, HFConfigError) as exc:
+            raise WeightLoadError(f"{path}: cannot boot the engine from it: {exc}") from exc
+        if wrong:
+            raise WeightLoadError(
+                f"{path} is another model than model={self.model_cfg.name} ({'; '.join(wrong)}); fix "
+                "checkpoint.rollout_checkpoint or model.*"
+            )
+        wire: dict[str, Tensor] = {}
+        for shard in checkpoint.shard_names:
+            wire.update(checkpoint.read_shard(shard))
+        try:
+            self.load_weights(wire, version)
+        except WeightLoadError as exc:
+            raise WeightLoadError(
+                f"{path} does not hold the {self.precision_cfg.name.value} wire tensors of this model: {exc}"
+            ) from exc
+
     # scoring ------------------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -368,7 +403,7 @@ class EmbeddedEngine:
     def _decoder(self, rows: int, positions: int) -> DynamicDecoder | StaticDecoder:
         """The decoder for `rows` prompts of `positions` total tokens: a fresh growing cache, or a
         kept fixed-capacity one (padded rows, rounded capacity; the least recently used dropped)."""
-        cache_kwarg = _cache_kwarg(type(self.model))
+        cache_kwarg = _cache_kwarg(causal_lm_class(self.model_cfg))
         if self.decode_mode == "dynamic":
             return DynamicDecoder(self.model, cache_kwarg, rows)
         key = (padded_batch(rows), cache_capacity(positions))
@@ -387,10 +422,14 @@ class EmbeddedEngine:
         return decoder
 
     def _kv_bytes(self, batch: int, capacity: int) -> int:
-        """Bytes of a static KV cache (bf16 keys and values of every layer) for `batch` rows."""
-        c = self.model.config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return 2 * c.num_hidden_layers * batch * c.num_key_value_heads * capacity * head_dim * 2
+        """Bytes of a static KV cache (bf16, every layer) for `batch` rows: keys and values of each
+        key/value head, or MLA's compressed latent and shared rotary key."""
+        m, bf16_bytes = self.model_cfg, 2
+        if ModelFamily(m.family) is ModelFamily.deepseek_v3:
+            per_position = m.kv_lora_rank + m.qk_rope_head_dim
+        else:
+            per_position = 2 * m.num_key_value_heads * m.head_dim
+        return m.num_layers * batch * capacity * per_position * bf16_bytes
 
     def _cache_budget(self) -> float:
         """Bytes the kept decoders' caches may hold (`DECODER_CACHE_FRACTION` of a CUDA device)."""
@@ -532,6 +571,33 @@ class EmbeddedEngine:
                 "activations; nothing was sampled from them"
             )
         return done
+
+
+class TextPrefixed(nn.Module):
+    """A causal LM held under `prefix` (`language_model.`: the text model of Kimi-K2.6's checkpoint),
+    so its state dict carries the checkpoint's names; calls go to the LM unchanged."""
+
+    def __init__(self, prefix: str, lm: nn.Module) -> None:
+        super().__init__()
+        *outer, last = prefix.removesuffix(".").split(".")
+        holder: nn.Module = self
+        for part in outer:
+            holder.register_module(part, nn.Module())
+            holder = holder.get_submodule(part)
+        holder.register_module(last, lm)
+        self._lm_path = prefix.removesuffix(".")
+
+    @property
+    def lm(self) -> nn.Module:
+        return self.get_submodule(self._lm_path)
+
+    @property
+    def config(self):
+        """The LM's transformers config (what decoders and caches read)."""
+        return self.lm.config
+
+    def forward(self, **kwargs):
+        return self.lm(**kwargs)
 
 
 class _StepStatus:

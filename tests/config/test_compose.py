@@ -31,8 +31,10 @@ EXPECTED_REFUSALS = {
     ("tiny_moe", "8gpu"): "topology.parallel.ep=8 does not divide model.num_experts=4",
     ("tiny_moe", "256gpu"): "topology.parallel.ep=32 does not divide model.num_experts=4",
     ("kimi_k26", "256gpu"): "model.num_layers=61",
-    ("kimi_k26", "cpu"): "the native trainer builds qwen3_moe models only",
-    ("kimi_k26", "1gpu"): "the native trainer builds qwen3_moe models only",
+    ("kimi_k26", "cpu"): "model.vision_num_layers=27: the native trainer and the embedded engine",
+    ("kimi_k26", "1gpu"): "model.vision_num_layers=27: the native trainer and the embedded engine",
+    ("tiny_deepseek", "8gpu"): "topology.parallel.ep=8 does not divide model.num_experts=4",
+    ("tiny_deepseek", "256gpu"): "topology.parallel.ep=32 does not divide model.num_experts=4",
 }
 
 
@@ -41,7 +43,7 @@ EXPECTED_REFUSALS = {
     list(
         itertools.product(
             ["bf16", "fp8_blockwise", "mxfp8", "int4_qat"],
-            ["tiny_moe", "qwen3_30b", "kimi_k26"],
+            ["tiny_moe", "tiny_deepseek", "qwen3_30b", "kimi_k26"],
             ["cpu", "1gpu", "8gpu", "256gpu"],
         )
     ),

@@ -488,8 +488,11 @@ def test_settings_are_accepted_on_the_backend_that_reads_them():
     )
 
 
-def test_the_native_trainer_refuses_a_model_family_it_cannot_build():
-    _refused(_cfg("model=kimi_k26", "topology=1gpu"), "the native trainer builds qwen3_moe models only")
+def test_the_native_pair_refuses_a_model_it_cannot_build():
+    """DeepSeek-V3 text models build (model=tiny_deepseek validates); a vision tower or MTP layers do not."""
+    validate(_cfg("model=tiny_deepseek"))
+    _refused(_cfg("model=kimi_k26", "topology=1gpu"), "model.vision_num_layers=27: the native trainer and the")
+    _refused(_cfg("model=tiny_deepseek", "model.num_nextn_predict_layers=1"), "no multi-token-prediction layers")
 
 
 def test_the_trap_a_30b_model_on_the_embedded_pair_is_refused_with_its_numbers():

@@ -44,6 +44,7 @@ from skyq.quant.fake_quant import activation_fake_quant
 from skyq.quant.kernels import dispatch
 from skyq.quant.layouts import ModelQuantizationLayout
 from skyq.quant.strategies import QuantizationStrategy
+from skyq.trainer.native.model import hf_dtype
 
 TensorFn = Callable[[Tensor], Tensor]
 
@@ -76,15 +77,17 @@ def effective_parameters(
     model_cfg: ModelConfig,
     dtype: torch.dtype | None = None,
 ) -> dict[str, Tensor]:
-    """{trainer name: the value the forward uses}: the master rounded to bf16 and fake-quantized
+    """{trainer name: the value the forward uses}: the master rounded to its checkpoint dtype (bf16;
+    fp32 for DeepSeek-V3's router bias, which stays fp32 whatever `dtype` is) and fake-quantized
     where the strategy quantizes it, in `dtype` (default the master's; exact either way, bf16
     values are fp32 values), with a straight-through gradient to the master in the master's dtype."""
     out = {}
     for name, master in params.items():
+        wire_dtype = hf_dtype(layout, name, model_cfg)
         with torch.no_grad():
-            sent = master.detach().to(torch.bfloat16)
+            sent = master.detach().to(wire_dtype)
             value = strategy.fake_quant_param(name, sent, layout=layout, model_cfg=model_cfg)
-            value = value.to(dtype or master.dtype)
+            value = value.to(torch.float32 if wire_dtype == torch.float32 else dtype or master.dtype)
         out[name] = _StraightThrough.apply(master, value)
     return out
 
@@ -112,7 +115,9 @@ class ActivationQuantLinear(nn.Module):
     def __init__(self, linear: nn.Linear, activation: TensorFn) -> None:
         super().__init__()
         if linear.bias is not None:
-            raise ValueError("ActivationQuantLinear supports bias-free linears only (Qwen3-MoE has none)")
+            raise ValueError(
+                "ActivationQuantLinear supports bias-free linears only (Qwen3-MoE and DeepSeek-V3 have none)"
+            )
         self.weight = linear.weight
         self.activation = activation
 
@@ -146,7 +151,8 @@ def routed_experts_forward(
     act_fn: TensorFn,
     num_experts: int,
 ) -> Tensor:
-    """Qwen3-MoE expert mixing: each token through its top-k experts, weighted by the router, summed.
+    """Routed-expert mixing (Qwen3-MoE and DeepSeek-V3 alike): each token through its top-k experts,
+    weighted by the router, summed.
 
     `gate_up(e, x)` returns expert e's [gate | up] projections of rows x, `down(e, h)` its output.
     """
@@ -268,7 +274,9 @@ class Fp8GemmLinear(nn.Module):
     def __init__(self, linear: nn.Linear, *, emulate: bool) -> None:
         super().__init__()
         if linear.bias is not None:
-            raise ValueError("Fp8GemmLinear supports bias-free linears only (Qwen3-MoE has none)")
+            raise ValueError(
+                "Fp8GemmLinear supports bias-free linears only (Qwen3-MoE and DeepSeek-V3 have none)"
+            )
         self.weight = linear.weight
         self.emulate = emulate
 

@@ -22,9 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from skyq.config.schema import ModelConfig, TaskConfig
-from skyq.quant.layouts import get_layout
 from skyq.rl.tasks import SupervisedExample, Task, build_task
-from skyq.trainer.native.model import build_model, write_hf_checkpoint
+from skyq.trainer.native.model import build_model, hf_state, write_hf_checkpoint
 
 RECIPE_VERSION = 1
 """Bump when the warm-up recipe below changes, so cached checkpoints built by the old one are not reused."""
@@ -139,9 +138,7 @@ def _build(directory: Path, model_cfg: ModelConfig, task_cfg: TaskConfig, device
         losses = supervised_warmup(
             model, task, steps=model_cfg.init_sft_steps, seed=model_cfg.init_seed, lr=sft_lr(model_cfg)
         )
-    layout = get_layout(model_cfg.family)
-    state = {name: p.detach().to(device="cpu", dtype=torch.bfloat16) for name, p in model.named_parameters()}
-    write_hf_checkpoint(directory, layout.split_experts(state, model_cfg), model_cfg)
+    write_hf_checkpoint(directory, hf_state(model, model_cfg, device="cpu"), model_cfg)
     info = {
         "key": checkpoint_key(model_cfg, task_cfg, device),
         "init_seed": model_cfg.init_seed,

@@ -1,4 +1,4 @@
-"""NativeTrainer: GRPO updates of a transformers Qwen3-MoE model in plain PyTorch.
+"""NativeTrainer: GRPO updates of a transformers MoE model (Qwen3-MoE, DeepSeek-V3) in plain PyTorch.
 
 fp32 master weights and AdamW state; the forward computes on the weights the rollout engine holds
 (bf16, fake-quantized where the precision's strategy quantizes — see precision.py). One optimizer
@@ -26,7 +26,7 @@ from skyq.quant.strategies import get_strategy
 from skyq.rl.batch import RolloutBatch
 from skyq.rl.grpo import mismatch_metrics, policy_loss
 from skyq.sync.sender import WeightItem
-from skyq.trainer.native.model import load_model, write_hf_checkpoint
+from skyq.trainer.native.model import fp32_parameters, hf_dtype, hf_state, load_model, write_hf_checkpoint
 from skyq.trainer.native.precision import effective_parameters, quantize_activations, route_experts
 
 
@@ -129,6 +129,8 @@ class NativeTrainer:
             and bf16_grouped_mm_on(self.device)
             else []
         )
+        self.fp32_names = fp32_parameters(self.model, model_cfg)
+        """Parameters the checkpoint and the engine keep in fp32 (the router bias): never cast down."""
         self._check_names_match_layout()
         # The KL reference is the policy the run started from: its effective weights, frozen.
         self.ref_params = (
@@ -167,13 +169,13 @@ class NativeTrainer:
     # weights ------------------------------------------------------------------------------------
 
     def _hf_tensors(self) -> dict[str, Tensor]:
-        state = {name: p.detach().to(torch.bfloat16) for name, p in self.model.named_parameters()}
-        return self.layout.split_experts(state, self.model_cfg)
+        return hf_state(self.model, self.model_cfg)
 
     def hf_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """(HF name, bf16 tensor) of every checkpoint tensor, per expert, in the layout's order.
+        """(HF name, tensor) of every checkpoint tensor, per expert, in the layout's order.
 
-        These are the master weights rounded to bf16: what the sender serializes for the engines.
+        These are the master weights rounded to their checkpoint dtype (bf16; fp32 for the router
+        bias): what the sender serializes for the engines.
         """
         tensors = self._hf_tensors()
         for spec in self.layout.hf_parameters(self.model_cfg):
@@ -190,7 +192,7 @@ class NativeTrainer:
         """
         items: dict[str, WeightItem] = {}  # keyed by the item's first HF name
         for trainer_name, param in self.model.named_parameters():
-            tensor = param.detach().to(torch.bfloat16)
+            tensor = param.detach().to(hf_dtype(self.layout, trainer_name, self.model_cfg))
             fused = expert_layout.parse_fused_name(trainer_name)
             if fused is None:
                 (hf_name,) = self.layout.trainer_to_hf_names(trainer_name, self.model_cfg)
@@ -226,7 +228,10 @@ class NativeTrainer:
         reaches the fp32 master through the cast). Effective weights are bf16 values already, so
         the bf16 cast is exact and the forward sees exactly the weights the engine holds."""
         if self.compute_dtype != torch.float32:
-            params = {name: value.to(self.compute_dtype) for name, value in params.items()}
+            params = {
+                name: value if name in self.fp32_names else value.to(self.compute_dtype)
+                for name, value in params.items()
+            }
         return lambda **kwargs: torch.func.functional_call(self.model, params, args=(), kwargs=kwargs)
 
     @torch.no_grad()
