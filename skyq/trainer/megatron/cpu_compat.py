@@ -27,6 +27,11 @@ Each patch names the megatron-core version that needs it (0.16.1, the CPU pin) a
 - `get_default_causal_mask` -> the same mask on the CPU. 0.16.1's `transformer/utils.py` builds it
   with `device="cuda"`; `FusedScaleMaskSoftmax.forward_torch_softmax` (fused_softmax.py, imported by
   name there) calls it whenever the causal attention gets no explicit mask.
+- `maybe_move_tensor_to_cpu` -> the same, but a CPU tensor asked for `as_numpy` becomes a numpy
+  array too. 0.16.1 (moe_utils.py, imported by name into token_dispatcher.py) converts only CUDA
+  tensors, so on the CPU `MoEAlltoAllTokenDispatcher` hands its split sizes to
+  `torch.distributed.all_to_all_single` as tensors, which torch 2.13 rejects (TypeError): EP > 1
+  with the alltoall dispatcher cannot run.
 - `moe_utils.te_general_gemm = None` where Transformer Engine is absent (it always is on the CPU).
   0.16.1's `RouterGatingLinearFunction` tests `te_general_gemm is not None`, but the name is bound
   only by the `import transformer_engine` that failed, so every MoE router raises NameError.
@@ -115,6 +120,14 @@ def _default_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
 
+def _move_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+    if torch.is_tensor(tensor):
+        tensor = tensor.cpu()
+        if as_numpy:
+            return tensor.numpy()
+    return tensor
+
+
 def _have_te() -> bool:
     import importlib.util
 
@@ -130,7 +143,7 @@ def apply() -> None:
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer import utils as mcore_utils
-    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     torch.cuda.current_device = _current_device
     torch.cuda.Stream = CpuStream
@@ -145,6 +158,8 @@ def apply() -> None:
     mcore_random._set_cuda_rng_state = _set_rng_state
     mcore_utils.get_default_causal_mask = _default_causal_mask
     fused_softmax.get_default_causal_mask = _default_causal_mask
+    moe_utils.maybe_move_tensor_to_cpu = _move_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = _move_to_cpu
     if not _have_te():
         if not hasattr(moe_utils, "te_general_gemm"):
             moe_utils.te_general_gemm = None

@@ -159,6 +159,11 @@ class ReplicatedLinear(torch.nn.Module):
         if config.perform_initialization:
             with torch.no_grad():
                 init_method(self.weight)
+        # Megatron's attributes of a parameter that is not split across TP (the optimizer counts it
+        # once in the grad norm; loaders and exporters copy it whole)
+        self.weight.tensor_model_parallel = False
+        self.weight.partition_dim = -1
+        self.weight.partition_stride = 1
         self.weight.sequence_parallel = config.sequence_parallel
         self.fake_quant = fake_quant
 
