@@ -132,12 +132,12 @@ def load_hf_checkpoint(model: torch.nn.Module, hf_dir: str | Path, model_cfg: Mo
     import torch
 
     check_spec(spec)
-    ranks = _Ranks()
     reader = _HFReader(hf_dir)
     layout = get_layout(model_cfg.family)
     text_names = [n for n in reader.ckpt.tensors if layout.is_text_name(n, model_cfg)]
     for name in text_names:
         check_hf_tensor(name, reader.ckpt.tensors[name].shape, model_cfg, where=reader.where(name))
+    ranks = _Ranks()
     per_rank = experts_per_rank(model_cfg, ranks.ep_size)
     used: set[str] = set()
     filled: dict[str, str] = {}
