@@ -1,10 +1,16 @@
-"""Fixtures: the shared native-trainer fixtures (tests/native_fixtures.py), plus an embedded engine
-and the sender's serialization of a trainer's weights."""
+"""Fixtures: the shared native-trainer fixtures (tests/native_fixtures.py) and the tiny DeepSeek-V3's
+(tests/deepseek_fixtures.py), plus an embedded engine and the sender's serialization of a trainer's weights."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from deepseek_fixtures import (  # noqa: F401
+    deepseek_cfg,
+    deepseek_checkpoint,
+    make_deepseek_engine,
+    make_deepseek_trainer,
+)
 from native_fixtures import _one_thread, make_trainer, run_cfg, tiny_checkpoint  # noqa: F401
 
 from skyq.rollout.embedded import EmbeddedEngine
