@@ -373,7 +373,11 @@ class AlgorithmConfig:
 @dataclass
 class EvalConfig:
     dataset: Optional[str] = None
-    """Eval dataset (path or name; None = the task's built-in eval split)."""
+    """Eval dataset: a local .jsonl or .parquet file (None = the task's built-in eval set; only arith has one)."""
+    prompt_key: Optional[str] = None
+    """Eval dataset key of the prompt (None = task.prompt_key)."""
+    label_key: Optional[str] = None
+    """Eval dataset key of the reference answer (None = task.label_key)."""
     interval: int = bounded(0, ge=0)
     """Evaluate every N steps (0 = never): before the step's rollout, on the weights of the updates so far (step 0: the starting model)."""
     num_samples: int = bounded(1, ge=1)
@@ -387,13 +391,13 @@ class TaskConfig:
     name: TaskName = TaskName.arith
     """Task."""
     dataset: Optional[str] = None
-    """Training dataset (path or name; None = the task's built-in generator)."""
+    """Training dataset: a local .jsonl or .parquet file (None = the task's built-in generator; arith only)."""
     reward: RewardName = RewardName.exact_match
     """Reward function."""
     prompt_key: str = "prompt"
     """Dataset key of the prompt."""
     label_key: str = "label"
-    """Dataset key of the reference answer."""
+    """Dataset key of the reference answer (dotted for a struct field: reward_model.ground_truth)."""
     image_key: Optional[str] = None
     """Dataset key of images (multimodal tasks)."""
     max_image_tokens: int = bounded(0, ge=0)

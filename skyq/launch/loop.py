@@ -290,6 +290,7 @@ def run_rl(
         # On resume this records the (compatible) config the run continues with, e.g. more steps.
         save_resolved_config(run_dir, config_container)
         print(describe(placement))
+        print(task_obj.describe())  # where the prompts come from, and how many the length limit dropped
         startup_line(
             "locating the starting checkpoint (a tiny model's is built once, into checkpoint.cache_dir)"
         )

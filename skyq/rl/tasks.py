@@ -7,7 +7,6 @@ order as the run it continues, with no sampler state to checkpoint.
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
@@ -16,7 +15,8 @@ from typing import Protocol
 
 from skyq.config.enums import ArithOp, RewardName, TaskName
 from skyq.config.schema import TaskConfig
-from skyq.rl.rewards import RewardFn, get_reward_fn
+from skyq.rl.datasets import Messages, local_file, read_records
+from skyq.rl.rewards import RewardFn, get_reward_fn, reference_response
 from skyq.rl.tokenizer import ArithTokenizer, HFTokenizer, load_tokenizer
 
 
@@ -38,6 +38,15 @@ class Prompt:
     """Prompt tokens, bos included."""
     answer: str
     """Reference answer the reward compares against."""
+    images: tuple[bytes, ...] = ()
+    """Encoded images of a multimodal prompt, in the order of its image tokens (`skyq.rl.images.decode`)."""
+
+
+OPEN_R1_QUESTION_SUFFIX = (
+    "  Output the thinking process in <think> </think> and final answer (number) in <answer> </answer> tags."
+)
+"""The instruction open-r1-multimodal appends to each question (src/open_r1/grpo.py, its question template):
+multimodal_open_r1 appends it to a prompt given as a plain question, asking for the format openr1mm rewards."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +77,10 @@ class Task(ABC):
     @abstractmethod
     def supervised_examples(self, n: int, rng: random.Random) -> list[SupervisedExample]:
         """`n` (prompt, correct response) pairs for a supervised warm-up."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """One line saying where the prompts come from (printed when a run starts)."""
 
     def eval_prompts(self) -> list[Prompt]:
         """The fixed prompts evaluation scores (`task.eval.*`), the same at every eval of a run."""
@@ -113,6 +126,9 @@ class ArithTask(Task):
                 f"{max_response_length}; raise it to >= 2"
             )
 
+    def describe(self) -> str:
+        return f"task arith: generated {self.op.value} problems on digits 0-9"
+
     def _make(self, rng: random.Random) -> tuple[Prompt, list[int]]:
         a, b = rng.randrange(10), rng.randrange(10)
         return self._problem(a, b)
@@ -148,32 +164,67 @@ class ArithTask(Task):
         return examples
 
 
-class DapoMathTask(Task):
-    """{prompt, label} records from a local JSONL file, graded by the math-answer reward.
+class DatasetTask(Task):
+    """Prompts from the user's dataset file (`task.dataset`), evaluated on `task.eval.dataset`.
 
-    A prompt is a string or a chat message list, rendered by the tokenizer's chat template when
-    `task.apply_chat_template` is set (else its message contents joined). Records whose prompt
-    exceeds `task.max_prompt_length` tokens are skipped, as DAPO's overlong filter does.
-    Each epoch visits the records in a seed-determined order.
+    dapo_math and multimodal_open_r1 are this task with their own reward and keys (conf/task/). A prompt is
+    rendered by the model's chat template when `task.apply_chat_template` is set (else its text joined),
+    then tokenized by the model's tokenizer. A prompt longer than `task.max_prompt_length` tokens is
+    dropped, not truncated, as DAPO's overlong filter does (a cut problem has no right answer); the drops
+    are counted (`describe`). Each epoch visits the prompts in a seed-determined order.
     """
 
     def __init__(
-        self, *, task_cfg: TaskConfig, tokenizer: TextTokenizer, reward_fn: RewardFn, seed: int
+        self,
+        *,
+        task_cfg: TaskConfig,
+        tokenizer: TextTokenizer,
+        reward_fn: RewardFn,
+        seed: int,
+        question_suffix: str | None = None,
     ) -> None:
         super().__init__(tokenizer=tokenizer, reward_fn=reward_fn, seed=seed)
-        self.records = load_prompt_records(task_cfg, tokenizer)
-        eval_file = task_cfg.eval.dataset
-        self.eval_records = (
-            None
-            if eval_file is None
-            else load_prompt_records(replace(task_cfg, dataset=eval_file), tokenizer)
+        if task_cfg.image_key is not None and not task_cfg.apply_chat_template:
+            raise TaskError(
+                f"task.image_key={task_cfg.image_key} with task.apply_chat_template=false: the chat template "
+                "places a prompt's images. Fix: task.apply_chat_template=true"
+            )
+        self.name = TaskName(task_cfg.name)
+        self.reward_name = RewardName(task_cfg.reward)
+        self.train = load_split(
+            task_cfg,
+            tokenizer,
+            file_key="task.dataset",
+            prompt_key=task_cfg.prompt_key,
+            label_key=task_cfg.label_key,
+            question_suffix=question_suffix,
         )
+        ev = task_cfg.eval
+        self.eval_split = (
+            None
+            if ev.dataset is None
+            else load_split(
+                replace(task_cfg, dataset=ev.dataset),
+                tokenizer,
+                file_key="task.eval.dataset",
+                prompt_key=ev.prompt_key or task_cfg.prompt_key,
+                label_key=ev.label_key or task_cfg.label_key,
+                question_suffix=question_suffix,
+            )
+        )
+        self.records = self.train.prompts
+
+    def describe(self) -> str:
+        lines = [f"task {self.name.value}: {self.train.describe()}"]
+        if self.eval_split is not None:
+            lines.append(f"eval: {self.eval_split.describe()}")
+        return "; ".join(lines)
 
     def eval_prompts(self) -> list[Prompt]:
-        """The records of `task.eval.dataset` (a local JSONL file, read as the training one), in file order."""
-        if self.eval_records is None:
-            raise TaskError("task dapo_math evaluates task.eval.dataset=<a local .jsonl file>; none is set")
-        return self.eval_records
+        """The prompts of `task.eval.dataset`, read as the training file, in file order."""
+        if self.eval_split is None:
+            raise TaskError(f"task {self.name.value} evaluates task.eval.dataset=<a local file>; none is set")
+        return self.eval_split.prompts
 
     def _order(self, epoch: int) -> list[int]:
         order = list(range(len(self.records)))
@@ -193,64 +244,95 @@ class DapoMathTask(Task):
         chosen = [self.records[rng.randrange(len(self.records))] for _ in range(n)]
         return [
             SupervisedExample(
-                prompt_ids=p.token_ids, target_ids=[*self.tokenizer.encode(f"\\boxed{{{p.answer}}}"), eos]
+                prompt_ids=p.token_ids,
+                target_ids=[*self.tokenizer.encode(reference_response(self.reward_name, p.answer)), eos],
             )
             for p in chosen
         ]
 
 
-def _messages(value: object, path: Path, line: int) -> list[dict[str, object]]:
-    """A record's prompt as chat messages (a plain string is one user message)."""
-    if isinstance(value, str):
-        return [{"role": "user", "content": value}]
-    if isinstance(value, list) and all(isinstance(m, dict) and "content" in m for m in value):
-        return value
-    raise TaskError(
-        f"{path}:{line}: prompt must be a string or a list of chat messages, got {type(value).__name__}"
+@dataclass(frozen=True, slots=True)
+class DatasetSplit:
+    """The prompts of one dataset file, and what reading it kept and dropped."""
+
+    path: Path
+    prompts: list[Prompt]
+    dropped: int
+    """Rows whose prompt is longer than `task.max_prompt_length` tokens."""
+    max_prompt_length: int
+
+    def describe(self) -> str:
+        kept = f"{len(self.prompts)} prompts from {self.path}"
+        if not self.dropped:
+            return kept
+        return (
+            f"{kept} ({self.dropped} dropped: longer than task.max_prompt_length={self.max_prompt_length} "
+            "tokens)"
+        )
+
+
+def load_split(
+    task_cfg: TaskConfig,
+    tokenizer: TextTokenizer,
+    *,
+    file_key: str,
+    prompt_key: str,
+    label_key: str,
+    question_suffix: str | None = None,
+) -> DatasetSplit:
+    """Read the local file `task_cfg.dataset` (named `file_key` in errors) into tokenized prompts; no
+    downloads. `question_suffix` is appended to prompts given as a plain question string."""
+    path = local_file(task_cfg.dataset, key=file_key)
+    prompts, dropped = [], 0
+    records = read_records(
+        path,
+        prompt_key=prompt_key,
+        label_key=label_key,
+        image_key=task_cfg.image_key,
+        config_prefix="task.eval" if file_key == "task.eval.dataset" else "task",
+        question_suffix=question_suffix,
+    )
+    for record in records:
+        ids = _prompt_ids(tokenizer, record.messages, task_cfg.apply_chat_template)
+        if len(ids) > task_cfg.max_prompt_length:
+            dropped += 1
+            continue
+        prompts.append(Prompt(token_ids=ids, answer=record.answer, images=record.images))
+    if not prompts:
+        raise TaskError(
+            f"{path}: none of its {dropped} rows has a prompt of at most task.max_prompt_length="
+            f"{task_cfg.max_prompt_length} tokens"
+            if dropped
+            else f"{path}: the file holds no rows"
+        )
+    return DatasetSplit(
+        path=path, prompts=prompts, dropped=dropped, max_prompt_length=task_cfg.max_prompt_length
     )
 
 
-def _prompt_ids(
-    tokenizer: TextTokenizer, messages: list[dict[str, object]], chat_template: bool
-) -> list[int]:
+def _text(messages: Messages) -> str:
+    """The messages' text, joined by newlines (prompts without a chat template)."""
+    pieces = []
+    for m in messages:
+        content = m["content"]
+        if isinstance(content, str):
+            pieces.append(content)
+        else:
+            pieces.extend(str(p["text"]) for p in content if p.get("type") == "text")
+    return "\n".join(pieces)
+
+
+def _prompt_ids(tokenizer: TextTokenizer, messages: Messages, chat_template: bool) -> list[int]:
     """The prompt's tokens: rendered by the tokenizer's chat template (`task.apply_chat_template`), or
-    the message contents joined by newlines."""
+    the message texts joined by newlines."""
     if not chat_template:
-        return tokenizer.encode("\n".join(str(m["content"]) for m in messages))
+        return tokenizer.encode(_text(messages))
     if not isinstance(tokenizer, HFTokenizer):
         raise TaskError(
             f"task.apply_chat_template=true needs a model tokenizer with a chat template, not "
             f"{type(tokenizer).__name__}. Fix: task.apply_chat_template=false"
         )
     return tokenizer.encode(tokenizer.chat_prompt(messages))
-
-
-def load_prompt_records(task_cfg: TaskConfig, tokenizer: TextTokenizer) -> list[Prompt]:
-    """Read `task.dataset` (a local JSONL file) into prompts; no downloads."""
-    if task_cfg.dataset is None:
-        raise TaskError(f"task {task_cfg.name.value} needs task.dataset=<path to a local .jsonl file>")
-    path = Path(task_cfg.dataset).expanduser()
-    if not path.is_file():
-        raise TaskError(
-            f"task.dataset={task_cfg.dataset!r} is not a local file; skyq never downloads data at run "
-            "time: point task.dataset at a JSONL file of {prompt, label} records"
-        )
-    records = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            for key in (task_cfg.prompt_key, task_cfg.label_key):
-                if key not in row:
-                    raise TaskError(f"{path}:{line_no}: record has no key {key!r} (keys: {sorted(row)})")
-            messages = _messages(row[task_cfg.prompt_key], path, line_no)
-            ids = _prompt_ids(tokenizer, messages, task_cfg.apply_chat_template)
-            if len(ids) <= task_cfg.max_prompt_length:
-                records.append(Prompt(token_ids=ids, answer=str(row[task_cfg.label_key])))
-    if not records:
-        raise TaskError(f"{path}: no record fits task.max_prompt_length={task_cfg.max_prompt_length} tokens")
-    return records
 
 
 def tokenizer_for(
@@ -288,10 +370,12 @@ def build_task(task_cfg: TaskConfig, *, seed: int, tokenizer: TextTokenizer | No
             max_prompt_length=task_cfg.max_prompt_length,
             max_response_length=task_cfg.max_response_length,
         )
-    if name is TaskName.dapo_math:
-        if tokenizer is None:
-            raise TaskError("task dapo_math needs the model's tokenizer: build_task(..., tokenizer=...)")
-        return DapoMathTask(task_cfg=task_cfg, tokenizer=tokenizer, reward_fn=reward_fn, seed=seed)
-    raise TaskError(
-        f"task.name={name.value} is not implemented by skyq.rl.tasks (available: arith, dapo_math)"
+    if tokenizer is None:
+        raise TaskError(f"task {name.value} needs the model's tokenizer: build_task(..., tokenizer=...)")
+    return DatasetTask(
+        task_cfg=task_cfg,
+        tokenizer=tokenizer,
+        reward_fn=reward_fn,
+        seed=seed,
+        question_suffix=OPEN_R1_QUESTION_SUFFIX if name is TaskName.multimodal_open_r1 else None,
     )

@@ -1,5 +1,6 @@
 """task=dapo_math end to end: the model's tokenizer read from its checkpoint directory, prompts from a
-local JSONL file through the tokenizer's chat template, rewards from the math-answer reward.
+local JSONL file through the tokenizer's chat template, rewards from the math-answer reward, and an eval over a
+local file in AIME-2024's layout logged as eval/*.
 
 The checkpoint is the tiny MoE (random init) plus a character-level tokenizer built here with `tokenizers` and saved
 with `save_pretrained` (no hub): the model's 32-token vocabulary holds its 24 tokens.
@@ -27,6 +28,7 @@ from skyq.rl.rewards import exact_match, math_answer_reward
 from skyq.rl.tasks import TaskError, build_task, tokenizer_for
 from skyq.rl.tokenizer import TokenizerError
 from skyq.trainer.native.model import build_model, write_hf_checkpoint
+from tests.rl.test_datasets import write_jsonl
 
 SPECIALS = ["<pad>", "<bos>", "<eos>"]  # ids 0, 1, 2: the embedded engine stops at EOS_ID
 CHARACTERS = "0123456789+=\\boxed{} "
@@ -99,6 +101,7 @@ def test_dapo_math_runs_grpo_scoring_every_response_with_the_math_reward(
         [
             "task=dapo_math",
             f"task.dataset={data}",
+            "task.label_key=label",  # the file's layout is {prompt, label} (slime's), not the parquet's
             f"checkpoint.hf_checkpoint={ckpt}",
             "task.max_prompt_length=8",
             "task.max_response_length=10",
@@ -170,3 +173,41 @@ def test_a_dataset_task_refuses_a_missing_or_unfit_tokenizer(math_checkpoint, tm
         build_task(cfg, seed=0, tokenizer=tokenizer)
     plain = build_task(replace(cfg, apply_chat_template=False), seed=0, tokenizer=tokenizer)
     assert tokenizer.decode(plain.prompts(0, 1)[0].token_ids).endswith("=")
+
+
+def test_a_dapo_math_run_evaluates_its_aime_file(math_checkpoint, tmp_path, capsys):
+    """`task=dapo_math` with the conf's keys, run in process: the training file in DAPO-Math-17k's layout,
+    the eval file in AIME-2024's; eval/* rows at steps 0 and 2 over the 4 eval prompts, the start line
+    saying where the prompts come from."""
+    ckpt, _ = math_checkpoint
+    problems = [(a, b) for a in range(4) for b in range(4)]
+    train = write_jsonl(
+        tmp_path / "dapo-math-17k.jsonl",
+        [{"prompt": [{"role": "user", "content": f"{a}+{b}="}], "reward_model": {"ground_truth": str(a + b)}}
+         for a, b in problems],
+    )  # fmt: skip
+    aime = write_jsonl(
+        tmp_path / "aime-2024.jsonl", [{"problem": f"{a}+{a}=", "answer": 2 * a} for a in range(4)]
+    )
+    cfg = compose(
+        [
+            "task=dapo_math", f"task.dataset={train}", f"task.eval.dataset={aime}", f"checkpoint.hf_checkpoint={ckpt}",
+            "task.eval.interval=2", "task.eval.num_samples=2", "task.max_prompt_length=8",
+            "task.max_response_length=6", "algorithm.num_steps=3", "algorithm.global_batch_size=8",
+            "algorithm.group_size=4", "trainer.micro_batch_size=8", "rollout.weight_sync.transport=in_process",
+            "checkpoint.save_interval=0", "logger.progress_bar=false", "logger.plot=false",
+        ]
+    )  # fmt: skip
+    obj = to_object(cfg)
+    result = run_rl(
+        **{k: getattr(obj, k) for k in RUN_GROUPS},
+        seed=obj.seed,
+        config_container=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+        run_dir=tmp_path / "run",
+    )
+    rows = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows if "eval/reward" in r] == [0, 2]
+    for row in (rows[0], rows[2]):
+        assert row["eval/prompts"] == 4.0 and 0.0 <= row["eval/reward"] <= row["eval/best_of_n"] <= 1.0
+    assert f"task dapo_math: 16 prompts from {train}; eval: 4 prompts from {aime}" in capsys.readouterr().out

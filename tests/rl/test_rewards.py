@@ -42,6 +42,23 @@ def test_last_boxed_balances_nested_braces():
     assert extract_math_answer("the value is 2.50") == "2.50"
 
 
-def test_unimplemented_reward_is_refused_with_the_key():
-    with pytest.raises(ValueError, match="task.reward=openr1mm"):
-        get_reward_fn(RewardName.openr1mm)
+def test_every_reward_name_has_an_implementation():
+    for name in RewardName:
+        assert callable(get_reward_fn(name)), name
+    with pytest.raises(ValueError, match="not_a_reward"):
+        get_reward_fn("not_a_reward")
+
+
+@pytest.mark.parametrize(
+    ("response", "label", "reward"),
+    [
+        ("Step 1 ... so x = 4.\nAnswer: 42", "42", 1.0),
+        ("Answer: \\frac{1}{2}", "0.5", 1.0),  # the last number alone would read 2
+        ("Answer: 3\nno wait\nAnswer: 5", "5", 1.0),
+        ("Answer: 3\nno wait\nAnswer: 5", "3", 0.0),
+        ("Answer: 7 \\boxed{8}", "8", 1.0),  # a box still wins
+    ],
+)
+def test_math_answer_reads_dapo_answer_lines(response, label, reward):
+    """DAPO-Math-17k's prompts ask for a last line `Answer: $Answer`: the reward reads that line."""
+    assert math_answer_reward(response, label) == reward

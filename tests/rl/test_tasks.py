@@ -1,4 +1,4 @@
-"""Tasks: deterministic data order, correct answers, the dapo_math JSONL loader."""
+"""Tasks: deterministic data order, correct answers, the dapo_math JSONL loader (tests/rl/test_datasets.py: the file formats)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 
 from skyq.config.enums import ArithOp, RewardName, TaskName
 from skyq.config.schema import TaskConfig
+from skyq.rl.datasets import DatasetError
 from skyq.rl.tasks import TaskError, build_task
 from skyq.rl.tokenizer import ArithTokenizer, TokenizerError
 
@@ -83,7 +84,7 @@ def test_dapo_math_reads_local_jsonl_in_a_seeded_order(tmp_path):
 
 def test_dapo_math_never_downloads(tmp_path):
     cfg = TaskConfig(name=TaskName.dapo_math, reward=RewardName.math, dataset="dapo-math-17k")
-    with pytest.raises(TaskError, match="never downloads"):
+    with pytest.raises(DatasetError, match="never downloads"):
         build_task(cfg, seed=0, tokenizer=ArithTokenizer())
     with pytest.raises(TaskError, match="tokenizer"):
         build_task(cfg, seed=0)
