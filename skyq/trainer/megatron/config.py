@@ -22,6 +22,13 @@ The two families, as skyq's HF configs define them (`skyq.checkpoint.hf_config`)
   DeepSeek-V3 8 / 4), `routed_scaling_factor` (taken as 1.0), and YaRN rope scaling (HF
   `rope_parameters` with `rope_type: yarn`; plain rope is used). A checkpoint that needs them
   computes a different function here until `ModelConfig` carries them.
+
+FP8 (GPU only; Transformer Engine): precision=fp8_blockwise -> `fp8="e4m3"`, `fp8_recipe="blockwise"`
+(TE `Float8BlockScaling`; its fp32-vs-pow2 scales come from NVTE_FP8_BLOCK_SCALING_FP32_SCALES in the
+worker's environment, the strategy's `env_vars`), precision=mxfp8 -> `fp8_recipe="mxfp8"`. The
+precision's targets choose the linears: all_linear is the global recipe; routed_experts adds a
+per-module `quant_recipe` (megatron/core/quantization, 0.16.1) that forces every other TE linear
+back to bf16. `precision.persistent_fp8_params` -> `fp8_param` (blockwise on all linears only).
 """
 
 from __future__ import annotations
@@ -67,9 +74,33 @@ def transformer_config(
 ) -> Any:
     """The megatron-core `TransformerConfig` (qwen3_moe) or `MLATransformerConfig` (deepseek_v3)
     of these configs on `device` ("cpu": local spec, fp32 params, no TE; "cuda": TE spec)."""
+    compat.check_version()
+    name, kwargs = config_kwargs(model_cfg, precision_cfg, trainer_cfg, parallel_cfg, device=device)
+    from megatron.core.transformer import transformer_config as tc
+
+    cls = getattr(tc, name)
+    try:
+        return compat.build_config(cls, kwargs)
+    except (ValueError, AssertionError) as err:
+        raise MegatronConfigError(
+            f"megatron-core refused the {name} built from model={model_cfg.name}, "
+            f"precision={Precision(precision_cfg.name).value}, topology.parallel={parallel_cfg}: {err}"
+        ) from err
+
+
+def config_kwargs(
+    model_cfg: ModelConfig,
+    precision_cfg: PrecisionConfig,
+    trainer_cfg: TrainerConfig,
+    parallel_cfg: ParallelConfig,
+    *,
+    device: str,
+) -> tuple[str, dict[str, Any]]:
+    """(config class name, keyword arguments) of `transformer_config`, without constructing it:
+    the dataclass's own checks import Transformer Engine for FP8, so the GPU mapping is testable
+    on the CPU only here. Raises MegatronConfigError for what trainer=megatron refuses."""
     if device not in DEVICES:
         raise MegatronConfigError(f"device={device!r}: expected one of {DEVICES}")
-    compat.check_version()
     kwargs = {
         **_architecture(model_cfg),
         **_parallel(parallel_cfg, device),
@@ -78,22 +109,17 @@ def transformer_config(
         **_dtypes(trainer_cfg, device),
         **_fp8(precision_cfg, device),
     }
-    family = ModelFamily(model_cfg.family)
-    if family is ModelFamily.deepseek_v3:
-        from megatron.core.transformer.transformer_config import MLATransformerConfig as cls
-
-        kwargs.update(_mla(model_cfg))
-    else:
-        from megatron.core.transformer.transformer_config import TransformerConfig as cls
-
-        kwargs.update(_gqa(model_cfg))
-    try:
-        return compat.build_config(cls, kwargs)
-    except (ValueError, AssertionError) as err:
-        raise MegatronConfigError(
-            f"megatron-core refused the {cls.__name__} built from model={model_cfg.name}, "
-            f"precision={Precision(precision_cfg.name).value}, topology.parallel={parallel_cfg}: {err}"
-        ) from err
+    if ModelFamily(model_cfg.family) is ModelFamily.deepseek_v3:
+        if parallel_cfg.tp > 1 and not parallel_cfg.sequence_parallel:
+            raise MegatronConfigError(
+                f"model.family=deepseek_v3 with topology.parallel.tp={parallel_cfg.tp} needs "
+                "topology.parallel.sequence_parallel=true: MLA's down-projections are replicated across "
+                "TP, and only sequence parallelism gathers the rotary key and reduce-scatters its "
+                "gradient across the TP heads (without it that gradient holds this rank's heads only). "
+                "Fix: sequence_parallel=true"
+            )
+        return "MLATransformerConfig", {**kwargs, **_mla(model_cfg)}
+    return "TransformerConfig", {**kwargs, **_gqa(model_cfg)}
 
 
 def _architecture(m: ModelConfig) -> dict[str, Any]:
@@ -248,6 +274,8 @@ def _dtypes(t: TrainerConfig, device: str) -> dict[str, Any]:
         "bf16": bf16,
         # CPU: fp32 parameters (the worker's mixed-precision wrapper casts the compute); GPU: bf16
         "params_dtype": torch.bfloat16 if bf16 and device == "cuda" else torch.float32,
+        # the activations pipeline stages send each other
+        "pipeline_dtype": torch.bfloat16 if bf16 else torch.float32,
         "use_cpu_initialization": device == "cpu",
         # TE accumulates weight grads straight into Megatron's fp32 main_grad (GPU only; the
         # fake-INT4 experts keep that path exact, see fake_int4.py)
@@ -273,46 +301,47 @@ def _fp8(p: PrecisionConfig, device: str) -> dict[str, Any]:
                 f"{TE_FP8_ACTIVATION_TILE} activation tiles. Fix: those values"
             )
         scope, recipe = QuantScope(p.fp8_targets), "blockwise"
-
     else:
         scope, recipe = QuantScope(p.mxfp8_targets), "mxfp8"
     if p.persistent_fp8_params and (precision is Precision.mxfp8 or scope is QuantScope.routed_experts):
         raise MegatronConfigError(
             f"precision.persistent_fp8_params=true with precision={precision.value}, targets={scope.value}: "
-            "Megatron keeps FP8 parameters (fp8_param) only under a global blockwise recipe. "
+            "Megatron's fp8_param makes every TE weight FP8, so skyq keeps it for blockwise on all linears. "
             "Fix: persistent_fp8_params=false, or fp8_blockwise with fp8_targets=all_linear"
         )
     if scope is QuantScope.all_linear:
         return {"fp8": "e4m3", "fp8_recipe": recipe, "fp8_param": p.persistent_fp8_params}
-    return {"quant_recipe": routed_experts_recipe(recipe)}
+    # routed experts only: the recipe is global (so TEGroupedMLP pads each expert's tokens to the
+    # FP8 GEMM's row multiple, which 0.16.1 does only when config.fp8 is set) and every other TE
+    # linear is forced back to bf16 by a per-module recipe
+    return {"fp8": "e4m3", "fp8_recipe": recipe, "quant_recipe": routed_experts_only_recipe()}
 
 
-def routed_experts_recipe(recipe: str) -> Any:
-    """A per-module `RecipeConfig`: TE FP8 with `recipe` ("blockwise" / "mxfp8") on the routed experts'
-    linears only; every other linear stays bf16 (no global `fp8`)."""
-    from megatron.core.enums import Fp8Recipe
+def routed_experts_only_recipe() -> Any:
+    """A per-module `RecipeConfig` keeping every TE linear but the routed experts' out of FP8: the
+    experts (`ROUTED_EXPERTS_PATTERN`, matched first) run under the global recipe untouched, any
+    other module with a quantization hook opens `fp8_autocast(enabled=False)`."""
     from megatron.core.quantization.quant_config import RecipeConfig
+
+    def te_params(**training_recipe: Any) -> dict[str, Any]:
+        return {"transformer_engine_config_type": "TEQuantizationParams", "training_recipe": training_recipe}
 
     return RecipeConfig.from_config_dict(
         {
             "configs": {
-                "routed_experts": {
-                    "transformer_engine_config_type": "TEQuantizationParams",
-                    "training_recipe": {
-                        "fp8_quantization_recipe": Fp8Recipe(recipe),
-                        "fp8_format": "e4m3",
-                        # no global fp8 autocast is open: this module opens its own
-                        "override_nonquantized_autocast": True,
-                    },
-                }
+                # inside the global FP8 autocast and told not to override it: the global recipe
+                "global_recipe": te_params(override_quantized_autocast=False),
+                # no FP8 recipe and told to override: fp8_autocast(enabled=False), i.e. bf16
+                "bf16": te_params(override_quantized_autocast=True),
             },
             "matchers": {
                 "routed_experts": {
                     "type": "glob",
                     "pattern": ROUTED_EXPERTS_PATTERN,
-                    "config": "routed_experts",
+                    "config": "global_recipe",
                     "enabled": True,
-                }
+                },
+                "everything_else": {"type": "glob", "pattern": "*", "config": "bf16", "enabled": True},
             },
         }
     )
