@@ -1,27 +1,25 @@
 """HF <-> Megatron-core name tables, conversions, TP/EP slicing, load and export (trainer=megatron).
 
-Real megatron-core 0.16.1 GPTModels (local spec) are built on the CPU in spawned gloo processes:
-their tensor names, shapes and partition attributes are the ground truth for the local tables; the
-Transformer Engine names are golden lists read from megatron-core's `gpt_layer_specs.py` and
-`extensions/transformer_engine.py` (TE is not installed here).
+skyq's Megatron models (megatron-core 0.16.1 GPTModels, local spec, `build_model`) are built on the
+CPU in spawned gloo processes: their tensor names, shapes and partition marks are the ground truth
+for the local tables; the Transformer Engine names are golden lists read from megatron-core's
+`gpt_layer_specs.py` and `extensions/transformer_engine.py` (TE is not installed here).
 """
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-pytest.importorskip("megatron.core")
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (dev extra, Python < 3.12)")
 
-from mapping_helpers import (  # noqa: E402  (tests/megatron is on sys.path; see mapping_helpers)
+from dist_helpers import run_ranks  # noqa: E402  (tests/megatron is on sys.path: no __init__.py)
+from mapping_helpers import (  # noqa: E402
     deepseek_cfg,
     describe_local_models,
     load_and_export,
     qwen_cfg,
     random_hf,
-    run_ranks,
     write_checkpoint,
 )
 
@@ -123,15 +121,13 @@ def test_local_names_shapes_and_partitions_match_real_gpt_models(tmp_path):
     cases = [
         (label, CONFIGS[label]) for label in ("qwen", "qwen_tied", "deepseek_q_lora", "deepseek_no_q_lora")
     ]
-    out = tmp_path / "described.json"
-    run_ranks(describe_local_models, 1, str(out), cases)
-    described = json.loads(out.read_text())
+    (described,) = run_ranks(describe_local_models, 1, cases)
     for label, model_cfg in cases:
         real = described[label]
         assert sorted(real) == sorted(megatron_names(model_cfg, "local")), label
         for name, (shape, partition_dim) in real.items():
             assert tuple(shape) == megatron_shape(parse(name, model_cfg), model_cfg), (label, name)
-            assert partition(name, model_cfg, "local").dim == partition_dim, (label, name)
+            assert partition(name, model_cfg).dim == partition_dim, (label, name)
 
 
 def test_shard_and_unshard_follow_megatron_partitions():
@@ -150,8 +146,7 @@ def test_shard_and_unshard_follow_megatron_partitions():
     proj = "decoder.layers.1.self_attention.linear_proj.weight"
     assert shard(proj, full[proj], model_cfg, tp_rank=0, tp_size=2, ep_rank=0, ep_size=1).shape == (32, 16)
     down = "decoder.layers.1.self_attention.linear_kv_down_proj.weight"
-    te_piece = shard(down, full[down], model_cfg, tp_rank=1, tp_size=2, ep_rank=0, ep_size=1, spec="te")
-    assert te_piece is full[down]  # a replicated TELinear in the TE spec
+    assert shard(down, full[down], model_cfg, tp_rank=1, tp_size=2, ep_rank=0, ep_size=1) is full[down]
     expert3 = "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight"
     assert shard(expert3, full[expert3], model_cfg, tp_rank=0, tp_size=1, ep_rank=0, ep_size=2) is None
     assert (
@@ -168,14 +163,15 @@ def test_shard_and_unshard_follow_megatron_partitions():
 
 
 def test_load_then_export_gives_back_the_checkpoint_at_world_size_2(tmp_path):
-    # qwen: TP1 (DP2) first, the reference logits of TP2 (ETP2) and EP2
+    # TP1 (DP2) first: the reference logits of that checkpoint's TP2 (ETP2; MLA with SP) and EP2
     layouts = [("qwen", 1, 1), ("qwen", 2, 1), ("qwen", 1, 2), ("qwen_kimi_prefix", 1, 2)]
-    layouts += [("deepseek_q_lora", 2, 1), ("deepseek_no_q_lora", 1, 2)]
+    layouts += [("deepseek_q_lora", 1, 1), ("deepseek_q_lora", 2, 1), ("deepseek_q_lora", 1, 2)]
+    layouts += [("deepseek_no_q_lora", 2, 1), ("deepseek_kimi_prefix", 1, 2)]
     dirs = {
         label: str(write_checkpoint(tmp_path / label, random_hf(CONFIGS[label], seed=10 + i)))
         for i, label in enumerate(dict.fromkeys(label for label, _, _ in layouts))
     }
-    cases = [(CONFIGS[label], tp, ep, False, dirs[label]) for label, tp, ep in layouts]
+    cases = [(CONFIGS[label], tp, ep, dirs[label]) for label, tp, ep in layouts]
     run_ranks(load_and_export, 2, cases)
 
 

@@ -4,10 +4,12 @@ Both read the ranks and groups from megatron-core's `parallel_state` (tensor, ex
 tensor parallel; data-parallel ranks hold the same shards and load or export alike). Pipeline
 parallelism is refused for now: each stage would hold and export only its own layers.
 
-How each parameter is split comes from megatron-core itself where it says: every tensor-parallel
-weight carries `tensor_model_parallel` / `partition_dim` (set by megatron-core's and Transformer
-Engine's linears and embeddings), so a spec that replicates a weight the stock spec splits (MLA's down
-projections) loads correctly; the name table (`sharding.partition`) covers weights without them.
+How each parameter is split comes from the module itself where it says: megatron-core's and
+Transformer Engine's linears and embeddings (and skyq's `ReplicatedLinear`) mark their weights with
+`tensor_model_parallel` / `partition_dim`, so a spec that splits or replicates a weight differently
+from skyq's (megatron-core's stock local MLA down projections) still loads and exports correctly; the
+name table (`sharding.partition`) covers weights without the marks (norms, router). A piece whose
+shape is not the parameter's is an error either way.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from skyq.trainer.megatron.mapping.tables import (
     check_spec,
     hf_text_specs,
     layer_rules,
+    megatron_names,
 )
 
 if TYPE_CHECKING:
@@ -86,9 +89,9 @@ class _Ranks:
         self.etp_group = ps.get_expert_tensor_parallel_group() if self.etp_size > 1 else None
 
 
-def _split_dim(tensor: Tensor, name: str, model_cfg: ModelConfig, spec: str) -> tuple[int | None, bool]:
+def _split_dim(tensor: Tensor, name: str, model_cfg: ModelConfig) -> tuple[int | None, bool]:
     """(partitioned dim or None, gated fc1) of a model tensor: megatron's own attributes first."""
-    part = partition(name, model_cfg, spec)
+    part = partition(name, model_cfg)
     if hasattr(tensor, "tensor_model_parallel"):
         dim = tensor.partition_dim if tensor.tensor_model_parallel else None
         return dim, part.gated and dim == 0
@@ -116,6 +119,19 @@ class _HFReader:
         return self._handles[shard].get_tensor(name)
 
 
+def _check_spec_names(tensors: dict[str, Tensor], model_cfg: ModelConfig, spec: str, ranks: _Ranks) -> None:
+    """Refuse a model whose tensor names are not those of `spec`'s table (or not of this config)."""
+    known = set(megatron_names(model_cfg, spec))
+    for local in tensors:
+        name = global_name(local, model_cfg, ranks.ep_rank, ranks.ep_size)
+        if name not in known:
+            parse(name, model_cfg)  # the clearer error for a name of no spec at all
+            raise MappingError(
+                f"model tensor {local}: a name the spec={spec!r} table does not have; pass the spec "
+                "the model was built with (local on the CPU, te with Transformer Engine)"
+            )
+
+
 def _expert_of(hf_name: str, model_cfg: ModelConfig) -> int | None:
     parsed = parse_expert_name(hf_name.removeprefix(model_cfg.text_prefix))
     return None if parsed is None else parsed[1]
@@ -138,10 +154,12 @@ def load_hf_checkpoint(model: torch.nn.Module, hf_dir: str | Path, model_cfg: Mo
     for name in text_names:
         check_hf_tensor(name, reader.ckpt.tensors[name].shape, model_cfg, where=reader.where(name))
     ranks = _Ranks()
+    tensors = model_tensors(model)
+    _check_spec_names(tensors, model_cfg, spec, ranks)
     per_rank = experts_per_rank(model_cfg, ranks.ep_size)
     used: set[str] = set()
     filled: dict[str, str] = {}
-    for local, target in model_tensors(model).items():
+    for local, target in tensors.items():
         name = global_name(local, model_cfg, ranks.ep_rank, ranks.ep_size)
         try:
             entry = parse(name, model_cfg)
@@ -158,7 +176,7 @@ def load_hf_checkpoint(model: torch.nn.Module, hf_dir: str | Path, model_cfg: Mo
                 f"{reader.ckpt.dir}: no tensor {missing[0]!r}, needed for model tensor {local}"
             )
         full = merge(entry, [reader.get(h) for h in entry.hf], model_cfg)
-        dim, gated = _split_dim(target, name, model_cfg, spec)
+        dim, gated = _split_dim(target, name, model_cfg)
         rank, size = (
             (ranks.etp_rank, ranks.etp_size) if entry.expert is not None else (ranks.tp_rank, ranks.tp_size)
         )
@@ -215,7 +233,9 @@ def export_hf(model: torch.nn.Module, model_cfg: ModelConfig, spec: str) -> Iter
     is deterministic and grouped by decoder layer: the embedding, then per layer its attention, norms,
     router and dense or shared MLP, then its routed experts expert-major (gate, up, down per expert),
     then the final norm and lm_head. Tensors come in the HF checkpoint dtypes (bf16; fp32
-    `e_score_correction_bias`).
+    `e_score_correction_bias`); a replicated tensor already in that dtype is the model's own storage
+    (detached, not copied), so consume or copy each before the next optimizer step. The model's
+    tensor names must be those of `spec` (checked before the first collective).
     """
     import torch
 
@@ -230,14 +250,13 @@ def export_hf(model: torch.nn.Module, model_cfg: ModelConfig, spec: str) -> Iter
     def full_of(local: str, expert: bool) -> Tensor:
         target = tensors[local].detach()
         name = global_name(local, model_cfg, ranks.ep_rank, ranks.ep_size)
-        dim, gated = _split_dim(tensors[local], name, model_cfg, spec)
+        dim, gated = _split_dim(tensors[local], name, model_cfg)
         if dim is None:
             return target
         group, size = (ranks.etp_group, ranks.etp_size) if expert else (ranks.tp_group, ranks.tp_size)
         return tp_merge(_gather(target, group, size), dim, gated)
 
-    for local in tensors:  # refuse before the first collective, not halfway
-        parse(global_name(local, model_cfg, ranks.ep_rank, ranks.ep_size), model_cfg)
+    _check_spec_names(tensors, model_cfg, spec, ranks)  # before the first collective, not halfway
     top = by_layer.get(None, [])
     for local in (n for n in top if n == "embedding.word_embeddings.weight"):
         yield from _hf_cast(megatron_to_hf(local, full_of(local, False), model_cfg), model_cfg)

@@ -7,8 +7,11 @@ Megatron-core partitions (`tensor_parallel/layers.py`, Transformer Engine's line
 - dim 1 (RowParallelLinear): `linear_proj`, every `linear_fc2`;
 - replicated: norms (also under sequence parallelism), the router and its `expert_bias`.
 A gated `linear_fc1` holds [gate; up], and each rank holds [gate_r; up_r] (SwiGLU), not a
-contiguous block of the full tensor. MLA's down projections are `ColumnParallelLinear` (dim 0) in the
-local spec and a replicated `TELinear` in the Transformer Engine spec.
+contiguous block of the full tensor. MLA's down projections (`linear_q_down_proj`,
+`linear_kv_down_proj`) are replicated: a `TELinear(parallel_mode="duplicated")` in the Transformer
+Engine spec, skyq's `ReplicatedLinear` in its local spec (megatron-core's stock local spec splits them
+by rows, which leaves the rotary-key gradient unreduced across TP; `io` follows a module's own
+`tensor_model_parallel` attribute, so even that spec loads and exports correctly).
 Routed experts are split across the expert-parallel group (EP rank r holds the global experts
 [r*E/ep, (r+1)*E/ep), as its local experts 0..E/ep-1) and each expert across the expert tensor-parallel
 group (ETP), with the same dims as above.
@@ -21,13 +24,12 @@ from typing import TYPE_CHECKING
 
 from skyq.config.schema import ModelConfig
 from skyq.trainer.megatron.mapping.convert import parse, split_expert, strip_wrappers
-from skyq.trainer.megatron.mapping.tables import LAYER, MappingError, check_spec
+from skyq.trainer.megatron.mapping.tables import LAYER, MappingError
 
 if TYPE_CHECKING:
     from torch import Tensor
 
 _DIM0 = ("linear_qkv.weight", "linear_q_proj.weight", "linear_q_up_proj.weight", "linear_kv_up_proj.weight")
-_DOWN = ("linear_q_down_proj.weight", "linear_kv_down_proj.weight")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,9 +44,8 @@ class Partition:
     """The global routed-expert index (split across EP, then ETP), None for any other tensor."""
 
 
-def partition(name: str, model_cfg: ModelConfig, spec: str) -> Partition:
-    """The partitioning megatron-core gives the full-model tensor `name` under `spec`."""
-    check_spec(spec)
+def partition(name: str, model_cfg: ModelConfig) -> Partition:
+    """How skyq's Megatron models (either spec) split the full-model tensor `name`."""
     entry = parse(name, model_cfg)
     name = entry.megatron
     leaf = name
@@ -55,8 +56,6 @@ def partition(name: str, model_cfg: ModelConfig, spec: str) -> Partition:
             leaf = expert[0].replace(".weight{e}", ".weight").replace("local_experts.{e}.", "")
     if name in ("embedding.word_embeddings.weight", "output_layer.weight") or leaf.endswith(_DIM0):
         return Partition(0, False, entry.expert)
-    if leaf.endswith(_DOWN):
-        return Partition(0 if spec == "local" else None, False, entry.expert)
     if leaf.endswith("linear_fc1.weight"):
         return Partition(0, True, entry.expert)
     if leaf.endswith(("linear_proj.weight", "linear_fc2.weight")):
@@ -151,12 +150,11 @@ def shard(
     ep_size: int,
     etp_rank: int = 0,
     etp_size: int = 1,
-    spec: str = "local",
 ) -> Tensor | None:
     """This rank's piece of the FULL Megatron tensor `name` (global expert index), or None when the
     rank does not hold it (a routed expert of another EP rank). Routed experts split across ETP,
-    everything else across TP; `spec` decides MLA's down projections (local: dim 0, te: replicated)."""
-    part = partition(name, model_cfg, spec)
+    everything else across TP."""
+    part = partition(name, model_cfg)
     if part.expert is None:
         return tp_slice(full, part.dim, part.gated, tp_rank, tp_size, name)
     if part.expert // experts_per_rank(model_cfg, ep_size) != ep_rank:
@@ -164,7 +162,7 @@ def shard(
     return tp_slice(full, part.dim, part.gated, etp_rank, etp_size, name)
 
 
-def unshard(name: str, pieces: list[Tensor], model_cfg: ModelConfig, spec: str = "local") -> Tensor:
+def unshard(name: str, pieces: list[Tensor], model_cfg: ModelConfig) -> Tensor:
     """The full tensor `name` from its TP (ETP for a routed expert) pieces in rank order."""
-    part = partition(name, model_cfg, spec)
+    part = partition(name, model_cfg)
     return tp_merge(pieces, part.dim, part.gated)
