@@ -1,7 +1,8 @@
 """`dry_run=true`: the resolved plan of a run, printed without touching a GPU.
 
 Placement and parallel layout as the chosen backends will really run them (the embedded pair: one
-trainer and one engine, whatever the topology's GPU count), the per-parameter quantization plan (from
+trainer and one engine, whatever the topology's GPU count; the multi-GPU backends: the placement plan
+of `skyq.launch.plan`, the same text `simulate=true` prints), the per-parameter quantization plan (from
 the model config alone), bytes per weight sync, a per-GPU memory estimate, the shard-divisibility
 table, the env vars and the packing alignment each GPU generation would resolve to (the driver never
 guesses which it has).
@@ -12,7 +13,7 @@ from __future__ import annotations
 from skyq.config.enums import ComputeDtype, Device, Precision, RolloutBackend, TrainerBackend, TransportKind
 from skyq.config.resolve import packing_alignment, resolve_worker
 from skyq.config.schema import TrainConfig
-from skyq.config.validate import ValidationReport, num_engines, trainer_dp
+from skyq.config.validate import ValidationReport, trainer_dp
 from skyq.quant.layouts import Role
 from skyq.quant.plan import QuantPlan
 from skyq.quant.strategies import get_strategy
@@ -92,22 +93,18 @@ def _placement(cfg: TrainConfig) -> str:
         )
     if cfg.trainer.backend is TrainerBackend.torch and r.backend is RolloutBackend.vllm:
         return _torch_vllm_placement(cfg)
-    if r.backend is RolloutBackend.embedded:
-        from skyq.launch.placement import describe, placement_for
+    from skyq.launch.placement import describe_plan
+    from skyq.launch.plan import plan_placement
 
-        where = describe(placement_for(t, r.weight_sync.transport))
-    else:
-        where = f"weights to the {r.backend.value} engines (transport {r.weight_sync.transport.value})"
-    engine_tp = r.tp_size or r.gpus_per_engine
-    lines = [
-        f"placement: {t.num_nodes} node(s) x {t.gpus_per_node} GPUs, {t.placement.value}",
-        f"  trainer: {t.trainer_gpus} GPUs  TP{p.tp} PP{p.pp} CP{p.cp} DP{trainer_dp(cfg)} EP{p.ep} ETP{p.etp}"
-        + (f" (first/last stage layers {p.first_stage_layers}/{p.last_stage_layers})" if p.pp > 1 else ""),
-        f"  rollout: {num_engines(cfg)} engine(s) x {r.gpus_per_engine} GPUs  TP{engine_tp} DP{r.dp_size} "
-        f"EP{r.ep_size}, memory fraction {r.gpu_memory_fraction}",
-        f"  sync: {where}",
-    ]
-    return "\n".join(lines)
+    stages = f" (first/last stage layers {p.first_stage_layers}/{p.last_stage_layers})" if p.pp > 1 else ""
+    return "\n\n".join(
+        [
+            describe_plan(plan_placement(topology=t, rollout=r, trainer=cfg.trainer)),
+            f"parallel layout: trainer EP{p.ep} ETP{p.etp}{stages}; each engine TP{r.tp_size or r.gpus_per_engine} "
+            f"DP{r.dp_size} EP{r.ep_size}, memory fraction {r.gpu_memory_fraction}; weights to the "
+            f"{r.backend.value} engines (transport {r.weight_sync.transport.value})",
+        ]
+    )
 
 
 def _trainer_numerics(cfg: TrainConfig) -> list[str]:

@@ -2,6 +2,7 @@
 
 python -m skyq.train                                   # the embedded default: tiny MoE, CPU
 python -m skyq.train precision=mxfp8 model=qwen3_30b topology=8gpu trainer=megatron rollout=vllm dry_run=true
+python -m skyq.train recipe=kimi_k26_int4_qat_256gpu_text simulate=true  # the placement on a logical cluster
 python -m skyq.train --help
 
 Importing this module pulls in Hydra and the config schema only: torch and the quantization plan are
@@ -97,12 +98,21 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
 
     cfg = strict(cfg)
     obj: TrainConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
-    report = validate(obj, run_here=not obj.dry_run)
+    report = validate(obj, run_here=not (obj.dry_run or obj.simulate))
     plan = preflight.check(obj)
     if obj.dry_run:
         from skyq.dryrun import render_plan
 
         print(render_plan(obj, report, plan))
+        return
+    if obj.simulate:
+        from skyq.launch.probe import PlacementError
+        from skyq.launch.simulate import run_simulation
+
+        try:
+            print(run_simulation(obj))
+        except PlacementError as exc:  # the cluster cannot hold the plan: one line, exit 2
+            raise HardwareMissingError(str(exc)) from None
         return
     check_hardware(obj)
     if obj.rollout.backend is RolloutBackend.vllm:

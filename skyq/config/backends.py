@@ -28,6 +28,7 @@ UNIVERSAL: tuple[str, ...] = (
     "config_version",
     "seed",
     "dry_run",
+    "simulate",
     "resume",
     "output_root",
     # precision.* but persistent_fp8_params: read through the quantization strategy and plan
@@ -50,6 +51,7 @@ UNIVERSAL: tuple[str, ...] = (
     "topology.placement",
     "topology.trainer_gpus",
     "topology.rollout_gpus",
+    "topology.placement_timeout_s",
     "algorithm.*",
     "task.name",
     "task.dataset",

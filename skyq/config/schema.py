@@ -226,6 +226,8 @@ class TopologyConfig:
     """GPUs the rollout engines use (colocated: the same GPUs as the trainer)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Trainer parallel layout."""
+    placement_timeout_s: float = bounded(600.0, gt=0)
+    """Deadline for the run's placement group to be ready (and for the device probe); past it the run stops naming what it asked and what the cluster has."""
 
 
 @dataclass
@@ -474,6 +476,8 @@ class TrainConfig:
     """Global seed (data order, sampling, init)."""
     dry_run: bool = False
     """Print the resolved plan and exit without touching a GPU."""
+    simulate: bool = False
+    """Run the placement plan on a logical Ray cluster of the topology's GPUs with stand-in workers (no GPU), check it and print it."""
     resume: Optional[str] = None
     """Run directory to resume (continues at its last checkpoint)."""
     output_root: str = "runs"

@@ -10,15 +10,26 @@ placement, so it cannot resolve differently on different workers.
 
 `rollout.weight_sync.transport=auto` picks the line above; `in_process` and `broadcast` force one
 where it can work and are refused where it cannot.
+
+`describe_plan` prints the placement plan (`skyq.launch.plan`) of the multi-GPU backends: one
+placement group, the trainer ranks and the engines' GPUs, their sync groups and env.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from skyq.config.enums import TransportKind
+from skyq.config.enums import Device, RolloutBackend, TransportKind
 from skyq.config.resolve import resolve_transport, total_gpus
 from skyq.config.schema import TopologyConfig
+from skyq.launch.plan import (
+    CPUS_PER_BUNDLE,
+    ENGINE,
+    ENGINE_WORKER,
+    NOSET_VISIBLE_DEVICES,
+    TRAINER,
+    PlacementPlan,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,3 +70,61 @@ def describe(placement: Placement) -> str:
         )
     backend = "NCCL" if placement.sync_device == "cuda" else "gloo"
     return f"trainer and engine as two Ray actors on {placement.device}, weights over {backend}"
+
+
+def describe_plan(plan: PlacementPlan) -> str:
+    """The placement plan as the dry run and the simulation print it: in slots (node-major GPU
+    positions), so it reads the same before and after the probe binds slots to bundles."""
+    if plan.device is Device.cpu:
+        n = len(plan.engines)
+        return (
+            f"placement plan: CPU, no placement group; the trainer actor (1 CPU) and {n} engine actor(s) "
+            f"({1 / n:.3g} CPU each) on the local Ray cluster"
+        )
+    tp, pp, cp, dp = plan.parallel
+    gpn, gpe, slots = plan.gpus_per_node, plan.gpus_per_engine, plan.num_slots
+    vllm = plan.rollout_backend is RolloutBackend.vllm
+    lines = [
+        f"placement plan: {plan.num_nodes} node(s) x {gpn} GPUs, {plan.layout.value}; one placement group of "
+        f'{slots} bundles {{"GPU": 1, "CPU": {CPUS_PER_BUNDLE}}}, PACK; slot = node * {gpn} + GPU, bundles '
+        "re-sorted by (node IP, GPU id) at start",
+        f"  trainer: {len(plan.trainer)} rank(s) TP{tp} PP{pp} CP{cp} DP{dp} (rank order tp, cp, dp, pp) on slots "
+        f"{_span([r.slot for r in plan.trainer])}, rank r on slot {plan.trainer[0].slot} + r, "
+        f"{plan.num_gpus(TRAINER):g} GPU each; CUDA_VISIBLE_DEVICES = its GPU (set by Ray)",
+    ]
+    if vllm:
+        lines.append(
+            f"  rollout: {len(plan.engines)} vLLM engine(s) x {gpe} GPU(s), {plan.num_gpus(ENGINE_WORKER):g} GPU per "
+            "worker; each engine an actor without a GPU on its first slot, its workers started by vLLM's Ray "
+            "executor on VLLM_RAY_BUNDLE_INDICES"
+        )
+    else:
+        lines.append(
+            f"  rollout: {len(plan.engines)} {plan.rollout_backend.value} engine(s) x 1 GPU, "
+            f"{plan.num_gpus(ENGINE):g} GPU each; CUDA_VISIBLE_DEVICES = its GPU (set by Ray)"
+        )
+    shown = plan.engines if len(plan.engines) <= 32 else (*plan.engines[:16], None, *plan.engines[-8:])
+    for e in shown:
+        if e is None:
+            lines.append(f"    ... ({len(plan.engines) - 24} more)")
+            continue
+        nodes = sorted({plan.node(s) for s in e.slots})
+        per_node = "" if len(nodes) == 1 else f", {len(e.node_groups[0])} workers per node"
+        lines.append(
+            f"    engine {e.index}: slots {_span(e.slots)} (node {_span(nodes)}{per_node}); sync group world "
+            f"{e.sync_world_size} = trainer rank 0 + workers at ranks {_span(range(e.sync_rank_offset, e.sync_world_size))}; "
+            f"one-group offset {e.global_sync_rank_offset}"
+        )
+    if vllm:
+        lines.append(
+            f"  env set at spawn: engine actor: {NOSET_VISIBLE_DEVICES}=1 VLLM_RAY_BUNDLE_INDICES=<the bundles of its "
+            f"slots> VLLM_RAY_PER_WORKER_GPUS={plan.num_gpus(ENGINE_WORKER):g}; vLLM worker: CUDA_VISIBLE_DEVICES = the "
+            "engine's GPUs on its node (set by vLLM), device = its local rank; plus trainer.env / rollout.env and "
+            "the variables of the precision the workers resolve (below)"
+        )
+    return "\n".join(lines)
+
+
+def _span(values) -> str:
+    values = list(values)
+    return f"{values[0]}" if len(values) == 1 else f"{values[0]}-{values[-1]}"

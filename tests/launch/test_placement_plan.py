@@ -1,0 +1,180 @@
+"""The placement planner (pure): the seeds' layouts, the split layout's node packing, the refusals,
+the probe's re-sort and per-GPU resolution, and what `actor_options` hands Ray."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from skyq.config.resolve import ResolutionError
+from skyq.config.store import compose, to_object
+from skyq.launch.plan import ENGINE, ENGINE_WORKER, TRAINER, PlanError, plan_placement
+from skyq.launch.probe import PlacementError, ProbeReport, bind, resolve
+
+
+def _cfg(*overrides: str):
+    return to_object(compose(list(overrides)))
+
+
+def _plan(cfg):
+    return plan_placement(topology=cfg.topology, rollout=cfg.rollout, trainer=cfg.trainer)
+
+
+def _reports(num_nodes: int, gpn: int, ip=lambda n: f"10.0.{n}.1", cap=lambda n: (9, 0)) -> list[ProbeReport]:
+    """Probe reports of a cluster of `num_nodes` x `gpn`, bundles in a shuffled order."""
+    cells = [(n, g) for n in range(num_nodes) for g in range(gpn)]
+    random.Random(0).shuffle(cells)
+    return [ProbeReport(b, ip(n), f"host{n}", g, cap(n)) for b, (n, g) in enumerate(cells)]
+
+
+def test_kimi_256gpu_plan_places_every_rank_and_engine_on_whole_nodes():
+    plan = _plan(_cfg("recipe=kimi_k26_int4_qat_256gpu_text"))
+    assert plan.num_slots == 256 and plan.parallel == (8, 8, 4, 1)
+    assert sorted(r.slot for r in plan.trainer) == list(range(256))
+    # Megatron order: a TP group is 8 consecutive ranks on one node.
+    for tp_group in range(32):
+        ranks = plan.trainer[tp_group * 8 : tp_group * 8 + 8]
+        assert [r.tp for r in ranks] == list(range(8)) and len({plan.node(r.slot) for r in ranks}) == 1
+    assert Counter((r.cp, r.dp, r.pp) for r in plan.trainer).most_common(1)[0][1] == 8
+    assert len(plan.engines) == 16
+    worker_slots = [s for e in plan.engines for s in e.slots]
+    assert sorted(worker_slots) == list(range(256))
+    for e in plan.engines:
+        assert e.slots[0] % 8 == 0 and len({plan.node(s) for s in e.slots}) == 2
+        assert e.node_groups == (tuple(range(8)), tuple(range(8, 16)))
+        assert (e.sync_world_size, e.sync_rank_offset, e.global_sync_rank_offset) == (17, 1, 1 + 16 * e.index)
+    env = plan.env(ENGINE, 3)
+    assert env["VLLM_RAY_BUNDLE_INDICES"] == ",".join(str(s) for s in range(48, 64))
+    assert (
+        env["VLLM_RAY_PER_WORKER_GPUS"] == "0.2" and env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] == "1"
+    )
+    assert plan.visible_devices(ENGINE_WORKER, 3 * 16 + 9) == "0,1,2,3,4,5,6,7"  # worker 9: node 7
+    assert plan.visible_devices(TRAINER, 13) == "5" and plan.visible_devices(ENGINE, 3) is None
+
+
+@pytest.mark.parametrize(
+    "recipe, engines, gpe",
+    [
+        ("qwen3_30b_fp8_blockwise_8gpu", 4, 2),
+        ("qwen3_30b_int4_qat_8gpu", 4, 2),
+        ("qwen3_30b_mxfp8_8gpu", 8, 1),
+    ],
+)
+def test_qwen3_8gpu_plans_colocate_trainer_and_engines(recipe, engines, gpe):
+    plan = _plan(_cfg(f"recipe={recipe}"))
+    assert [r.slot for r in plan.trainer] == list(range(8)) and plan.parallel == (1, 1, 1, 8)
+    assert [e.slots for e in plan.engines] == [tuple(range(i * gpe, i * gpe + gpe)) for i in range(engines)]
+    assert plan.num_gpus(TRAINER) + plan.num_gpus(ENGINE_WORKER) <= 1 and plan.num_gpus(ENGINE) == 0
+    assert plan.visible_devices(ENGINE_WORKER, 2 * gpe) == ",".join(str(2 * gpe + w) for w in range(gpe))
+
+
+SPLIT_2x8 = ["topology=8gpu", "topology.num_nodes=2", "topology.placement=split", "topology.trainer_gpus=4"]
+
+
+def test_split_layout_packs_engines_per_node_after_the_trainer_gpus():
+    plan = _plan(_cfg(*SPLIT_2x8, "topology.rollout_gpus=12", "rollout=vllm", "rollout.gpus_per_engine=4"))
+    assert [r.slot for r in plan.trainer] == [0, 1, 2, 3]
+    assert [e.slots for e in plan.engines] == [(4, 5, 6, 7), (8, 9, 10, 11), (12, 13, 14, 15)]
+    assert plan.num_gpus(TRAINER) == plan.num_gpus(ENGINE_WORKER) == 1
+
+
+def test_an_engine_that_would_straddle_two_nodes_is_refused():
+    # 3-GPU engines over node 0's GPUs 4-7 and node 1's 8-15: 3 fit, a 4th would cross nodes.
+    base = [*SPLIT_2x8, "topology.rollout_gpus=12", "rollout=vllm", "rollout.gpus_per_engine=3"]
+    with pytest.raises(PlanError, match=r"straddling two nodes: 3 fit\. Fix: rollout\.num_engines <= 3"):
+        _plan(_cfg(*base, "rollout.num_engines=4"))
+    plan = _plan(_cfg(*base, "rollout.num_engines=3"))
+    assert [e.slots for e in plan.engines] == [(4, 5, 6), (8, 9, 10), (11, 12, 13)]
+
+
+def test_an_engine_wider_than_a_node_must_be_whole_nodes():
+    cfg = _cfg("recipe=kimi_k26_int4_qat_256gpu_text", "rollout.gpus_per_engine=12", "rollout.num_engines=2")
+    with pytest.raises(PlanError, match="rollout.gpus_per_engine=12 is wider than a node"):
+        _plan(cfg)
+
+
+def test_a_user_env_entry_for_a_variable_the_plan_sets_is_refused():
+    with pytest.raises(PlanError, match=r"rollout\.env sets VLLM_RAY_BUNDLE_INDICES"):
+        _plan(_cfg("recipe=qwen3_30b_mxfp8_8gpu", "+rollout.env.VLLM_RAY_BUNDLE_INDICES=0"))
+
+
+def test_bind_sorts_bundles_by_numeric_node_ip_then_gpu():
+    plan = _plan(_cfg("recipe=kimi_k26_int4_qat_256gpu_text"))
+    # 10.0.10.1 sorts before 10.0.9.1 as text; the hardware order is numeric.
+    reports = _reports(32, 8)
+    bound = bind(plan, reports)
+    by_bundle = {r.bundle: r for r in reports}
+    assert [(by_bundle[b].node_ip, by_bundle[b].gpu_id) for b in bound.slot_bundle] == [
+        (f"10.0.{n}.1", g) for n in range(32) for g in range(8)
+    ]
+    assert bound.slot_bundle != tuple(range(256))
+    options = bound.actor_options(TRAINER, 77, placement_group=object())
+    assert options["scheduling_strategy"].placement_group_bundle_index == bound.slot_bundle[77]
+    assert bound.env(ENGINE, 0)["VLLM_RAY_BUNDLE_INDICES"] == ",".join(str(b) for b in bound.slot_bundle[:16])
+
+
+def test_bind_refuses_a_group_that_is_not_whole_nodes():
+    plan = _plan(_cfg("recipe=qwen3_30b_mxfp8_8gpu"))
+    reports = [ProbeReport(b, "10.0.0.1" if b < 6 else "10.0.0.2", "h", b % 6, (9, 0)) for b in range(8)]
+    with pytest.raises(PlacementError, match=r"landed on 2 node\(s\) \(10\.0\.0\.1: 6, 10\.0\.0\.2: 2\)"):
+        bind(plan, reports)
+
+
+def test_resolution_per_gpu_refuses_mixed_generations_and_merges_the_agreed_env():
+    cfg = _cfg(
+        "recipe=qwen3_30b_fp8_blockwise_8gpu",
+        "topology.num_nodes=2",
+        "topology.trainer_gpus=16",
+        "topology.rollout_gpus=16",
+    )
+    plan = _plan(cfg)
+    mixed = _reports(2, 8, cap=lambda n: (9, 0) if n == 0 else (10, 0))
+    with pytest.raises(ResolutionError, match="workers resolved precision differently"):
+        resolve(bind(plan, mixed), mixed, cfg.precision)
+    hopper = _reports(2, 8)
+    bound, agreed = resolve(bind(plan, hopper), hopper, cfg.precision)
+    assert (agreed.fp8_recipe.value, agreed.scale_format.value) == ("blockwise", "fp32")
+    engine_env = bound.env(ENGINE, 1)
+    assert engine_env["NCCL_NVLS_ENABLE"] == "0" and engine_env["VLLM_USE_DEEP_GEMM_E8M0"] == "0"
+    assert bound.env(TRAINER, 5)["NVTE_FP8_BLOCK_SCALING_FP32_SCALES"] == "1"
+    # Not secret: the resolution's variables travel in runtime_env, set when the process starts.
+    assert "VLLM_USE_DEEP_GEMM_E8M0" in bound.actor_options(ENGINE, 1, object())["runtime_env"]["env_vars"]
+
+
+def test_mxfp8_on_hopper_names_the_gpu_that_cannot_run_it():
+    cfg = _cfg("recipe=qwen3_30b_mxfp8_8gpu")
+    reports = _reports(1, 8)
+    with pytest.raises(ResolutionError, match=r"slot 0 \(node 10\.0\.0\.1 host0, GPU 0\).*MXFP8 needs SM100"):
+        resolve(bind(_plan(cfg), reports), reports, cfg.precision)
+
+
+def test_secret_user_env_stays_out_of_ray_runtime_env():
+    plan = _plan(
+        _cfg("recipe=qwen3_30b_mxfp8_8gpu", "+rollout.env.HF_TOKEN=s3cret", "+trainer.env.NCCL_DEBUG=INFO")
+    )
+    options = plan.actor_options(ENGINE, 2, object())
+    assert "HF_TOKEN" not in options["runtime_env"]["env_vars"] and plan.secret_env(ENGINE, 2) == {
+        "HF_TOKEN": "s3cret"
+    }
+    assert plan.env(ENGINE_WORKER, 2)["HF_TOKEN"] == "s3cret"
+    assert plan.actor_options(TRAINER, 0, object())["runtime_env"]["env_vars"] == {"NCCL_DEBUG": "INFO"}
+    assert options["num_gpus"] == 0 and options["scheduling_strategy"].placement_group_capture_child_tasks
+
+
+def test_cpu_plan_needs_no_placement_group():
+    plan = _plan(_cfg("topology=cpu", "rollout.num_engines=4"))
+    assert plan.bundles == [] and plan.actor_options(TRAINER, 0) == {"num_cpus": 1, "num_gpus": 0}
+    assert plan.actor_options(ENGINE, 3) == {"num_cpus": 0.25, "num_gpus": 0}
+
+
+def test_dry_run_prints_the_plan():
+    from skyq import preflight
+    from skyq.config.validate import validate
+    from skyq.dryrun import render_plan
+    from skyq.launch.placement import describe_plan
+
+    cfg = _cfg("recipe=kimi_k26_int4_qat_256gpu_text")
+    text = render_plan(cfg, validate(cfg), preflight.check(cfg))
+    assert describe_plan(_plan(cfg)) in text and "engine 15: slots 240-255 (node 30-31" in text
