@@ -15,8 +15,8 @@ layer spec (`precision.qat_scope`: the routed experts' linears, or every linear 
 - TE spec (GPU): `te_int4_grouped_linears()` gives subclasses of `TEColumnParallelGroupedLinear` /
   `TERowParallelGroupedLinear` overriding TE's `_get_weight_tensors`. With
   `gradient_accumulation_fusion` TE adds the weight gradient into `main_grad` itself, through the
-  tensors it was given, and flags them `grad_added_to_main_grad`; `_FakeQuantWeight` hands the
-  fake-quantized tensor the parameter's `main_grad` and copies the flag back in the backward, so
+  tensors it was given; `_FakeQuantWeight` hands the fake-quantized tensor the parameter's
+  `main_grad` and flags the parameter `grad_added_to_main_grad` when TE returns no gradient, so
   Megatron's DDP hook neither misses the gradient nor adds it twice.
 """
 
@@ -41,33 +41,37 @@ class _FakeQuantWeight(torch.autograd.Function):
     """Forward: `quantize(weight)` (fq, computed here, outside autograd); backward: the incoming
     gradient to `weight` unchanged, in the weight's dtype.
 
-    When the weight has Megatron's `main_grad` (DDP grad buffer), the returned tensor gets the same
-    `main_grad` and `grad_added_to_main_grad=False`, so a fused-wgrad kernel (TE) accumulates into
-    the parameter's buffer; the flag it sets on the returned tensor is copied to the parameter in
-    the backward. The returned tensor is held by a weak reference: TE keeps it alive until its own
-    backward (it saves its weights), and a strong one would make an autograd reference cycle.
+    Megatron's DDP gives each parameter a `main_grad` buffer. The fake-quantized tensor gets the
+    same `main_grad` (and no `grad_added_to_main_grad`), so TE's fused wgrad accumulation adds the
+    weight gradient straight into the parameter's buffer and, for a tensor without that flag,
+    returns no gradient (TE 2.20 grouped_linear.py). That arrives here as None (grads are not
+    materialised): the parameter is flagged `grad_added_to_main_grad` and handed a zero gradient,
+    so DDP's hook (which asserts a gradient under overlap_grad_reduce) fires and adds nothing.
+    A flag TE would set on the fake-quantized tensor itself could not be read back here: TE frees
+    what it saved, and with it that tensor, before this backward runs.
     """
 
     @staticmethod
     def forward(ctx, weight: Tensor, quantize) -> Tensor:
+        ctx.set_materialize_grads(False)
         out = quantize(weight)
         ctx.weight_dtype = weight.dtype
-        ctx.weight_ref = weakref.ref(weight)
-        ctx.out_ref = None
+        ctx.fused_weight = None
         if hasattr(weight, "main_grad"):
             out.main_grad = weight.main_grad
-            out.grad_added_to_main_grad = False
-            ctx.out_ref = weakref.ref(out)
+            ctx.fused_weight = weakref.ref(weight)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor | None):
-        if ctx.out_ref is not None:
-            out, weight = ctx.out_ref(), ctx.weight_ref()
-            if out is not None and weight is not None:
-                weight.grad_added_to_main_grad = bool(getattr(out, "grad_added_to_main_grad", False))
+        weight = ctx.fused_weight() if ctx.fused_weight is not None else None
         if grad is None:
-            return None, None
+            if weight is None:
+                return None, None
+            weight.grad_added_to_main_grad = True
+            return torch.zeros_like(weight), None
+        if weight is not None:
+            weight.grad_added_to_main_grad = False
         return grad.to(ctx.weight_dtype), None
 
 
