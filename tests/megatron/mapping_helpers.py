@@ -89,6 +89,39 @@ def describe_local_models(rank: int, cases: list[tuple[str, ModelConfig]]) -> di
     return described
 
 
+def load_errors(rank: int, hf_dirs: dict[str, str]) -> dict[str, str]:
+    """The errors `load_hf_checkpoint` gives (TP1/EP1): a checkpoint lacking a tensor a model
+    parameter needs, and a checkpoint tensor the model has no parameter for."""
+    from skyq.trainer.megatron.mapping import MappingError, load_hf_checkpoint
+
+    init_parallel(1, 1)
+    errors = {}
+    cases = {
+        "missing": (qwen_cfg(), qwen_cfg()),  # (model built from, load told)
+        "unused": (qwen_cfg(tie_word_embeddings=True), qwen_cfg()),
+    }
+    for label, (built, told) in cases.items():
+        model = build(built, tp=1, ep=1)
+        try:
+            load_hf_checkpoint(model, hf_dirs[label], told, "local")
+            errors[label] = ""
+        except MappingError as e:
+            errors[label] = str(e)
+    return errors
+
+
+def refuses_pipeline_parallel(rank: int, hf_dir: str) -> str:
+    """The error of `load_hf_checkpoint` under pp=2 (before any model tensor is touched)."""
+    from skyq.trainer.megatron.mapping import MappingError, load_hf_checkpoint
+
+    init_parallel(1, 1, pp=2)
+    try:
+        load_hf_checkpoint(torch.nn.Linear(1, 1), hf_dir, qwen_cfg(), "local")
+    except MappingError as e:
+        return str(e)
+    return ""
+
+
 def _logits(model, model_cfg: ModelConfig, tp: int) -> torch.Tensor:
     """The model's logits on fixed tokens, gathered over the TP group's vocab shards."""
     import torch.distributed as dist
@@ -174,3 +207,14 @@ def load_and_export(rank: int, cases: list[tuple[ModelConfig, int, int, str]]) -
             assert torch.equal(tensor, original[name]), f"rank {rank} tp{tp} ep{ep}: {name} differs"
         layer_order = [int(n.split("layers.")[1].split(".")[0]) for n in names if ".layers." in n]
         assert layer_order == sorted(layer_order), f"rank {rank}: export not grouped by layer"
+
+
+def world_size_one(rank: int, cases: list[tuple[str, ModelConfig]], hf_dirs: dict[str, str]) -> dict:
+    """`describe_local_models` and `load_errors` in one spawned process (megatron imports once)."""
+    return {"described": describe_local_models(rank, cases), "errors": load_errors(rank, hf_dirs)}
+
+
+def world_size_two(rank: int, cases: list[tuple[ModelConfig, int, int, str]]) -> str:
+    """`load_and_export` over `cases`, then `refuses_pipeline_parallel`'s error."""
+    load_and_export(rank, cases)
+    return refuses_pipeline_parallel(rank, cases[0][3])

@@ -16,10 +16,10 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (dev
 from dist_helpers import run_ranks  # noqa: E402  (tests/megatron is on sys.path: no __init__.py)
 from mapping_helpers import (  # noqa: E402
     deepseek_cfg,
-    describe_local_models,
-    load_and_export,
     qwen_cfg,
     random_hf,
+    world_size_one,
+    world_size_two,
     write_checkpoint,
 )
 
@@ -85,6 +85,59 @@ def test_qkv_is_interleaved_per_query_group():
     assert heads_in_order == [0, 1, 10, 20, 2, 3, 11, 21]
 
 
+MODEL_CASES = ["qwen", "qwen_tied", "deepseek_q_lora", "deepseek_no_q_lora"]
+
+
+@pytest.fixture(scope="module")
+def ws1(tmp_path_factory):
+    """World size 1 (one spawned process): the models' tensors, and load_hf_checkpoint's errors."""
+    tmp = tmp_path_factory.mktemp("ws1")
+    hf = random_hf(qwen_cfg(), seed=5)
+    missing = dict(hf)
+    del missing["model.layers.1.self_attn.k_norm.weight"]
+    dirs = {
+        "missing": str(write_checkpoint(tmp / "missing", missing)),
+        "unused": str(write_checkpoint(tmp / "unused", hf)),
+    }
+    (result,) = run_ranks(world_size_one, 1, [(label, CONFIGS[label]) for label in MODEL_CASES], dirs)
+    return result
+
+
+def test_local_names_shapes_and_partitions_match_skyq_megatron_models(ws1):
+    for label in MODEL_CASES:
+        model_cfg, real = CONFIGS[label], ws1["described"][label]
+        assert sorted(real) == sorted(megatron_names(model_cfg, "local")), label
+        for name, (shape, partition_dim) in real.items():
+            assert tuple(shape) == megatron_shape(parse(name, model_cfg), model_cfg), (label, name)
+            assert partition(name, model_cfg).dim == partition_dim, (label, name)
+
+
+def test_load_names_a_parameter_left_unfilled_and_a_checkpoint_tensor_left_unused(ws1):
+    errors = ws1["errors"]
+    assert "no tensor 'model.layers.1.self_attn.k_norm.weight', needed for model tensor " in errors["missing"]
+    assert "decoder.layers.1.self_attention.k_layernorm.weight" in errors["missing"]
+    # a model built with tied embeddings has no output_layer for the checkpoint's lm_head
+    assert "tensor 'lm_head.weight' (and 0 more) has no tensor to go to" in errors["unused"]
+    assert "unused/model-0000" in errors["unused"]
+
+
+def test_load_then_export_gives_back_the_checkpoint_at_world_size_2(tmp_path):
+    # TP1 (DP2) first: the reference logits of that checkpoint's TP2 (ETP2; MLA with SP) and EP2
+    layouts = [("qwen", 1, 1), ("qwen", 2, 1), ("qwen", 1, 2), ("qwen_kimi_prefix", 1, 2)]
+    layouts += [("deepseek_q_lora", 1, 1), ("deepseek_q_lora", 2, 1), ("deepseek_q_lora", 1, 2)]
+    layouts += [("deepseek_no_q_lora", 2, 1), ("deepseek_kimi_prefix", 1, 2)]
+    dirs = {
+        label: str(write_checkpoint(tmp_path / label, random_hf(CONFIGS[label], seed=10 + i)))
+        for i, label in enumerate(dict.fromkeys(label for label, _, _ in layouts))
+    }
+    cases = [(CONFIGS[label], tp, ep, dirs[label]) for label, tp, ep in layouts]
+    pp_errors = run_ranks(world_size_two, 2, cases)
+    # and, after those, load_hf_checkpoint under pp=2 is refused
+    assert all("pipeline parallel size 2" in e and "topology.parallel.pp=1" in e for e in pp_errors), (
+        pp_errors
+    )
+
+
 def test_te_names_are_the_golden_lists():
     expert_names = [
         f"mlp.experts.linear_fc{i}.weight{e}" for e in range(4) for i in (1, 2)
@@ -117,19 +170,6 @@ def test_te_names_are_the_golden_lists():
     assert sorted(megatron_names(deepseek_cfg(), "te")) == sorted(deepseek)
 
 
-def test_local_names_shapes_and_partitions_match_real_gpt_models(tmp_path):
-    cases = [
-        (label, CONFIGS[label]) for label in ("qwen", "qwen_tied", "deepseek_q_lora", "deepseek_no_q_lora")
-    ]
-    (described,) = run_ranks(describe_local_models, 1, cases)
-    for label, model_cfg in cases:
-        real = described[label]
-        assert sorted(real) == sorted(megatron_names(model_cfg, "local")), label
-        for name, (shape, partition_dim) in real.items():
-            assert tuple(shape) == megatron_shape(parse(name, model_cfg), model_cfg), (label, name)
-            assert partition(name, model_cfg).dim == partition_dim, (label, name)
-
-
 def test_shard_and_unshard_follow_megatron_partitions():
     model_cfg = deepseek_cfg()
     full = hf_to_megatron(random_hf(model_cfg, seed=1), model_cfg, "local")
@@ -160,19 +200,6 @@ def test_shard_and_unshard_follow_megatron_partitions():
     assert global_name("module.decoder.layers.1.mlp.experts.linear_fc1.weight1", model_cfg, 1, 2) == (
         "decoder.layers.1.mlp.experts.linear_fc1.weight3"
     )
-
-
-def test_load_then_export_gives_back_the_checkpoint_at_world_size_2(tmp_path):
-    # TP1 (DP2) first: the reference logits of that checkpoint's TP2 (ETP2; MLA with SP) and EP2
-    layouts = [("qwen", 1, 1), ("qwen", 2, 1), ("qwen", 1, 2), ("qwen_kimi_prefix", 1, 2)]
-    layouts += [("deepseek_q_lora", 1, 1), ("deepseek_q_lora", 2, 1), ("deepseek_q_lora", 1, 2)]
-    layouts += [("deepseek_no_q_lora", 2, 1), ("deepseek_kimi_prefix", 1, 2)]
-    dirs = {
-        label: str(write_checkpoint(tmp_path / label, random_hf(CONFIGS[label], seed=10 + i)))
-        for i, label in enumerate(dict.fromkeys(label for label, _, _ in layouts))
-    }
-    cases = [(CONFIGS[label], tp, ep, dirs[label]) for label, tp, ep in layouts]
-    run_ranks(load_and_export, 2, cases)
 
 
 def test_a_checkpoint_tensor_without_a_place_is_refused_naming_it_and_its_file(tmp_path):
