@@ -127,11 +127,70 @@ def _local_piece(full: torch.Tensor, param: torch.Tensor, name: str, gated: bool
     return full.chunk(size, dim)[rank]
 
 
+def _cpu_compat_probes() -> dict[str, str]:
+    """Each cpu_compat patch's megatron-core 0.16.1 caller, run once: "ok" or the exception's type."""
+    import numpy as np
+    from megatron.core import tensor_parallel
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    def stream_protocol():  # MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize's calls
+        side = torch.cuda.Stream()
+        if torch.cuda.current_stream() != side:
+            side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            pass
+        side.record_event().synchronize()
+
+    def rng_tracker():
+        tensor_parallel.model_parallel_cuda_manual_seed(SEED)
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            pass
+
+    def mla_te_check():  # MLASelfAttention.__init__: HAVE_TE and isinstance(linear_proj, TELinear)
+        assert not (
+            multi_latent_attention.HAVE_TE
+            and isinstance(torch.nn.Linear(1, 1), multi_latent_attention.TELinear)
+        )
+
+    def split_sizes():
+        splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3, 1]), as_numpy=True)
+        assert isinstance(splits, np.ndarray), type(splits)
+
+    probes = {
+        "current_device": lambda: RotaryEmbedding(8, 1.0, use_cpu_initialization=True)(8),
+        "streams": stream_protocol,
+        "rng": rng_tracker,
+        "causal_mask": lambda: fused_softmax.get_default_causal_mask(4),
+        "te_general_gemm": lambda: moe_utils.router_gating_linear(
+            torch.randn(2, 4), torch.randn(3, 4), None, torch.float32
+        ),
+        "mla_have_te": mla_te_check,
+        "split_sizes": split_sizes,
+    }
+    out = {}
+    for name, probe in probes.items():
+        try:
+            probe()
+            out[name] = "ok"
+        except Exception as err:  # noqa: BLE001 - the probe records what the caller raises
+            out[name] = type(err).__name__
+    return out
+
+
 def ws1_worker(rank: int, ref_file: str) -> dict:
-    """World size 1: each model trains one step (finite loss, gradients everywhere); its weights,
-    loss and gradients are saved as the reference for the layouts."""
+    """World size 1: cpu_compat's patches probed before and after `apply()`; each model trains one
+    step (finite loss, gradients everywhere); its weights, loss and gradients are saved as the
+    reference for the layouts."""
+    from skyq.trainer.megatron import cpu_compat
+
     init_parallel(1, 1)
-    refs, summary = {}, {}
+    before = _cpu_compat_probes()
+    cpu_compat.apply()
+    cpu_compat.apply()  # idempotent
+    refs, summary = {}, {"cpu_compat": {"before": before, "after": _cpu_compat_probes()}}
     for kind, make in MODELS.items():
         model = _build(make(), ParallelConfig())
         state = _state(model)
@@ -213,6 +272,25 @@ def ws2(ws1, ref_file):
         results[0][k]["loss"] == pytest.approx(results[1][k]["loss"], rel=1e-6) for k in results[0]
     )
     return results[0]
+
+
+PATCHES = ["current_device", "streams", "rng", "causal_mask", "te_general_gemm", "mla_have_te", "split_sizes"]
+
+
+@pytest.mark.parametrize("patch", PATCHES)
+def test_each_cpu_compat_patch_makes_its_megatron_caller_work(ws1, patch):
+    probes = ws1["cpu_compat"]
+    assert probes["before"][patch] != "ok", f"{patch}: megatron-core's caller ran without the patch"
+    assert probes["after"][patch] == "ok", f"{patch}: still fails after apply(): {probes['after'][patch]}"
+
+
+def test_cpu_compat_is_a_no_op_on_a_cuda_torch(monkeypatch):
+    from skyq.trainer.megatron import cpu_compat
+
+    current_device = torch.cuda.current_device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cpu_compat.apply()
+    assert torch.cuda.current_device is current_device and not cpu_compat._APPLIED
 
 
 @pytest.mark.parametrize("kind", ["qwen", "mla"])

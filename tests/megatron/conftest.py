@@ -1,0 +1,14 @@
+"""tests/megatron: megatron-core's own UserWarnings (no Apex / Transformer Engine on the CPU, its
+deprecations) are noise here; the spawned ranks filter theirs in dist_helpers."""
+
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.parent == HERE:
+            item.add_marker(pytest.mark.filterwarnings("ignore::UserWarning:megatron"))
