@@ -130,3 +130,29 @@ def test_the_placement_group_is_removed_when_the_start_fails(cluster):
             assert _groups_alive() == 1 and started.actor_options(TRAINER, 0)["num_gpus"] == 0.4
             raise RuntimeError("worker failed to start")
     assert _groups_alive() == 0
+
+
+def test_the_sweep_removes_what_a_job_left_in_its_ray_session(cluster):
+    """The sweep's backstop at a job's end: a placement group and an actor a job left behind are
+    removed, and the session is kept for the next job (which finds it empty)."""
+    from omegaconf import OmegaConf
+    from ray.util.placement_group import placement_group
+
+    from skyq.sweep import SweepRaySession, leftovers
+
+    job = OmegaConf.create(
+        {"dry_run": False, "simulate": True, "topology": {"num_nodes": 1, "gpus_per_node": 8}}
+    )
+    session = SweepRaySession()
+    session.before_job(job, 0)
+    leaked_group = placement_group([{"GPU": 1, "CPU": 1}] * 2)
+    ray.get(leaked_group.ready(), timeout=60)
+    leaked_actor = ray.remote(num_cpus=0)(type("Leaked", (), {"ping": lambda self: 1})).remote()
+    ray.get(leaked_actor.ping.remote(), timeout=60)
+    assert [len(ids) for ids in leftovers()] == [1, 1]
+    session.after_job(0)
+    assert leftovers() == ([], []) and session.kind == ("logical", 8)
+    session.before_job(job, 1)
+    assert session.started_for == 0 and ray.is_initialized()
+    session.close()
+    assert ray.is_initialized()  # the module's cluster: the session did not start it, so it does not stop it
