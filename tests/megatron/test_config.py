@@ -144,6 +144,7 @@ def test_parallel_layout_and_recompute_map_to_megatron_fields():
 
 
 def test_gpu_uses_bf16_params_grouped_gemm_and_fused_wgrad_accumulation():
+    assert kwargs(preset("qwen3_30b"), "cuda:3") == kwargs(preset("qwen3_30b"), "cuda")
     name, kw = kwargs(preset("qwen3_30b"))
     assert name == "TransformerConfig"
     assert kw["params_dtype"] == torch.bfloat16 and kw["bf16"] and kw["moe_grouped_gemm"]
@@ -250,6 +251,7 @@ REFUSALS = [
     ("cp on the CPU", dict(parallel=ParallelConfig(cp=2)), "cpu", "topology.parallel.cp=2"),
     ("MLA tp2 without sp", dict(parallel=ParallelConfig(tp=2)), "cuda", "sequence_parallel=true"),
     ("unknown device", dict(), "tpu", "device='tpu'"),
+    ("unknown device with an index", dict(), "tpu:0", "device='tpu:0'"),
 ]
 
 

@@ -73,7 +73,7 @@ def transformer_config(
     device: str,
 ) -> Any:
     """The megatron-core `TransformerConfig` (qwen3_moe) or `MLATransformerConfig` (deepseek_v3)
-    of these configs on `device` ("cpu": local spec, fp32 params, no TE; "cuda": TE spec)."""
+    of these configs on `device` ("cpu": local spec, fp32 params, no TE; "cuda" / "cuda:N": TE spec)."""
     compat.check_version()
     name, kwargs = config_kwargs(model_cfg, precision_cfg, trainer_cfg, parallel_cfg, device=device)
     from megatron.core.transformer import transformer_config as tc
@@ -88,6 +88,14 @@ def transformer_config(
         ) from err
 
 
+def device_kind(device: str) -> str:
+    """ "cpu" or "cuda" of a torch device string ("cuda:3" -> "cuda"), or MegatronConfigError."""
+    kind = device.partition(":")[0]
+    if kind not in DEVICES:
+        raise MegatronConfigError(f"device={device!r}: expected cpu, cuda or cuda:<index>")
+    return kind
+
+
 def config_kwargs(
     model_cfg: ModelConfig,
     precision_cfg: PrecisionConfig,
@@ -99,8 +107,7 @@ def config_kwargs(
     """(config class name, keyword arguments) of `transformer_config`, without constructing it:
     the dataclass's own checks import Transformer Engine for FP8, so the GPU mapping is testable
     on the CPU only here. Raises MegatronConfigError for what trainer=megatron refuses."""
-    if device not in DEVICES:
-        raise MegatronConfigError(f"device={device!r}: expected one of {DEVICES}")
+    device = device_kind(device)
     kwargs = {
         **_architecture(model_cfg),
         **_parallel(parallel_cfg, device),

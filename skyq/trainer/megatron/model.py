@@ -35,7 +35,7 @@ from torch import Tensor
 from skyq.config.enums import Precision, QuantScope
 from skyq.config.schema import ModelConfig, ParallelConfig, PrecisionConfig, TrainerConfig
 from skyq.trainer.megatron import fake_int4
-from skyq.trainer.megatron.config import MegatronConfigError, transformer_config
+from skyq.trainer.megatron.config import MegatronConfigError, device_kind, transformer_config
 
 
 def build_model(
@@ -54,6 +54,7 @@ def build_model(
     generator and keeps this rank's slice. The vocabulary is `model_cfg.vocab_size` exactly (Megatron
     core never pads it; it must divide by tp). Embeddings are tied iff `model_cfg.tie_word_embeddings`.
     """
+    device = device_kind(device)
     if device == "cpu":
         from skyq.trainer.megatron import cpu_compat
 
@@ -89,7 +90,7 @@ def block_spec(config, precision_cfg: PrecisionConfig, *, device: str):
     with the fake-INT4 linears of precision=int4_qat swapped in."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    te = device == "cuda"
+    te = device_kind(device) == "cuda"
     spec = copy.deepcopy(
         get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm")
     )
