@@ -91,8 +91,9 @@ def describe_local_models(rank: int, cases: list[tuple[str, ModelConfig]]) -> di
 
 def load_errors(rank: int, hf_dirs: dict[str, str]) -> dict[str, str]:
     """The errors `load_hf_checkpoint` gives (TP1/EP1): a checkpoint lacking a tensor a model
-    parameter needs, and a checkpoint tensor the model has no parameter for."""
-    from skyq.trainer.megatron.mapping import MappingError, load_hf_checkpoint
+    parameter needs, and a checkpoint tensor the model has no parameter for; `<case>_changed` names
+    the model tensors the refused load wrote anyway (none expected)."""
+    from skyq.trainer.megatron.mapping import MappingError, load_hf_checkpoint, model_tensors
 
     init_parallel(1, 1)
     errors = {}
@@ -102,11 +103,14 @@ def load_errors(rank: int, hf_dirs: dict[str, str]) -> dict[str, str]:
     }
     for label, (built, told) in cases.items():
         model = build(built, tp=1, ep=1)
+        before = {n: t.detach().clone() for n, t in model_tensors(model).items()}
         try:
             load_hf_checkpoint(model, hf_dirs[label], told, "local")
             errors[label] = ""
         except MappingError as e:
             errors[label] = str(e)
+        changed = [n for n, t in model_tensors(model).items() if not torch.equal(t, before[n])]
+        errors[f"{label}_changed"] = ", ".join(changed)
     return errors
 
 

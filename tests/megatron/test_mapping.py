@@ -119,6 +119,7 @@ def test_load_names_a_parameter_left_unfilled_and_a_checkpoint_tensor_left_unuse
     # a model built with tied embeddings has no output_layer for the checkpoint's lm_head
     assert "tensor 'lm_head.weight' (and 0 more) has no tensor to go to" in errors["unused"]
     assert "unused/model-0000" in errors["unused"]
+    assert errors["missing_changed"] == errors["unused_changed"] == ""  # refused before any write
 
 
 def test_load_then_export_gives_back_the_checkpoint_at_world_size_2(tmp_path):

@@ -23,6 +23,7 @@ from skyq.quant.layouts import get_layout
 from skyq.quant.layouts.experts import parse_expert_name
 from skyq.trainer.megatron.mapping.convert import (
     check_hf_tensor,
+    megatron_shape,
     megatron_to_hf,
     merge,
     parse,
@@ -142,8 +143,10 @@ def load_hf_checkpoint(model: torch.nn.Module, hf_dir: str | Path, model_cfg: Mo
 
     Every checkpoint tensor of the text model is checked (name and shape, naming its file) before
     anything is copied; tensors outside the text model (a vision tower) are not loaded. Each model
-    parameter (and the router's `expert_bias`) is filled exactly once, and every checkpoint tensor
-    this rank holds a piece of must be used: either failing is an error naming the tensor.
+    parameter (and the router's `expert_bias`) is filled exactly once (the model's names are unique
+    and `_check_spec_names` admits only names of the spec's table, one entry each), and every
+    checkpoint tensor this rank holds a piece of must be used: either failing is an error naming the
+    tensor, raised before any parameter is written.
     """
     import torch
 
@@ -156,39 +159,37 @@ def load_hf_checkpoint(model: torch.nn.Module, hf_dir: str | Path, model_cfg: Mo
     ranks = _Ranks()
     tensors = model_tensors(model)
     _check_spec_names(tensors, model_cfg, spec, ranks)
-    per_rank = experts_per_rank(model_cfg, ranks.ep_size)
+    # names and shapes only, before the first copy: a refused checkpoint leaves the model untouched
+    plan = []
     used: set[str] = set()
-    filled: dict[str, str] = {}
     for local, target in tensors.items():
         name = global_name(local, model_cfg, ranks.ep_rank, ranks.ep_size)
-        try:
-            entry = parse(name, model_cfg)
-        except MappingError as e:
-            raise MappingError(f"model tensor {local}: no HF source ({e})") from None
-        if entry.megatron in filled:
-            raise MappingError(
-                f"model tensors {filled[entry.megatron]} and {local} both map to {entry.megatron}"
-            )
-        filled[entry.megatron] = local
+        entry = parse(name, model_cfg)
         missing = [h for h in entry.hf if h not in reader.ckpt.tensors]
         if missing:
             raise MappingError(
                 f"{reader.ckpt.dir}: no tensor {missing[0]!r}, needed for model tensor {local}"
             )
-        full = merge(entry, [reader.get(h) for h in entry.hf], model_cfg)
         dim, gated = _split_dim(target, name, model_cfg)
         rank, size = (
             (ranks.etp_rank, ranks.etp_size) if entry.expert is not None else (ranks.tp_rank, ranks.tp_size)
         )
-        piece = tp_slice(full, dim, gated, rank, size, name)
-        if tuple(piece.shape) != tuple(target.shape):
+        piece_shape = list(megatron_shape(entry, model_cfg))
+        if dim is not None:
+            if piece_shape[dim] % size:
+                raise MappingError(
+                    f"model tensor {local}: dim {dim} of the full shape {tuple(piece_shape)} does not "
+                    f"split into {size} tensor-parallel pieces; choose a TP/ETP size that divides it"
+                )
+            piece_shape[dim] //= size
+        if tuple(piece_shape) != tuple(target.shape):
             raise MappingError(
                 f"model tensor {local}: shape {tuple(target.shape)}, but the checkpoint's "
-                f"{', '.join(entry.hf)} give a piece of {tuple(piece.shape)} on TP rank {rank}/{size}"
+                f"{', '.join(entry.hf)} give a piece of {tuple(piece_shape)} on rank {rank} of {size}"
             )
-        with torch.no_grad():
-            target.copy_(piece)
+        plan.append((entry, target, dim, gated, rank, size))
         used.update(entry.hf)
+    per_rank = experts_per_rank(model_cfg, ranks.ep_size)
     unused = [
         n
         for n in text_names
@@ -200,6 +201,10 @@ def load_hf_checkpoint(model: torch.nn.Module, hf_dir: str | Path, model_cfg: Mo
             f"{reader.where(unused[0])}: tensor {unused[0]!r} (and {len(unused) - 1} more) has no "
             f"tensor to go to in this Megatron model (spec={spec}); the model and model.* disagree"
         )
+    with torch.no_grad():
+        for entry, target, dim, gated, rank, size in plan:
+            full = merge(entry, [reader.get(h) for h in entry.hf], model_cfg)
+            target.copy_(tp_slice(full, dim, gated, rank, size, entry.megatron))
 
 
 def _gather(tensor: Tensor, group, size: int) -> list[Tensor]:
