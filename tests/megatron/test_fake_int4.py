@@ -261,3 +261,99 @@ def test_int4_qat_model_trains(megatron_results, case):
                      "layers.0.mlp.linear_fc2", "local_experts.3.linear_fc1"):  # fmt: skip
             assert any(part in n for n in quantized), (part, quantized)
         assert not any("output_layer" in n or "router" in n for n in quantized)
+
+
+# --- TE spec surgery (GPU code path; TE stand-ins on the CPU) ---------------------------------
+
+
+class _FakeTEGrouped(torch.nn.Module):
+    """Stands in for TE's GroupedLinear: per-expert parameters `weight{i}`, read by the forward
+    through `_get_weight_tensors()` (te 2.20 grouped_linear.py)."""
+
+    def __init__(self, num_gemms: int = 2, in_features: int = 32, out_features: int = 8, **kwargs) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(11)
+        for i in range(num_gemms):
+            self.register_parameter(
+                f"weight{i}", torch.nn.Parameter(torch.randn(out_features, in_features, generator=gen))
+            )
+        self.num_gemms = num_gemms
+
+    def _get_weight_tensors(self):
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+
+class _FakeTECol(_FakeTEGrouped):
+    pass
+
+
+class _FakeTERow(_FakeTEGrouped):
+    pass
+
+
+@pytest.fixture
+def te_stand_ins(monkeypatch):
+    ext = pytest.importorskip("megatron.core.extensions.transformer_engine")
+    from skyq.trainer.megatron import fake_int4
+
+    monkeypatch.setattr(ext, "TEColumnParallelGroupedLinear", _FakeTECol)
+    monkeypatch.setattr(ext, "TERowParallelGroupedLinear", _FakeTERow)
+    fake_int4.te_int4_grouped_linears.cache_clear()
+    yield
+    fake_int4.te_int4_grouped_linears.cache_clear()
+
+
+def _te_like_block(model_cfg: ModelConfig):
+    """The local spec's layers with the routed experts' linears set to the TE stand-ins (the TE spec
+    itself needs TE to build)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from skyq.trainer.megatron.config import transformer_config
+    from skyq.trainer.megatron.model import _swap
+
+    config = transformer_config(model_cfg, PrecisionConfig(), TrainerConfig(), ParallelConfig(), device="cpu")
+    layers = []
+    for layer in get_gpt_decoder_layer_specs(config, use_transformer_engine=False, normalization="RMSNorm"):
+        layer = _swap(layer, {})
+        if layer.submodules.mlp.module is MoELayer:
+            experts = layer.submodules.mlp.submodules.experts.submodules
+            experts.linear_fc1, experts.linear_fc2 = _FakeTECol, _FakeTERow
+        layers.append(layer)
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=None)
+
+
+def test_te_spec_experts_become_fake_int4_grouped_linears(te_stand_ins):
+    from skyq.trainer.megatron.model import _swap_te_experts
+
+    precision = int4_precision()
+    spec = _te_like_block(tiny(ModelFamily.deepseek_v3))
+    _swap_te_experts(spec, precision)
+    dense, moe = spec.layer_specs  # first_k_dense_replace=1
+    assert dense.submodules.mlp.submodules.linear_fc1 is not None
+    assert "Int4" not in str(dense.submodules.mlp.submodules.linear_fc1)
+    fc1, fc2 = (
+        moe.submodules.mlp.submodules.experts.submodules.linear_fc1,
+        moe.submodules.mlp.submodules.experts.submodules.linear_fc2,
+    )
+    assert issubclass(fc1.module, _FakeTECol) and issubclass(fc2.module, _FakeTERow)
+    assert fc1.params == {"precision_cfg": precision} == fc2.params
+    shared = moe.submodules.mlp.submodules.shared_experts.submodules.linear_fc1
+    assert "Int4" not in str(shared)  # routed experts only
+    layer = fc1.module(precision_cfg=precision)
+    weights = layer._get_weight_tensors()
+    assert [n for n, _ in layer.named_parameters()] == ["weight0", "weight1"]
+    for w, param in zip(weights, (layer.weight0, layer.weight1)):
+        assert torch.equal(w, reference_fq(param, 16, Int4Grid.kimi))
+    sum((w * 1.5).sum() for w in weights).backward()
+    assert torch.equal(layer.weight0.grad, torch.full_like(layer.weight0, 1.5))
+
+
+def test_te_spec_refuses_int4_on_all_linears(te_stand_ins):
+    from skyq.trainer.megatron.config import MegatronConfigError
+    from skyq.trainer.megatron.model import _swap_te_experts
+
+    spec = _te_like_block(tiny(ModelFamily.qwen3_moe))
+    with pytest.raises(MegatronConfigError, match="precision.qat_scope=all_linear on the GPU"):
+        _swap_te_experts(spec, int4_precision(scope=QuantScope.all_linear))
