@@ -297,6 +297,39 @@ def test_refuse_on_cpu_decides_fp8_by_amx(monkeypatch):
     refuse_on_cpu(Precision.fp8_blockwise)
 
 
+def test_on_a_gpu_int4_is_refused_before_anything_starts_and_the_other_precisions_pass():
+    """vLLM 0.26 on an H200 booted W4A16 and then refused skyq's sync at init (its WNA16 Marlin MoE holds
+    activation-order tensors no checkpoint fills): the run is refused before the engine boots instead."""
+    from skyq.config.store import compose, to_object
+    from skyq.rollout.vllm.worker import check_engine_config
+
+    for precision in ("bf16", "fp8_blockwise", "mxfp8", "int4_qat"):
+        cfg = to_object(
+            compose(["recipe=small_moe_fp8_blockwise_1gpu", "rollout=vllm", f"precision={precision}"])
+        )
+        kwargs = {"model": cfg.model, "precision": cfg.precision, "rollout": cfg.rollout, "device": "cuda"}
+        if precision == "int4_qat":
+            with pytest.raises(ValueError, match=r"precision=int4_qat .* cannot run on a GPU yet: .* g_idx"):
+                check_engine_config(**kwargs)
+        else:
+            check_engine_config(**kwargs)
+
+
+def test_every_engine_seed_is_one_vllm_takes():
+    """vLLM seeds numpy with the engine seed (32-bit); a rollout group's engine 1 gets a 63-bit seed."""
+    from skyq.config.schema import RolloutConfig
+    from skyq.launch.pair import engine_seed
+    from skyq.rollout.vllm.engine_args import VllmOptions, engine_kwargs
+
+    model, precision = ModelConfig(head_dim=32), PrecisionConfig()
+    for index in range(4):
+        seed = engine_seed(1234, index)
+        kwargs = engine_kwargs(model_path="m", model_cfg=model, precision_cfg=precision, rollout_cfg=RolloutConfig(),
+                               seed=seed, options=VllmOptions())  # fmt: skip
+        assert 0 <= kwargs["seed"] < 2**32 and kwargs["seed"] == seed % 2**32
+    assert engine_seed(1234, 1) >= 2**32  # the case the reduction is for
+
+
 # vLLM's block-FP8 shape rule -----------------------------------------------------------------------
 
 

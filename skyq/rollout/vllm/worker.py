@@ -29,6 +29,7 @@ from skyq.rollout.vllm.engine_args import (
     engine_env,
     engine_kwargs,
     refuse_on_cpu,
+    refuse_on_gpu,
 )
 from skyq.sync.errors import SyncError
 
@@ -66,6 +67,7 @@ def check_engine_config(
     if problem is not None:
         raise ValueError(problem)
     if device != "cpu":
+        refuse_on_gpu(precision.name)
         return
     refuse_on_cpu(precision.name)
     check_cpu_layout(rollout)
