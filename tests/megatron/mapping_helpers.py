@@ -209,8 +209,14 @@ def load_and_export(rank: int, cases: list[tuple[ModelConfig, int, int, str]]) -
         for name, tensor in exported:
             assert tensor.dtype == original[name].dtype, f"{name}: {tensor.dtype}"
             assert torch.equal(tensor, original[name]), f"rank {rank} tp{tp} ep{ep}: {name} differs"
-        layer_order = [int(n.split("layers.")[1].split(".")[0]) for n in names if ".layers." in n]
-        assert layer_order == sorted(layer_order), f"rank {rank}: export not grouped by layer"
+        layout_order = list(hf_text_specs(model_cfg))
+        if ep == 1:
+            assert names == layout_order, f"rank {rank} tp{tp}: export order is not the layout's"
+        else:  # local expert index i of every EP rank, then i + 1: experts 0, 2, 1, 3 at ep=2, E=4
+            layer_order = [int(n.split("layers.")[1].split(".")[0]) for n in names if ".layers." in n]
+            assert layer_order == sorted(layer_order), f"rank {rank}: export not grouped by layer"
+            experts = [n.split("experts.")[1].split(".")[0] for n in names if ".mlp.experts." in n]
+            assert experts[:9:3] == ["0", "2", "1"], experts[:9]
 
 
 def world_size_one(rank: int, cases: list[tuple[str, ModelConfig]], hf_dirs: dict[str, str]) -> dict:

@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 _EXTRA_STATE = "._extra_state"
+_SHARED = "mlp.shared_experts."
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, Tensor]:
@@ -234,15 +235,16 @@ def export_hf(model: torch.nn.Module, model_cfg: ModelConfig, spec: str) -> Iter
     """(HF name, full tensor) for every weight of `model`, on EVERY rank: a collective that each rank
     of the tensor- and expert-parallel groups must iterate to the end, in step.
 
-    TP (and ETP) pieces are all-gathered and merged, routed experts all-gathered across EP. The order
-    is deterministic and grouped by decoder layer: the embedding, then per layer its attention, norms,
-    router and dense or shared MLP, then its routed experts expert-major (gate, up, down per expert),
-    then the final norm and lm_head. Tensors come in the HF checkpoint dtypes (bf16; fp32
+    TP (and ETP) pieces are all-gathered and merged, routed experts all-gathered across EP one local
+    index at a time (ep experts in memory at once). The order is deterministic and grouped by decoder
+    layer: the embedding, then per layer its attention, norms, router and dense or shared MLP, then
+    its routed experts (gate, up, down of each), local index i on every EP rank before i + 1 (so
+    experts i, E/ep + i, ...; ascending when ep = 1), then its shared experts; then the final norm
+    and lm_head. With ep = 1 that is exactly the layout's `hf_parameters` order. Tensors come in the HF checkpoint dtypes (bf16; fp32
     `e_score_correction_bias`); a replicated tensor already in that dtype is the model's own storage
     (detached, not copied), so consume or copy each before the next optimizer step. The model's
     tensor names must be those of `spec` (checked before the first collective).
     """
-    import torch
 
     check_spec(spec)
     ranks = _Ranks()
@@ -272,27 +274,31 @@ def export_hf(model: torch.nn.Module, model_cfg: ModelConfig, spec: str) -> Iter
         plain = sorted(
             (r for r in rest if split_expert(r) is None), key=lambda r: _position(r, order, rest[r])
         )
-        for r in plain:
+        for r in (r for r in plain if not r.startswith(_SHARED)):
             yield from _hf_cast(megatron_to_hf(rest[r], full_of(rest[r], False), model_cfg), model_cfg)
         templates: dict[str, dict[int, str]] = {}
         for r in rest:
             parsed = split_expert(r)
             if parsed is not None:
                 templates.setdefault(parsed[0], {})[parsed[1]] = rest[r]
-        stacks: dict[str, Tensor] = {}
-        for template in sorted(templates, key=lambda t: _position(t, order, t)):
-            members = templates[template]
-            if sorted(members) != list(range(per_rank)):
+        ordered = sorted(templates, key=lambda t: _position(t, order, t))
+        for template in ordered:
+            if sorted(templates[template]) != list(range(per_rank)):
                 raise MappingError(
-                    f"decoder layer {layer}: this rank holds local experts {sorted(members)} of {template}, "
-                    f"expected 0..{per_rank - 1}"
+                    f"decoder layer {layer}: this rank holds local experts {sorted(templates[template])} "
+                    f"of {template}, expected 0..{per_rank - 1}"
                 )
-            local_stack = torch.stack([full_of(members[i], True) for i in range(per_rank)])
-            stacks[template] = torch.cat(_gather(local_stack, ranks.ep_group, ranks.ep_size))
-        for e in range(model_cfg.num_experts):
-            for template, stack in stacks.items():
-                name = f"{LAYER}{layer}." + template.replace("{e}", str(e))
-                yield from _hf_cast(megatron_to_hf(name, stack[e], model_cfg), model_cfg)
+        # one local expert index at a time: ep experts in memory, not the layer's whole stack
+        for i in range(per_rank):
+            gathered = {
+                t: _gather(full_of(templates[t][i], True), ranks.ep_group, ranks.ep_size) for t in ordered
+            }
+            for r in range(ranks.ep_size):
+                for t in ordered:
+                    name = f"{LAYER}{layer}." + t.replace("{e}", str(r * per_rank + i))
+                    yield from _hf_cast(megatron_to_hf(name, gathered[t][r], model_cfg), model_cfg)
+        for r in (r for r in plain if r.startswith(_SHARED)):
+            yield from _hf_cast(megatron_to_hf(rest[r], full_of(rest[r], False), model_cfg), model_cfg)
     for name in ("decoder.final_layernorm.weight", "output_layer.weight"):
         if name in top:
             yield from _hf_cast(megatron_to_hf(name, full_of(name, False), model_cfg), model_cfg)
