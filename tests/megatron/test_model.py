@@ -204,6 +204,14 @@ def ws1_worker(rank: int, ref_file: str) -> dict:
             "modules": sorted({type(m).__name__ for m in model.modules()}),
         }
     torch.save(refs, ref_file)
+    qwen = _build(tiny_qwen(), ParallelConfig())
+    tied = _build(ModelConfig(**{**vars(tiny_qwen()), "tie_word_embeddings": True}), ParallelConfig())
+    summary["shapes"] = {
+        "embedding": list(qwen.embedding.word_embeddings.weight.shape),
+        "output_layer": list(qwen.output_layer.weight.shape),
+        "inv_freq": qwen.rotary_pos_emb.inv_freq.clone(),
+        "tied_params": sorted(n for n, _ in tied.named_parameters()),
+    }
     return summary
 
 
@@ -299,6 +307,15 @@ def test_world_size_one_forward_backward_gives_finite_loss_and_gradients_everywh
     assert torch.isfinite(torch.tensor(s["loss"])) and 2.0 < s["loss"] < 8.0  # ~ln(64) at init
     assert s["finite"]
     assert not s["zero_grads"], f"{kind}: parameters without gradient: {s['zero_grads']}"
+
+
+def test_vocab_is_exact_rope_base_is_the_models_and_embeddings_tie_on_request(ws1):
+    shapes, model_cfg = ws1["shapes"], tiny_qwen()
+    assert shapes["embedding"] == shapes["output_layer"] == [model_cfg.vocab_size, model_cfg.hidden_size]
+    dims = torch.arange(0, model_cfg.head_dim, 2, dtype=torch.float32) / model_cfg.head_dim
+    assert torch.allclose(shapes["inv_freq"], 1.0 / model_cfg.rope_theta**dims)
+    assert "output_layer.weight" not in shapes["tied_params"]
+    assert "embedding.word_embeddings.weight" in shapes["tied_params"]
 
 
 def test_mla_model_uses_skyq_local_modules(ws1):
