@@ -132,7 +132,16 @@ class ActorPair(WorkerPair):
         """One full weight sync as `version` to every engine; raises `SyncError` (with every side's
         story) on failure, `WorkerTimeout` if the sync as a whole outlasts
         rollout.weight_sync.worker_call_timeout_s. The run's version advances only when every
-        engine has verified and committed it."""
+        engine has verified and committed it.
+
+        The trainer sends to the engines in turn and each commits on receipt; there is no
+        stage-then-commit across engines. So when engine i fails, the engines before it already hold
+        `version`, which the run never reached. That is safe because a failed sync stops the run:
+        nothing is sampled after it, no metrics row or checkpoint records `version`, and every engine
+        is shut down with the run. Resume boots fresh engines, and the session's first sync brings them
+        the checkpoint's weights, compared bit for bit on every engine before any rollout. Staging
+        would hold each engine's verified copy until all had verified and still could not make the
+        commits atomic (a layerwise load can fail part-way on one engine after the others loaded)."""
         calls = {name: e.receive_weights.remote(self.sync_cfg.verify_checksum) for name, e in zip(self.engine_names, self.engines)}  # fmt: skip
         calls["trainer actor"] = self.trainer.send_weights.remote(version, self.sync_cfg.bucket_bytes)
         results: dict[str, Any] = {}
