@@ -198,6 +198,7 @@ def hf_config(model_cfg: ModelConfig) -> PretrainedConfig:
         "hidden_size": model_cfg.hidden_size,
         "num_hidden_layers": model_cfg.num_layers,
         "num_attention_heads": model_cfg.num_attention_heads,
+        "intermediate_size": model_cfg.intermediate_size,
         "moe_intermediate_size": model_cfg.moe_intermediate_size,
         "num_experts_per_tok": model_cfg.num_experts_per_tok,
         # Qwen3-MoE, DeepSeek-V3 and Kimi-K2.x releases renormalize the top-k routing weights.
@@ -214,7 +215,6 @@ def hf_config(model_cfg: ModelConfig) -> PretrainedConfig:
         return DeepseekV3Config(
             **common,
             num_key_value_heads=model_cfg.num_attention_heads,
-            intermediate_size=model_cfg.intermediate_size,
             n_routed_experts=model_cfg.num_experts,
             n_shared_experts=model_cfg.num_shared_experts,
             first_k_dense_replace=model_cfg.first_k_dense_replace,
