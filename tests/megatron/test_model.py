@@ -180,6 +180,29 @@ def _cpu_compat_probes() -> dict[str, str]:
     return out
 
 
+def _recompute_matches() -> dict[str, bool]:
+    """Activation recompute (full / selective) gives the same loss and gradients as none."""
+    from skyq.config.enums import RecomputeGranularity
+    from skyq.config.schema import RecomputeConfig
+    from skyq.trainer.megatron.model import build_model
+
+    tokens, labels = batch()
+    positions = torch.arange(SEQ).expand_as(tokens)
+    results = {}
+    for granularity in ("none", "full", "selective"):
+        trainer = TrainerConfig(
+            compute_dtype=ComputeDtype.fp32,
+            recompute=RecomputeConfig(granularity=RecomputeGranularity(granularity)),
+        )
+        model = build_model(tiny_mla(), PrecisionConfig(), trainer, ParallelConfig(), device="cpu", seed=SEED)
+        model(tokens, positions, None, labels=labels).mean().backward()
+        results[granularity] = [p.grad.clone() for p in model.parameters()]
+        assert model.config.recompute_granularity == (None if granularity == "none" else granularity)
+    return {
+        g: all(torch.equal(a, b) for a, b in zip(results[g], results["none"])) for g in ("full", "selective")
+    }
+
+
 def ws1_worker(rank: int, ref_file: str) -> dict:
     """World size 1: cpu_compat's patches probed before and after `apply()`; each model trains one
     step (finite loss, gradients everywhere); its weights, loss and gradients are saved as the
@@ -206,6 +229,7 @@ def ws1_worker(rank: int, ref_file: str) -> dict:
     torch.save(refs, ref_file)
     qwen = _build(tiny_qwen(), ParallelConfig())
     tied = _build(ModelConfig(**{**vars(tiny_qwen()), "tie_word_embeddings": True}), ParallelConfig())
+    summary["recompute"] = _recompute_matches()
     summary["shapes"] = {
         "embedding": list(qwen.embedding.word_embeddings.weight.shape),
         "output_layer": list(qwen.output_layer.weight.shape),
@@ -316,6 +340,11 @@ def test_vocab_is_exact_rope_base_is_the_models_and_embeddings_tie_on_request(ws
     assert torch.allclose(shapes["inv_freq"], 1.0 / model_cfg.rope_theta**dims)
     assert "output_layer.weight" not in shapes["tied_params"]
     assert "embedding.word_embeddings.weight" in shapes["tied_params"]
+
+
+@pytest.mark.parametrize("granularity", ["full", "selective"])
+def test_activation_recompute_gives_the_same_gradients(ws1, granularity):
+    assert ws1["recompute"][granularity]
 
 
 def test_mla_model_uses_skyq_local_modules(ws1):
