@@ -4,10 +4,13 @@ as the composition, and a precision vLLM cannot serve on the CPU is skipped by n
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
+import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -72,3 +75,63 @@ def test_smoke_run_measures_every_section_for_bf16(tmp_path):
     # bf16 weights on both sides: only the trainer's fp32 compute against vLLM's bf16 kernels differs
     assert mismatch[0] == "bf16" and 0 <= float(mismatch[1]) < 0.05 and int(mismatch[3]) > 0
     assert re.search(r"^command: .*--smoke", out, re.M) and "machine: " in out and "versions: " in out
+
+
+def _results_file(path: Path, label: str, decode: dict[int, float], mismatch: float) -> Path:
+    record = {
+        "labels": [label],
+        "results": {
+            "sync": {},
+            "decode": {label: decode},
+            "mismatch": {label: {"mean": mismatch, "max": 0.1, "tokens": 512}},
+            "embedded": {},
+            "boot_s": {label: 1.0},
+        },  # fmt: skip
+        "args": {
+            "repeats": 1,
+            "decode_repeats": 1,
+            "batches": [1, 64],
+            "prompt_len": 16,
+            "new_tokens": 8,
+            "cuda_graphs": True,
+        },  # fmt: skip
+        "where": "tiny_moe, test",
+    }
+    path.write_text(json.dumps(record), encoding="utf-8")
+    return path
+
+
+def test_combine_puts_separate_processes_side_by_side_with_bf16_as_the_baseline(tmp_path, capsys):
+    """Variants measured in separate processes (`--json`) are compared in one table (`--combine`),
+    bf16 first whatever the order of the files; JSON's string batch keys read back as the batches."""
+    files = [
+        _results_file(tmp_path / "fp8.json", "fp8_w8a16", {1: 150.0, 64: 1200.0}, 0.003),
+        _results_file(tmp_path / "bf16.json", "bf16", {1: 100.0, 64: 1000.0}, 0.002),
+    ]
+    assert _bench().main(["--combine", *map(str, files)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\n\s+1\s+100\s+150\s+1\.50 met\n", out), out
+    assert re.search(r"\n\s+64\s+1000\s+1200\s+1\.20 MISS\n", out), out
+    assert re.search(r"fp8_w8a16\s+0\.00300\s+0\.1000\s+512\s+1\.50 met", out), out
+
+
+def test_a_turn_waits_for_the_others_boots_then_measures_under_the_lock(tmp_path):
+    """`--turn DIR:N`: a booted process waits until N have booted or ended (never past its wait), then
+    holds the lock; `finished` marks it ended and releases the lock."""
+    bench = _bench()
+    turn = bench.Turn(f"{tmp_path}:2", wait_s=0.5)
+    start = time.monotonic()
+    turn.booted()  # the other process never arrives: it waits its 0.5 s, then goes on
+    assert time.monotonic() - start >= 0.5
+    other = open(tmp_path / "lock", "a+")  # noqa: SIM115
+    with pytest.raises(BlockingIOError):  # the lock is held while measuring
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    turn.finished()
+    fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released
+    other.close()
+    (tmp_path / "4242.done").touch()  # another process that ended (booted or not)
+    late = bench.Turn(f"{tmp_path}:2", wait_s=30)
+    start = time.monotonic()
+    late.booted()  # its own ready file plus the ended one: no wait
+    assert time.monotonic() - start < 5
+    late.finished()
