@@ -363,3 +363,22 @@ def test_parallel_layouts_match_world_size_one(ws2, case):
     assert r["worst"] < 1e-5, (
         f"{case}: gradient of {r['at']} differs by {r['worst']:.3g} (relative to its max)"
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_is_the_hf_models_bit_for_bit(dtype):
+    import types
+
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+
+    from skyq.trainer.megatron.model import SkyqRMSNorm
+
+    config = types.SimpleNamespace(normalization="RMSNorm", sequence_parallel=True)
+    ours, hf = SkyqRMSNorm(config, 16, eps=1e-6).to(dtype), Qwen3MoeRMSNorm(16, eps=1e-6).to(dtype)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        ours.weight.copy_(torch.randn(16, generator=gen))
+        hf.weight.copy_(ours.weight)
+    x = (torch.randn(3, 5, 16, generator=gen) * 4).to(dtype)
+    assert torch.equal(ours(x), hf(x))
+    assert ours.weight.sequence_parallel

@@ -107,14 +107,23 @@ def block_spec(config, precision_cfg: PrecisionConfig, *, device: str):
 
 
 class SkyqRMSNorm(torch.nn.RMSNorm):
-    """torch's RMSNorm with Megatron's norm constructor, its weight marked `sequence_parallel`
-    (partial gradients under sequence parallelism, summed across TP by `finalize_model_grads`)."""
+    """RMSNorm with Megatron's norm constructor, its weight marked `sequence_parallel` (partial
+    gradients under sequence parallelism, summed across TP by `finalize_model_grads`).
+
+    The forward is the HF models' (Qwen3-MoE, DeepSeek-V3): normalise in fp32, cast back to the
+    input dtype, then scale by the weight, so a bf16 trainer rounds where the checkpoint's model does.
+    """
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **kwargs: Any) -> None:
         if config.normalization != "RMSNorm":
             raise MegatronConfigError(f"SkyqRMSNorm: config.normalization={config.normalization!r}")
         super().__init__(hidden_size, eps=eps)
         self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def _mla_core_attention():
