@@ -5,8 +5,8 @@
 use_transformer_engine=True)`, grouped expert GEMMs, FP8 through TE recipes from the config). CPU:
 the local spec (megatron-core modules only), fp32 parameters, with three skyq modules in it:
 
-- `SkyqRMSNorm`: torch's RMSNorm that marks its weight `sequence_parallel` like Megatron's fused
-  norms do (0.16.1's `WrappedTorchNorm`, the local spec's norm without Apex, refuses
+- `SkyqRMSNorm`: the HF models' RMSNorm, its weight marked `sequence_parallel` like Megatron's
+  fused norms do (0.16.1's `WrappedTorchNorm`, the local spec's norm without Apex, refuses
   sequence parallelism outright), so `finalize_model_grads` sums its partial gradients across TP.
 - `MLACoreAttention`: 0.16.1's local `DotProductAttention` does not take MLA's `k_channels` /
   `v_channels`, so the local MLA spec cannot be built; this subclass takes them (its output is
@@ -14,10 +14,14 @@ the local spec (megatron-core modules only), fp32 parameters, with three skyq mo
 - `LocalMLASelfAttention`: MLA with the q / kv down-projections replicated on every TP rank, as TE's
   spec has them (`TELinear(parallel_mode="duplicated")`). The local spec's column-parallel
   down-projection computes the gradient of the rotary key rows (`k_pos_emb`, shared by all heads)
-  from this rank's heads only and never reduces it across TP, and feeds the norms the wrong token
-  split; with the replicated projection the rotary key is gathered along the sequence (sequence
-  parallelism, which MLA with tp > 1 requires, see config.py) and its gradient reduce-scattered.
-  Parameter names are unchanged and the shapes are the full ones, the same as the TE spec's.
+  from this rank's heads only and never reduces it across TP, so those rows' gradient, and every
+  gradient upstream of it, is wrong. With the replicated projection the rotary key is gathered
+  along the sequence (sequence parallelism, which MLA with tp > 1 requires, see config.py) and its
+  gradient reduce-scattered; tests/megatron/test_model.py checks TP2 against TP1. Parameter names
+  are unchanged and the shapes are the full ones, the same as the TE spec's.
+
+No multi-token-prediction layers are built (`model.num_nextn_predict_layers` is a checkpoint fact;
+RL trains the next-token head only).
 
 precision=int4_qat swaps the linears of `precision.qat_scope` for fake-INT4 subclasses (fake_int4.py).
 """
