@@ -143,13 +143,34 @@ def test_parallel_layout_and_recompute_map_to_megatron_fields():
     assert build(preset("tiny_moe")).recompute_granularity is None
 
 
-def test_gpu_uses_bf16_params_grouped_gemm_and_fused_wgrad_accumulation():
+def test_gpu_uses_bf16_params_and_grouped_gemm():
     assert kwargs(preset("qwen3_30b"), "cuda:3") == kwargs(preset("qwen3_30b"), "cuda")
     name, kw = kwargs(preset("qwen3_30b"))
     assert name == "TransformerConfig"
     assert kw["params_dtype"] == torch.bfloat16 and kw["bf16"] and kw["moe_grouped_gemm"]
-    assert kw["gradient_accumulation_fusion"] and not kw["use_cpu_initialization"]
+    assert not kw["use_cpu_initialization"]
     assert "fp8" not in kw  # bf16 precision
+
+
+def test_gradient_accumulation_fusion_where_the_gpu_has_it(monkeypatch):
+    from skyq.trainer.megatron import config
+
+    model_cfg = preset("tiny_moe")
+    for installed in (False, True):
+        monkeypatch.setattr(config, "_apex_wgrad_fusion_installed", lambda installed=installed: installed)
+        assert kwargs(model_cfg)[1]["gradient_accumulation_fusion"] is installed
+        assert kwargs(model_cfg, "cpu")[1]["gradient_accumulation_fusion"] is False
+    for asked in (False, True):
+        fused = config_kwargs(
+            model_cfg, PrecisionConfig(), TrainerConfig(), ParallelConfig(), device="cuda",
+            gradient_accumulation_fusion=asked,
+        )[1]["gradient_accumulation_fusion"]  # fmt: skip
+        assert fused is asked
+    with pytest.raises(MegatronConfigError, match="gradient_accumulation_fusion=True on the CPU"):
+        config_kwargs(
+            model_cfg, PrecisionConfig(), TrainerConfig(), ParallelConfig(), device="cpu",
+            gradient_accumulation_fusion=True,
+        )  # fmt: skip
 
 
 def _matched(recipe, path: str) -> str | None:

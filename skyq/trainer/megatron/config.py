@@ -71,11 +71,23 @@ def transformer_config(
     parallel_cfg: ParallelConfig,
     *,
     device: str,
+    gradient_accumulation_fusion: bool | None = None,
 ) -> Any:
     """The megatron-core `TransformerConfig` (qwen3_moe) or `MLATransformerConfig` (deepseek_v3)
-    of these configs on `device` ("cpu": local spec, fp32 params, no TE; "cuda" / "cuda:N": TE spec)."""
+    of these configs on `device` ("cpu": local spec, fp32 params, no TE; "cuda" / "cuda:N": TE spec).
+
+    `gradient_accumulation_fusion`: weight gradients added straight into Megatron's fp32 `main_grad`
+    inside the GEMMs (GPU only). None: on with CUDA where Apex's `fused_weight_gradient_mlp_cuda`
+    is installed (megatron-core's own ColumnParallelLinear, the output layer, refuses it otherwise)."""
     compat.check_version()
-    name, kwargs = config_kwargs(model_cfg, precision_cfg, trainer_cfg, parallel_cfg, device=device)
+    name, kwargs = config_kwargs(
+        model_cfg,
+        precision_cfg,
+        trainer_cfg,
+        parallel_cfg,
+        device=device,
+        gradient_accumulation_fusion=gradient_accumulation_fusion,
+    )
     from megatron.core.transformer import transformer_config as tc
 
     cls = getattr(tc, name)
@@ -103,17 +115,25 @@ def config_kwargs(
     parallel_cfg: ParallelConfig,
     *,
     device: str,
+    gradient_accumulation_fusion: bool | None = None,
 ) -> tuple[str, dict[str, Any]]:
     """(config class name, keyword arguments) of `transformer_config`, without constructing it:
     the dataclass's own checks import Transformer Engine for FP8, so the GPU mapping is testable
     on the CPU only here. Raises MegatronConfigError for what trainer=megatron refuses."""
     device = device_kind(device)
+    if gradient_accumulation_fusion is None:
+        gradient_accumulation_fusion = device == "cuda" and _apex_wgrad_fusion_installed()
+    elif gradient_accumulation_fusion and device == "cpu":
+        raise MegatronConfigError(
+            "gradient_accumulation_fusion=True on the CPU: it is a CUDA kernel (TE / Apex). Fix: leave it None"
+        )
     kwargs = {
         **_architecture(model_cfg),
         **_parallel(parallel_cfg, device),
         **_moe(model_cfg, trainer_cfg, device),
         **_recompute(trainer_cfg),
         **_dtypes(trainer_cfg, device),
+        "gradient_accumulation_fusion": gradient_accumulation_fusion,
         **_fp8(precision_cfg, device),
     }
     if ModelFamily(model_cfg.family) is ModelFamily.deepseek_v3:
@@ -275,6 +295,12 @@ def _recompute(t: TrainerConfig) -> dict[str, Any]:
     }
 
 
+def _apex_wgrad_fusion_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
 def _dtypes(t: TrainerConfig, device: str) -> dict[str, Any]:
     bf16 = ComputeDtype(t.compute_dtype) is ComputeDtype.bf16
     return {
@@ -284,9 +310,6 @@ def _dtypes(t: TrainerConfig, device: str) -> dict[str, Any]:
         # the activations pipeline stages send each other
         "pipeline_dtype": torch.bfloat16 if bf16 else torch.float32,
         "use_cpu_initialization": device == "cpu",
-        # TE accumulates weight grads straight into Megatron's fp32 main_grad (GPU only; the
-        # fake-INT4 experts keep that path exact, see fake_int4.py)
-        "gradient_accumulation_fusion": device == "cuda",
     }
 
 

@@ -50,6 +50,7 @@ def build_model(
     *,
     device: str,
     seed: int,
+    gradient_accumulation_fusion: bool | None = None,
 ):
     """This rank's `GPTModel` (its pipeline stage, its TP / EP shards), initialised from `seed`.
 
@@ -57,6 +58,8 @@ def build_model(
     the CPU, `torch.manual_seed(seed)`: `use_cpu_initialization` draws each full weight from the CPU
     generator and keeps this rank's slice. The vocabulary is `model_cfg.vocab_size` exactly (Megatron
     core never pads it; it must divide by tp). Embeddings are tied iff `model_cfg.tie_word_embeddings`.
+    `gradient_accumulation_fusion`: see `config.transformer_config` (None: where the GPU can).
+    With bf16 compute (`config.bf16`) the caller wraps the model in megatron's `Float16Module`.
     """
     device = device_kind(device)
     if device == "cpu":
@@ -66,7 +69,14 @@ def build_model(
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.models.gpt import GPTModel
 
-    config = transformer_config(model_cfg, precision_cfg, trainer_cfg, parallel_cfg, device=device)
+    config = transformer_config(
+        model_cfg,
+        precision_cfg,
+        trainer_cfg,
+        parallel_cfg,
+        device=device,
+        gradient_accumulation_fusion=gradient_accumulation_fusion,
+    )
     if model_cfg.vocab_size % parallel_cfg.tp:
         raise MegatronConfigError(
             f"model.vocab_size={model_cfg.vocab_size} is not a multiple of topology.parallel.tp="
