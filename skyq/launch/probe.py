@@ -253,6 +253,45 @@ def placement(
         remove_placement_group(pg)
 
 
+def check_intact(started: StartedPlacement) -> None:
+    """Raise PlacementError if a node holding part of the placement group is gone (Ray then marks
+    the group RESCHEDULING and its bundles there unplaced), naming the node(s) and the trainer
+    ranks and engines that were on it. Call it when a worker call fails or times out: an actor on a
+    lost node fails at once (ActorDiedError), its peers wait in a collective until the sync
+    deadline; either way the run stops, and `resume=<run dir>` continues from the last checkpoint
+    once the cluster has the GPUs again."""
+    if started.placement_group is None:
+        return
+    import ray
+
+    table = ray.util.placement_group_table(started.placement_group)
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    lost = sorted(b for b, node in table["bundles_to_node_id"].items() if node not in alive)
+    if table["state"] == "CREATED" and not lost:
+        return
+    plan = started.plan
+    slots = sorted(plan.slot_bundle.index(b) for b in lost)
+    nodes = sorted({plan.slot_node_ip[s] for s in slots})
+    ranks = [r.rank for r in plan.trainer if r.slot in slots]
+    engines = [e.index for e in plan.engines if set(e.slots) & set(slots)]
+    raise PlacementError(
+        f"the placement group is {table['state']}: node(s) {', '.join(nodes)} lost with slots {_ranges(slots)} "
+        f"(trainer ranks {_ranges(ranks) or 'none'}, engines {_ranges(engines) or 'none'}). The run stops; "
+        "resume=<run dir> continues from its last checkpoint once the cluster has those GPUs again."
+    )
+
+
+def _ranges(values: list[int]) -> str:
+    """1,2,3,7 -> '1-3, 7'."""
+    spans: list[list[int]] = []
+    for v in values:
+        if spans and v == spans[-1][1] + 1:
+            spans[-1][1] = v
+        else:
+            spans.append([v, v])
+    return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+
+
 def _sum(bundles: list[dict[str, float]]) -> dict[str, float]:
     total: Counter[str] = Counter()
     for b in bundles:
