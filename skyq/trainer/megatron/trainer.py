@@ -219,6 +219,48 @@ def cuda_type_names() -> Iterator[None]:
         torch.Tensor.type = original
 
 
+def in_process_checkpoint_writes() -> None:
+    """Make megatron-core 0.16.1's dist-checkpoint save write its files in the calling process.
+
+    Its torch_dist writer (`FileSystemWriterAsync`) forks one process per file bucket and collects
+    their results through a `multiprocessing` Manager it spawns; a fork of a Ray worker (many
+    threads: gRPC, gloo, the sync channels) can deadlock in the child on a lock another thread held,
+    so a save would hang. Here each bucket is written by the same function, one after the other, in
+    this process, and the results go through a plain queue: the same files, fsynced, the same
+    metadata. Idempotent."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+
+    base = filesystem_async.FileSystemWriterAsync
+    if torch_strategy.FileSystemWriterAsync is not base:
+        return
+
+    class InProcessWriter(base):
+        @staticmethod
+        def write_preloaded_data_multiproc(
+            transform_list, use_msc, rank, write_buckets, global_results_queue
+        ):
+            results: dict[int, Any] | Exception = {}
+            local: queue.Queue = queue.Queue()
+            for i, bucket in enumerate(write_buckets):
+                count: queue.Queue = queue.Queue()
+                count.put(i)
+                base.write_preloaded_data(
+                    transform_list, i, bucket, local, count, True, **({"use_msc": True} if use_msc else {})
+                )
+                index, written = local.get()
+                if isinstance(written, Exception):
+                    results = written
+                    break
+                results[index] = written
+            global_results_queue.put(results)
+
+    filesystem_async._get_write_results_queue = queue.Queue
+    torch_strategy.FileSystemWriterAsync = InProcessWriter
+
+
 def _loopback_env() -> None:
     """Keep gloo's and NCCL's connections between the ranks on loopback (the world is one host)."""
     if sys.platform.startswith("linux"):
@@ -493,6 +535,7 @@ class MegatronTrainer:
         collective of every rank."""
         from megatron.core import dist_checkpointing
 
+        in_process_checkpoint_writes()
         dist_checkpointing.save(self._sharded_state(loading=False), directory)
         dist.barrier()
 
