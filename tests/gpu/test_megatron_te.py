@@ -14,9 +14,6 @@ lets Megatron's DDP hook add it a second time (twice B's).
 
 from __future__ import annotations
 
-import dataclasses
-from unittest import mock
-
 import pytest
 import torch
 
@@ -57,17 +54,42 @@ def _cfg(precision: str):
 
 
 def _build(precision: str, fusion: bool):
-    """This precision's GPTModel on the GPU, with gradient_accumulation_fusion forced to `fusion`."""
+    """This precision's GPTModel on the GPU, its TE linears accumulating weight gradients into
+    `main_grad` themselves iff `fusion`. Megatron's own (non-TE) output layer refuses
+    gradient_accumulation_fusion without Apex's fused kernel, so where that is missing the model is
+    built without it and TE's modules are switched to fused accumulation after construction: the
+    path under test is TE's (and skyq's STE inside it), not the output layer's."""
     cfg = _cfg(precision)
-    real = megatron_model.transformer_config
-
-    def with_fusion(*args, **kwargs):
-        return dataclasses.replace(real(*args, **kwargs), gradient_accumulation_fusion=fusion)
-
-    with mock.patch.object(megatron_model, "transformer_config", with_fusion):
+    build = dict(device="cuda", seed=0)
+    try:
         model = megatron_model.build_model(
-            cfg.model, cfg.precision, cfg.trainer, cfg.topology.parallel, device="cuda", seed=0
+            cfg.model,
+            cfg.precision,
+            cfg.trainer,
+            cfg.topology.parallel,
+            gradient_accumulation_fusion=fusion,
+            **build,
         )
+    except RuntimeError:
+        if not fusion:
+            raise
+        model = megatron_model.build_model(
+            cfg.model,
+            cfg.precision,
+            cfg.trainer,
+            cfg.topology.parallel,
+            gradient_accumulation_fusion=False,
+            **build,
+        )
+        switched = 0
+        for module in model.modules():
+            if type(module).__module__.startswith(("transformer_engine", "megatron.core.extensions")) or any(
+                c.__module__.startswith("transformer_engine") for c in type(module).__mro__
+            ):
+                if hasattr(module, "fuse_wgrad_accumulation"):
+                    module.fuse_wgrad_accumulation = True
+                    switched += 1
+        assert switched, "no Transformer Engine linear found to switch to fused weight-gradient accumulation"
     return cfg, model.cuda()
 
 
