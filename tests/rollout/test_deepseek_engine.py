@@ -23,7 +23,14 @@ from skyq.sync.receiver import WeightReceiver
 from skyq.sync.sender import WeightSender
 from skyq.tools import convert_hf_to_int4, convert_moe_int4_to_bf16
 
-PRECISIONS = ["bf16", "int4_qat"]
+PRECISIONS = ["bf16", "fp8_blockwise", "mxfp8", "int4_qat"]
+WIRE_DTYPES = {
+    "bf16": {"bfloat16"},
+    "fp8_blockwise": {"bfloat16", "float8_e4m3fn"},  # + fp32 block scales (and the router bias)
+    "mxfp8": {"bfloat16", "float8_e4m3fn", "uint8"},
+    "int4_qat": {"bfloat16", "int32", "int64"},
+}
+"""The wire's dtypes per precision besides fp32 (the router bias, always fp32)."""
 BIAS = "language_model.model.layers.1.mlp.gate.e_score_correction_bias"
 
 
@@ -73,8 +80,7 @@ def test_the_sync_lands_bit_for_bit_with_the_router_bias_in_fp32(
     first = engine.wire_digest()
     assert first == trainer.serialized_digest() and engine.engine.weight_version == 1
     assert first[BIAS][0] == "float32"
-    dtypes = {dtype for dtype, _, _ in first.values()}
-    assert dtypes == ({"bfloat16", "float32"} | ({"int32", "int64"} if precision == "int4_qat" else set()))
+    assert {dtype for dtype, _, _ in first.values()} == WIRE_DTYPES[precision] | {"float32"}
     with torch.no_grad():  # new weights: the next sync must carry them
         for p in trainer.trainer.model.parameters():
             p.add_(torch.randn_like(p) * 0.05)

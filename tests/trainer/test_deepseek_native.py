@@ -1,5 +1,5 @@
 """The native trainer on DeepSeek-V3 (model=tiny_deepseek, Kimi-K2.6's text architecture): built from
-config, its checkpoint, fp32 router bias, INT4 QAT on the layout's routed experts, GRPO steps."""
+config, its checkpoint, fp32 router bias, INT4 QAT on the layout's routed experts, GRPO steps in every precision."""
 
 from __future__ import annotations
 
@@ -159,7 +159,7 @@ def test_int4_qat_fake_quantizes_the_routed_experts_only(make_deepseek_trainer):
         assert torch.equal(effective["model.layers.1.mlp.experts.down_proj"][e].to(torch.bfloat16), expected)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "int4_qat"])
+@pytest.mark.parametrize("precision", ["bf16", "fp8_blockwise", "mxfp8", "int4_qat"])
 def test_grpo_steps_train_every_weight_but_the_frozen_router_bias(make_deepseek_trainer, precision):
     trainer = make_deepseek_trainer(precision)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
