@@ -111,7 +111,16 @@ def test_kimi_k26_is_mla_with_shared_experts_dense_first_layer_and_sigmoid_routi
     assert (c.num_moe_experts, c.moe_router_topk, c.moe_ffn_hidden_size) == (384, 8, 2048)
     assert c.moe_router_score_function == "sigmoid" and c.moe_router_enable_expert_bias
     assert c.moe_router_bias_update_rate == 0.0  # the checkpoint's e_score_correction_bias stays
-    assert c.moe_router_num_groups is None  # ModelConfig has no n_group / topk_group (config.py)
+    assert c.moe_router_num_groups is None  # Kimi-K2: n_group = topk_group = 1, no group limit
+    assert c.moe_router_topk_scaling_factor == 2.827  # model.routed_scaling_factor
+
+
+def test_deepseek_v3_group_limited_routing_maps_to_megatron_groups():
+    model_cfg = ModelConfig(
+        **{**vars(preset("kimi_k26")), "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5}
+    )
+    c = build(model_cfg)
+    assert (c.moe_router_num_groups, c.moe_router_group_topk, c.moe_router_topk_scaling_factor) == (8, 4, 2.5)
 
 
 def test_mla_without_q_lora_keeps_q_lora_rank_none():

@@ -17,11 +17,11 @@ The two families, as skyq's HF configs define them (`skyq.checkpoint.hf_config`)
   The expert bias is kept as loaded (`moe_router_bias_update_rate=0`): the HF model and the engine
   hold it as a fixed buffer, and an RL update must not move the routing under the engine.
 
-  Not expressible from a skyq `ModelConfig` today (it has no such fields; `MISSING_DEEPSEEK_FIELDS`):
-  group-limited top-k (HF `n_group` / `topk_group`; Kimi-K2 uses 1 / 1, i.e. no group limit,
-  DeepSeek-V3 8 / 4), `routed_scaling_factor` (taken as 1.0), and YaRN rope scaling (HF
-  `rope_parameters` with `rope_type: yarn`; plain rope is used). A checkpoint that needs them
-  computes a different function here until `ModelConfig` carries them.
+  Group-limited top-k (`model.n_group` / `topk_group` -> `moe_router_num_groups` / `group_topk`;
+  Kimi-K2 uses 1 / 1, i.e. no group limit, DeepSeek-V3 8 / 4) and `model.routed_scaling_factor`
+  (-> `moe_router_topk_scaling_factor`) are read. Not expressible from a skyq `ModelConfig` today
+  (`MISSING_DEEPSEEK_FIELDS`): YaRN rope scaling (HF `rope_parameters` with `rope_type: yarn`; plain
+  rope is used), so a checkpoint that needs it computes a different function here.
 
 FP8 (GPU only; Transformer Engine): precision=fp8_blockwise -> `fp8="e4m3"`, `fp8_recipe="blockwise"`
 (TE `Float8BlockScaling`; its fp32-vs-pow2 scales come from NVTE_FP8_BLOCK_SCALING_FP32_SCALES in the
@@ -49,7 +49,7 @@ from skyq.config.schema import ModelConfig, ParallelConfig, PrecisionConfig, Tra
 from skyq.trainer.megatron import compat
 
 DEVICES = ("cpu", "cuda")
-MISSING_DEEPSEEK_FIELDS = ("n_group", "topk_group", "routed_scaling_factor", "rope_parameters (yarn)")
+MISSING_DEEPSEEK_FIELDS = ("rope_parameters (yarn)",)
 """HF deepseek_v3 config fields a skyq `ModelConfig` cannot express (see the module docstring)."""
 
 ROUTED_EXPERTS_PATTERN = "*.mlp.experts.*"
@@ -248,7 +248,11 @@ def _moe(m: ModelConfig, t: TrainerConfig, device: str) -> dict[str, Any]:
             moe_router_score_function="sigmoid",
             moe_router_enable_expert_bias=True,
             moe_router_bias_update_rate=0.0,
+            # top-k weights normalised to sum 1, then scaled (HF deepseek_v3 with norm_topk_prob)
+            moe_router_topk_scaling_factor=m.routed_scaling_factor,
         )
+        if m.n_group > 1:  # group-limited top-k: the best topk_group of n_group expert groups
+            out.update(moe_router_num_groups=m.n_group, moe_router_group_topk=m.topk_group)
     else:
         out.update(moe_router_score_function="softmax", moe_router_pre_softmax=False)
     if t.deepep_max_dispatch_tokens > 0:
