@@ -96,11 +96,15 @@ def _placement(cfg: TrainConfig) -> str:
     from skyq.launch.placement import describe_plan
     from skyq.launch.plan import plan_placement
 
-    stages = f" (first/last stage layers {p.first_stage_layers}/{p.last_stage_layers})" if p.pp > 1 else ""
+    stages = (
+        f" trainer first/last pipeline stage layers {p.first_stage_layers}/{p.last_stage_layers};"
+        if p.pp > 1
+        else ""
+    )
     return "\n\n".join(
         [
             describe_plan(plan_placement(topology=t, rollout=r, trainer=cfg.trainer)),
-            f"parallel layout: trainer EP{p.ep} ETP{p.etp}{stages}; each engine TP{r.tp_size or r.gpus_per_engine} "
+            f"parallel layout:{stages} each engine TP{r.tp_size or r.gpus_per_engine} "
             f"DP{r.dp_size} EP{r.ep_size}, memory fraction {r.gpu_memory_fraction}; weights to the "
             f"{r.backend.value} engines (transport {r.weight_sync.transport.value})",
         ]

@@ -82,13 +82,14 @@ def describe_plan(plan: PlacementPlan) -> str:
             f"({1 / n:.3g} CPU each) on the local Ray cluster"
         )
     tp, pp, cp, dp = plan.parallel
+    ep, etp = plan.expert_parallel
     gpn, gpe, slots = plan.gpus_per_node, plan.gpus_per_engine, plan.num_slots
     vllm = plan.rollout_backend is RolloutBackend.vllm
     lines = [
         f"placement plan: {plan.num_nodes} node(s) x {gpn} GPUs, {plan.layout.value}; one placement group of "
         f'{slots} bundles {{"GPU": 1, "CPU": {CPUS_PER_BUNDLE}}}, PACK; slot = node * {gpn} + GPU, bundles '
         "re-sorted by (node IP, GPU id) at start",
-        f"  trainer: {len(plan.trainer)} rank(s) TP{tp} PP{pp} CP{cp} DP{dp} (rank order tp, cp, dp, pp) on slots "
+        f"  trainer: {len(plan.trainer)} rank(s) TP{tp} PP{pp} CP{cp} DP{dp} EP{ep} ETP{etp} (rank order tp, cp, dp, pp) on slots "
         f"{_span([r.slot for r in plan.trainer])}, rank r on slot {plan.trainer[0].slot} + r, "
         f"{plan.num_gpus(TRAINER):g} GPU each; CUDA_VISIBLE_DEVICES = its GPU (set by Ray)",
     ]

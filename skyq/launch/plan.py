@@ -107,6 +107,8 @@ class PlacementPlan:
     engines: tuple[EngineSpec, ...]
     parallel: tuple[int, int, int, int]
     """(tp, pp, cp, dp) of the trainer."""
+    expert_parallel: tuple[int, int] = (1, 1)
+    """(ep, etp) of the trainer: how its ranks share the experts (printed; placement follows tp/cp/dp/pp)."""
     trainer_env: dict[str, str] = field(default_factory=dict)
     """trainer.env (the user's: its secret names travel by file, `secret_env`)."""
     engine_env: dict[str, str] = field(default_factory=dict)
@@ -291,6 +293,7 @@ def plan_placement(
     engines = _engines(topology, rollout, offset)
     return PlacementPlan(
         device=Device.cuda, num_nodes=topology.num_nodes, gpus_per_node=gpn, parallel=(p.tp, p.pp, p.cp, dp),
+        expert_parallel=(p.ep, p.etp),
         trainer=tuple(ranks), engines=engines, slot_bundle=tuple(range(total)),
         slot_gpu=tuple(s % gpn for s in range(total)), **common,
     )  # fmt: skip
