@@ -257,6 +257,12 @@ def _localize(spec, config, int4_precision: PrecisionConfig | None) -> None:
             # replaces both down-projections with ReplicatedLinear
             attention.submodules.linear_q_down_proj = ColumnParallelLinear
             attention.submodules.linear_kv_down_proj = ColumnParallelLinear
+            if config.q_lora_rank is None:
+                # no q down-projection, so no q norm: megatron-core 0.19 refuses a non-identity
+                # q_layernorm without q_lora_rank (0.16.1 built it and never called it)
+                from megatron.core.transformer.identity_op import IdentityOp
+
+                attention.submodules.q_layernorm = IdentityOp
         spec.layer_specs[i] = layer
 
 
