@@ -139,9 +139,6 @@ class PlacementPlan:
     def node(self, slot: int) -> int:
         return slot // self.gpus_per_node
 
-    def engine_worker_slot(self, engine: int, worker: int) -> int:
-        return self.engines[engine].slots[worker]
-
     # ---- per worker ----------------------------------------------------------------------------
     def num_gpus(self, role: str) -> float:
         """The Ray GPU request of one `role` actor."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -26,7 +27,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from skyq.config.enums import Device, Fp8Recipe
-from skyq.config.resolve import Capability, ResolutionError, WorkerResolution, agree, resolve_worker
+from skyq.config.resolve import (
+    Capability,
+    ResolutionError,
+    WorkerResolution,
+    agree,
+    packing_alignment,
+    resolve_worker,
+)
 from skyq.config.schema import PrecisionConfig
 from skyq.launch.plan import PROBE_GPUS, PlacementPlan
 
@@ -56,6 +64,8 @@ class StartedPlacement:
     resolution: WorkerResolution | None
     """The agreed resolution (None on a CPU plan: resolved by the workers themselves)."""
     reports: tuple[ProbeReport, ...]
+    packing_alignment: int | None = None
+    """Sequence-packing alignment in tokens from the agreed recipe (None where nothing resolved)."""
 
     def actor_options(self, role: str, index: int) -> dict[str, Any]:
         return self.plan.actor_options(role, index, self.placement_group)
@@ -242,13 +252,19 @@ def placement(
         return
     from ray.util.placement_group import remove_placement_group
 
-    pg = reserve(plan, timeout_s=timeout_s, name=f"skyq-{os.getpid()}")
+    pg = reserve(plan, timeout_s=timeout_s, name=f"skyq-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         reports = probe_bundles(
             pg, plan, timeout_s=timeout_s, report=report, report_args=report_args, window=window
         )
         bound, resolution = resolve(bind(plan, reports), reports, precision)
-        yield StartedPlacement(pg, bound, resolution, tuple(reports))
+        tp, _, cp, _ = plan.parallel
+        align = (
+            None
+            if resolution.fp8_recipe is Fp8Recipe.auto
+            else packing_alignment(precision, resolution, tp=tp, cp=cp)
+        )
+        yield StartedPlacement(pg, bound, resolution, tuple(reports), align)
     finally:
         remove_placement_group(pg)
 

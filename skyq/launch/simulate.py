@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from skyq.config.enums import RolloutBackend
-from skyq.config.resolve import Capability, resolve_worker
+from skyq.config.resolve import Capability, WorkerResolution, resolve_worker
 from skyq.config.schema import PrecisionConfig, TrainConfig
 from skyq.launch.plan import (
     CPUS_PER_BUNDLE,
@@ -117,29 +117,33 @@ def stand_in_worker(gpus_per_node: int, keys: list[str]) -> dict[str, Any]:
     return _seen(gpus_per_node, keys)
 
 
-def stand_in_vllm_engine(gpus_per_node: int, keys: list[str], worker_keys: list[str]) -> dict[str, Any]:
+def stand_in_vllm_engine(
+    gpus_per_node: int, keys: list[str], worker_keys: list[str], timeout_s: float
+) -> dict[str, Any]:
     """What vLLM's Ray executor does from the engine actor's env (vllm/v1/executor/ray_executor.py):
     a worker per VLLM_RAY_BUNDLE_INDICES bundle of the current placement group, VLLM_RAY_PER_WORKER_GPUS
     each, NOSET so Ray leaves CUDA_VISIBLE_DEVICES alone, then per node the sorted GPU ids."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    from skyq.launch.probe import gather
+
     pg = ray.util.get_current_placement_group()
     worker = ray.remote(stand_in_worker)
-    refs = [
-        worker.options(
-            num_cpus=0,
-            num_gpus=float(os.environ["VLLM_RAY_PER_WORKER_GPUS"]),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=pg,
-                placement_group_capture_child_tasks=True,
-                placement_group_bundle_index=int(b),
-            ),
-            runtime_env={"env_vars": {NOSET_VISIBLE_DEVICES: "1"}},
-        ).remote(gpus_per_node, worker_keys)
-        for b in os.environ["VLLM_RAY_BUNDLE_INDICES"].split(",")
-    ]
-    workers = ray.get(refs)
+
+    def call(bundle: int) -> Any:
+        strategy = PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_capture_child_tasks=True, placement_group_bundle_index=bundle
+        )
+        options = {"num_cpus": 0, "num_gpus": float(os.environ["VLLM_RAY_PER_WORKER_GPUS"])}
+        env = {"env_vars": {NOSET_VISIBLE_DEVICES: "1"}}
+        return lambda: worker.options(**options, scheduling_strategy=strategy, runtime_env=env).remote(
+            gpus_per_node, worker_keys
+        )
+
+    bundles = [int(b) for b in os.environ["VLLM_RAY_BUNDLE_INDICES"].split(",")]
+    # vLLM starts them all at once; a window of 2 keeps this machine to two worker processes per engine.
+    workers = gather([call(b) for b in bundles], timeout_s=timeout_s, window=2)
     per_node: dict[str, list[int]] = {}
     for w in workers:
         ip, gpu = w["where"][0]
@@ -160,6 +164,8 @@ class SimulationResult:
     moved: int
     """Slots whose bundle is not the bundle of the same index (the re-sort at work)."""
     seconds: float
+    resolution: WorkerResolution | None = None
+    packing_alignment: int | None = None
 
 
 def run_stand_ins(
@@ -181,23 +187,26 @@ def run_stand_ins(
     ]
     if plan.rollout_backend is RolloutBackend.vllm:
         engine = ray.remote(stand_in_vllm_engine)
-        refs = {
-            e.index: engine.options(**started.actor_options(ENGINE, e.index)).remote(
+        engine_calls = [
+            lambda e=e: engine.options(**started.actor_options(ENGINE, e.index)).remote(
                 gpn,
                 list(plan.env(ENGINE, e.index)),
                 list(plan.env(ENGINE_WORKER, e.index * plan.gpus_per_engine)),
+                timeout_s,
             )
             for e in chosen
-        }
+        ]
     else:
-        refs = {
-            e.index: worker.options(**started.actor_options(ENGINE, e.index)).remote(
+        engine_calls = [
+            lambda e=e: worker.options(**started.actor_options(ENGINE, e.index)).remote(
                 gpn, list(plan.env(ENGINE, e.index))
             )
             for e in chosen
-        }
+        ]
     trainer_reports = gather(trainer, timeout_s=timeout_s, window=WINDOW)
-    return trainer_reports, dict(zip(refs, ray.get(list(refs.values()), timeout=timeout_s)))
+    # Each engine has an env of its own (its bundles): a Ray worker process each, two at a time.
+    engine_reports = gather(engine_calls, timeout_s=timeout_s, window=2)
+    return trainer_reports, {e.index: seen for e, seen in zip(chosen, engine_reports)}
 
 
 def check(plan: PlacementPlan, trainer: list[dict[str, Any]], engines: dict[int, dict[str, Any]]) -> None:
@@ -319,8 +328,9 @@ def simulate(
         check(started.plan, trainer, seen)
         moved = sum(b != s for s, b in enumerate(started.plan.slot_bundle))
         return SimulationResult(
-            started.plan, started.reports, trainer, seen, moved, time.perf_counter() - start
-        )
+            started.plan, started.reports, trainer, seen, moved, time.perf_counter() - start,
+            started.resolution, started.packing_alignment,
+        )  # fmt: skip
 
 
 @contextmanager
@@ -359,11 +369,12 @@ def render(result: SimulationResult, cfg: TrainConfig) -> str:
     from skyq.launch.placement import describe_plan
 
     plan = result.plan
-    res = plan_res = ""
-    if plan.num_slots:
-        caps = Counter(r.capability for r in result.reports)
-        plan_res = ", ".join(f"{n} x SM{c[0]}{c[1]}" if c else f"{n} x CPU" for c, n in caps.items())
-        res = f"; precision resolved on every GPU ({plan_res}) and agreed"
+    caps = Counter(r.capability for r in result.reports)
+    gpus = ", ".join(f"{n} x SM{c[0]}{c[1]}" if c else f"{n} x CPU" for c, n in caps.items())
+    res = f"; precision resolved on every GPU ({gpus}) and agreed"
+    if result.resolution is not None:
+        r = result.resolution
+        res += f": recipe {r.fp8_recipe.value}, scales {r.scale_format.value}, packing alignment {result.packing_alignment} tokens"
     workers = sum(len(e.get("workers", [e])) for e in result.engines.values())
     return "\n".join(
         [

@@ -44,6 +44,7 @@ def test_qwen3_8gpu_every_worker_gets_what_the_plan_says(cluster):
     assert len(result.trainer) == 8 and sorted(result.engines) == [0, 1, 2, 3]
     assert [w["vllm_visible"] for w in result.engines[2]["workers"]] == ["4,5", "4,5"]
     assert result.plan.env(ENGINE, 2)["VLLM_USE_DEEP_GEMM_E8M0"] == "0"  # resolved on the (SM90) probes
+    assert (result.resolution.fp8_recipe.value, result.packing_alignment) == ("blockwise", 16)
     assert _groups_alive() == 0
     text = render(result, cfg)
     dry = render_plan(cfg, validate(cfg), preflight.check(cfg))
