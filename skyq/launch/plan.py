@@ -97,6 +97,29 @@ class EngineSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerSlot:
+    """Everything about one worker in one place (`PlacementPlan.worker`)."""
+
+    role: str
+    index: int
+    slot: int | None
+    """None on a CPU plan."""
+    bundle: int | None
+    """Placement-group bundle index (after the probe's re-sort)."""
+    node: int
+    node_ip: str | None
+    """None until the plan is bound."""
+    gpu: int | None
+    """GPU id on its node."""
+    num_gpus: float
+    visible_devices: str | None
+    env: dict[str, str]
+    sync_world_size: int | None
+    """The weight-sync group this worker is in (trainer rank 0: every engine's; None: none)."""
+    sync_rank: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class PlacementPlan:
     device: Device
     num_nodes: int
@@ -190,6 +213,31 @@ class PlacementPlan:
             return self.engines[index].slots[0]
         engine, worker = divmod(index, self.gpus_per_engine)
         return self.engines[engine].slots[worker]
+
+    def worker(self, role: str, index: int) -> WorkerSlot:
+        """Where `role` worker `index` runs and what it starts with (flat `engine_worker` index)."""
+        slot = self.slot_of(role, index)
+        sync: tuple[int | None, int | None] = (None, None)
+        if role == TRAINER and index == 0 and self.engines:
+            sync = (self.engines[0].sync_world_size, 0)  # the sender of every engine's group
+        elif role == ENGINE_WORKER or (role == ENGINE and not self._vllm_gpu()):
+            engine, worker = divmod(index, max(self.gpus_per_engine, 1))
+            e = self.engines[engine]
+            sync = (e.sync_world_size, e.sync_rank_offset + worker)
+        return WorkerSlot(
+            role=role,
+            index=index,
+            slot=slot,
+            bundle=None if slot is None else self.slot_bundle[slot],
+            node=0 if slot is None else self.node(slot),
+            node_ip=self.slot_node_ip[slot] if slot is not None and self.slot_node_ip else None,
+            gpu=None if slot is None else self.slot_gpu[slot],
+            num_gpus=self.num_gpus(role),
+            visible_devices=self.visible_devices(role, index),
+            env=self.env(role, index),
+            sync_world_size=sync[0],
+            sync_rank=sync[1],
+        )
 
     def actor_options(self, role: str, index: int, placement_group: Any = None) -> dict[str, Any]:
         """Ray `.options(...)` of the `role` actor `index` on `placement_group` (the plan's, ready):

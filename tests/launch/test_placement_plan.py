@@ -178,3 +178,20 @@ def test_dry_run_prints_the_plan():
     cfg = _cfg("recipe=kimi_k26_int4_qat_256gpu_text")
     text = render_plan(cfg, validate(cfg), preflight.check(cfg))
     assert describe_plan(_plan(cfg)) in text and "engine 15: slots 240-255 (node 30-31" in text
+
+
+def test_worker_gathers_one_workers_placement():
+    plan = bind(_plan(_cfg("recipe=kimi_k26_int4_qat_256gpu_text")), _reports(32, 8))
+    w = plan.worker(ENGINE_WORKER, 5 * 16 + 11)  # engine 5, worker 11: slot 91 = node 11, GPU 3
+    assert (w.slot, w.node, w.node_ip, w.gpu, w.num_gpus) == (91, 11, "10.0.11.1", 3, 0.2)
+    assert w.bundle == plan.slot_bundle[91] and w.visible_devices == "0,1,2,3,4,5,6,7"
+    assert (w.sync_world_size, w.sync_rank) == (17, 12)
+    assert w.env["VLLM_RAY_BUNDLE_INDICES"] == plan.env(ENGINE, 5)["VLLM_RAY_BUNDLE_INDICES"]
+    sender = plan.worker(TRAINER, 0)
+    assert (sender.sync_world_size, sender.sync_rank, sender.num_gpus, sender.visible_devices) == (
+        17,
+        0,
+        0.4,
+        "0",
+    )
+    assert plan.worker(TRAINER, 1).sync_rank is None and plan.worker(ENGINE, 5).num_gpus == 0
