@@ -170,7 +170,8 @@ def run_step(
     group = algorithm.group_size
     prompts = task.prompts(step, algorithm.global_batch_size // group)
     samples, rewards = _sampled(pair, task, prompts, group, task_cfg.max_response_length,
-                                temperature=rollout.temperature, top_p=rollout.top_p, seed=rollout_seed(seed, step))  # fmt: skip
+                                max_image_tokens=task_cfg.max_image_tokens, temperature=rollout.temperature,
+                                top_p=rollout.top_p, seed=rollout_seed(seed, step))  # fmt: skip
     batch = collate(
         samples,
         rewards,
@@ -202,11 +203,31 @@ def run_step(
 
 
 def _sampled(
-    pair: WorkerPair, task: Task, prompts: list[Prompt], n: int, max_new_tokens: int, **sampling: Any
+    pair: WorkerPair,
+    task: Task,
+    prompts: list[Prompt],
+    n: int,
+    max_new_tokens: int,
+    *,
+    max_image_tokens: int,
+    **sampling: Any,
 ) -> tuple[list[Sample], list[float]]:
-    """`n` engine samples of each prompt (in prompt order) and each sample's reward."""
-    samples = pair.generate([p.token_ids for p in prompts], n=n, max_new_tokens=max_new_tokens, **sampling)
+    """`n` engine samples of each prompt (in prompt order) and each sample's reward. A prompt with images
+    goes to the engine as an `ImagePrompt`: its placeholders expanded to its images' tokens (within
+    `max_image_tokens` each), the images with it; its samples carry them on to the trainer."""
+    inputs = [_model_input(task, p, max_image_tokens) for p in prompts]
+    samples = pair.generate(inputs, n=n, max_new_tokens=max_new_tokens, **sampling)
     return samples, [task.reward(prompts[i // n], s.response_ids) for i, s in enumerate(samples)]
+
+
+def _model_input(task: Task, prompt: Prompt, max_image_tokens: int) -> list[int]:
+    """The token ids the engine is given: the prompt's own, or for a prompt with images an `ImagePrompt`."""
+    if not prompt.images:
+        return prompt.token_ids
+    from skyq.rl import image_tokens
+
+    token_id = image_tokens.image_token_id(task.tokenizer)
+    return image_tokens.expand(prompt.token_ids, prompt.images, token_id=token_id, max_tokens=max_image_tokens)
 
 
 def eval_seed(seed: int) -> int:
@@ -226,7 +247,8 @@ def evaluate(
     prompts = task.eval_prompts()
     n = ev.num_samples
     _, rewards = _sampled(pair, task, prompts, n, task_cfg.max_response_length,
-                          temperature=ev.temperature, top_p=rollout.top_p, seed=eval_seed(seed))  # fmt: skip
+                          max_image_tokens=task_cfg.max_image_tokens, temperature=ev.temperature,
+                          top_p=rollout.top_p, seed=eval_seed(seed))  # fmt: skip
     best = [max(rewards[i : i + n]) for i in range(0, len(rewards), n)]
     return {
         "eval/reward": sum(rewards) / len(rewards),
@@ -305,6 +327,9 @@ def run_rl(
             seed=seed,
             eos_token_id=task_obj.tokenizer.eos_token_id,
             rollout_checkpoint=checkpoint.rollout_checkpoint,
+            parallel=topology.parallel,
+            trainer_gpus=topology.trainer_gpus,
+            checkpoint=checkpoint,
         )
         with worker_pair(spec) as pair:
             res = pair.resolution

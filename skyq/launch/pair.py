@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import hashlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from skyq.config.resolve import WorkerResolution
 from skyq.config.schema import (
     AlgorithmConfig,
+    CheckpointConfig,
     ModelConfig,
+    ParallelConfig,
     PrecisionConfig,
     RolloutConfig,
     TrainerConfig,
@@ -52,6 +54,12 @@ class PairSpec:
     """The task tokenizer's end of response: engines stop a sample there."""
     rollout_checkpoint: str | None = None
     """`checkpoint.rollout_checkpoint`: a converted checkpoint a vLLM engine boots from."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """`topology.parallel`: the Megatron trainer's layout."""
+    trainer_gpus: int = 0
+    """`topology.trainer_gpus` (the Megatron trainer's world on GPUs)."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """The checkpoint section (`load` / `ref_load` boot the Megatron trainer)."""
 
     @property
     def num_engines(self) -> int:
@@ -87,6 +95,29 @@ def native_trainer_kwargs(spec: PairSpec) -> dict[str, Any]:
         "temperature": spec.rollout.temperature,
         "fp8_gemm": spec.trainer.fp8_gemm,
         "compute_dtype": spec.trainer.compute_dtype,
+    }
+
+
+def megatron_trainer_kwargs(spec: PairSpec) -> dict[str, Any]:
+    """Arguments of `skyq.trainer.megatron.worker.MegatronTrainerWorker` (trainer=megatron)."""
+    from skyq.launch.redaction import split_worker_env
+
+    return {
+        "model_cfg": spec.model,
+        "precision_cfg": spec.precision,
+        "trainer_cfg": spec.trainer,
+        "algorithm_cfg": spec.algorithm,
+        "parallel_cfg": spec.parallel,
+        "checkpoint_path": spec.checkpoint_path,
+        "load_path": spec.checkpoint.load,
+        "ref_load": spec.checkpoint.ref_load,
+        "device": spec.placement.device,
+        "seed": spec.seed,
+        "temperature": spec.rollout.temperature,
+        "trainer_gpus": spec.trainer_gpus,
+        # the peer ranks' actors get the trainer's non-secret variables (Ray logs runtime_env)
+        "peer_env": split_worker_env(dict(spec.trainer.env))[0],
+        "timeout_s": spec.rollout.weight_sync.worker_call_timeout_s,
     }
 
 

@@ -116,3 +116,14 @@ register(
         device_sync=False,
     ),
 )
+register(
+    TrainerBackend.megatron,
+    RolloutBackend.embedded,
+    WorkerBackends(
+        trainer="skyq.trainer.megatron.worker:MegatronTrainerWorker",
+        engine="skyq.launch.actors:EngineWorker",
+        trainer_kwargs="skyq.launch.pair:megatron_trainer_kwargs",
+        engine_kwargs="skyq.launch.pair:embedded_engine_kwargs",
+        in_process=False,
+    ),
+)

@@ -36,9 +36,9 @@ def test_every_registered_backend_pair_implements_the_worker_protocols():
 
 def test_a_pair_with_no_workers_is_refused_naming_what_runs():
     with pytest.raises(
-        ValueError, match="trainer=megatron rollout=embedded: this build of skyq has no workers"
+        ValueError, match="trainer=megatron rollout=vllm: this build of skyq has no workers"
     ) as err:
-        lookup(TrainerBackend.megatron, RolloutBackend.embedded)
+        lookup(TrainerBackend.megatron, RolloutBackend.vllm)
     assert "trainer=torch rollout=embedded" in str(err.value)
 
 
