@@ -133,6 +133,8 @@ class ModelBuildError(ValueError):
     """A model config the native backend cannot build, or a checkpoint that does not match it."""
 
 
+VISION_HEAD_DIM = 72
+"""Kimi-K2.6's vision attention head width (MoonViT: 1152 = 16 heads x 72)."""
 CAUSAL_LM_ARCHITECTURE = {
     ModelFamily.qwen3_moe: "Qwen3MoeForCausalLM",
     ModelFamily.deepseek_v3: "DeepseekV3ForCausalLM",
@@ -154,10 +156,17 @@ def check_buildable(model_cfg: ModelConfig) -> None:
     family = ModelFamily(model_cfg.family)
     problems = []
     if model_cfg.vision_num_layers:
-        problems.append(
-            f"model.vision_num_layers={model_cfg.vision_num_layers}: the native trainer and the embedded "
-            "engine build the text model only (set it to 0, or trainer=megatron rollout=vllm)"
-        )
+        if family is not ModelFamily.deepseek_v3 or model_cfg.text_prefix != MULTIMODAL_TEXT_PREFIX:
+            problems.append(
+                f"model.vision_num_layers={model_cfg.vision_num_layers}: a vision tower is Kimi-K2.6's "
+                f"(model.family=deepseek_v3, model.text_prefix={MULTIMODAL_TEXT_PREFIX}); set it to 0 for "
+                f"family={family.value} text_prefix={model_cfg.text_prefix!r}"
+            )
+        if model_cfg.vision_hidden_size % VISION_HEAD_DIM:
+            problems.append(
+                f"model.vision_hidden_size={model_cfg.vision_hidden_size}: the vision tower's heads are "
+                f"{VISION_HEAD_DIM} wide (MoonViT: 1152 = 16 x 72); use a multiple of {VISION_HEAD_DIM}"
+            )
     if family is ModelFamily.deepseek_v3:
         if model_cfg.num_nextn_predict_layers:
             problems.append(
@@ -256,12 +265,23 @@ def checkpoint_config_json(model_cfg: ModelConfig) -> dict[str, Any]:
             f"model.text_prefix={model_cfg.text_prefix!r}: a checkpoint's text weights sit under "
             f"{MULTIMODAL_TEXT_PREFIX!r} (Kimi-K2.6) or under no prefix"
         )
-    return {
+    config = {
         "architectures": [MULTIMODAL_ARCHITECTURE],
         "model_type": "kimi_k25",
         "dtype": "bfloat16",
         "text_config": text,
     }
+    if model_cfg.vision_num_layers:
+        config["vision_config"] = {
+            "model_type": "kimi_k25_vision",
+            "num_hidden_layers": model_cfg.vision_num_layers,
+            "hidden_size": model_cfg.vision_hidden_size,
+            "intermediate_size": model_cfg.vision_intermediate_size,
+            "num_attention_heads": model_cfg.vision_hidden_size // VISION_HEAD_DIM,
+            "patch_size": 14,
+            "merge_kernel_size": [2, 2],
+        }
+    return config
 
 
 ARCHITECTURE_KEYS = (
@@ -274,6 +294,7 @@ FAMILY_ARCHITECTURE_KEYS = {
     ModelFamily.deepseek_v3: (
         "intermediate_size", "num_shared_experts", "first_k_dense_replace", "q_lora_rank", "kv_lora_rank",
         "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "routed_scaling_factor", "n_group", "topk_group",
+        "vision_num_layers",
     ),
 }  # fmt: skip
 

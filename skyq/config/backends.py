@@ -95,6 +95,9 @@ READS: dict[Backend, tuple[str, ...]] = {
         "trainer.compute_dtype",
         "trainer.fp8_gemm",
         "checkpoint.cache_dir",
+        # Multimodal tasks: the native trainer scores each row with its images (vision tower + projector).
+        "task.image_key",
+        "task.max_image_tokens",
     ),
     TrainerBackend.megatron: (
         "topology.parallel.*",
@@ -108,14 +111,16 @@ READS: dict[Backend, tuple[str, ...]] = {
         "precision.persistent_fp8_params",
         "checkpoint.load",
         "checkpoint.ref_load",
-        # Multimodal tasks: no runnable backend serves a vision tower yet; listed with the planned
-        # Megatron trainer so that every runnable pair refuses them.
+        # Multimodal tasks: planned for the Megatron trainer (the seed's multimodal recipe pairs it with vLLM).
         "task.image_key",
         "task.max_image_tokens",
     ),
     RolloutBackend.embedded: (
         "rollout.cuda_graphs",
         "rollout.fp8_codes_decode",
+        # The embedded engine prefills a prompt's images; vLLM is not given them yet, so it refuses them.
+        "task.image_key",
+        "task.max_image_tokens",
     ),
     RolloutBackend.vllm: (
         "rollout.gpus_per_engine",
@@ -133,7 +138,14 @@ READS: dict[Backend, tuple[str, ...]] = {
 }
 """Keys each backend reads on top of `UNIVERSAL` (a new backend adds its entry here)."""
 
-AVAILABLE: frozenset[Backend] = frozenset({TrainerBackend.torch, RolloutBackend.embedded, RolloutBackend.vllm})
+BOTH_SIDES: tuple[str, ...] = ("task.image_key", "task.max_image_tokens")
+"""Keys that a runnable pair (both backends `AVAILABLE`) must read on both sides (the images go to the
+engine and to the trainer): one reader alone would train on prompts the engine sampled without their
+images, or the reverse. A pair with a planned backend is checked against its declarations as any key."""
+
+AVAILABLE: frozenset[Backend] = frozenset(
+    {TrainerBackend.torch, RolloutBackend.embedded, RolloutBackend.vllm}
+)
 """Backends this build of skyq runs (the others are planned: their keys are declared, not yet read)."""
 
 
@@ -187,7 +199,8 @@ def _name(backend: Backend) -> str:
 
 
 def ignored_setting_errors(cfg: schema.TrainConfig) -> list[str]:
-    """Every key set away from its default that neither chosen backend reads, naming who reads it."""
+    """Every key set away from its default that neither chosen backend reads (a `BOTH_SIDES` key on a
+    runnable pair: that not both read), naming who reads it."""
     chosen = (cfg.trainer.backend, cfg.rollout.backend)
     errors = []
     for key, f in leaf_fields():
@@ -195,7 +208,12 @@ def ignored_setting_errors(cfg: schema.TrainConfig) -> list[str]:
             continue
         who = readers(key)
         value = _value(cfg, key)
-        if any(b in chosen for b in who) or value == _default(f):
+        if value == _default(f):
+            continue
+        if key in BOTH_SIDES and all(b in AVAILABLE for b in chosen):
+            if all(b in who for b in chosen):
+                continue
+        elif any(b in chosen for b in who):
             continue
         errors.append(
             f"{key}={_shown(value)} is read only by {' / '.join(_name(b) for b in who) or 'no backend'}; "

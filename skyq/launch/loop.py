@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skyq.config.enums import TransportKind, WeightSyncMode
+from skyq.config.enums import RolloutBackend, TrainerBackend, TransportKind, WeightSyncMode
 from skyq.config.schema import (
     AlgorithmConfig,
     CheckpointConfig,
@@ -77,10 +77,28 @@ class RunResult:
     wall_s: float
 
 
-def check_supported(*, rollout: RolloutConfig, trainer: TrainerConfig, algorithm: AlgorithmConfig) -> None:
+IMAGE_BACKENDS = (TrainerBackend.torch, RolloutBackend.embedded)
+"""The backend pair whose workers take a prompt's images (the native trainer and the embedded engine)."""
+
+
+def check_supported(
+    *,
+    rollout: RolloutConfig,
+    trainer: TrainerConfig,
+    algorithm: AlgorithmConfig,
+    task: TaskConfig | None = None,
+) -> None:
     """Refuse settings the run loop cannot honour, naming the key and the fix: a backend pair with no
-    registered workers (`skyq.launch.registry`), a delta sync."""
+    registered workers (`skyq.launch.registry`), a delta sync, a multimodal task on a pair whose workers
+    would not be given its images."""
     lookup(trainer.backend, rollout.backend)
+    pair = (TrainerBackend(trainer.backend), RolloutBackend(rollout.backend))
+    if task is not None and task.image_key is not None and pair != IMAGE_BACKENDS:
+        raise ValueError(
+            f"task.image_key={task.image_key}: trainer={pair[0].value} rollout={pair[1].value} is not given a "
+            "prompt's images (only trainer=torch rollout=embedded are). Fix: trainer=torch rollout=embedded, "
+            "or a text task"
+        )
     if WeightSyncMode(rollout.weight_sync.mode) is not WeightSyncMode.full:
         raise ValueError("rollout.weight_sync.mode=delta is not implemented by the run loop; use full")
     if algorithm.global_batch_size % algorithm.group_size:
@@ -227,7 +245,9 @@ def _model_input(task: Task, prompt: Prompt, max_image_tokens: int) -> list[int]
     from skyq.rl import image_tokens
 
     token_id = image_tokens.image_token_id(task.tokenizer)
-    return image_tokens.expand(prompt.token_ids, prompt.images, token_id=token_id, max_tokens=max_image_tokens)
+    return image_tokens.expand(
+        prompt.token_ids, prompt.images, token_id=token_id, max_tokens=max_image_tokens
+    )
 
 
 def eval_seed(seed: int) -> int:
@@ -283,7 +303,7 @@ def run_rl(
         run_dir: a new, empty directory for a fresh run; for a resume, the killed run's directory.
         resume: continue `run_dir` from its newest checkpoint.
     """
-    check_supported(rollout=rollout, trainer=trainer, algorithm=algorithm)
+    check_supported(rollout=rollout, trainer=trainer, algorithm=algorithm, task=task)
     placement = run_placement(topology, trainer, rollout)
     # The task (its tokenizer and dataset) is checked before the run directory is touched.
     tokenizer = tokenizer_for(

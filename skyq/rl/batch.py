@@ -1,11 +1,16 @@
-"""What crosses from the rollout side to the trainer: sampled responses and the training batch.
+"""What crosses between the loop, the rollout engines and the trainer: prompts with their images,
+sampled responses and the training batch.
 
 `Sample` is one response from a rollout engine; `collate` turns a step's samples and rewards into a
-`RolloutBatch`: right-padded prompt+response sequences with token-aligned masks and log-probs.
+`RolloutBatch`: right-padded prompt+response sequences with token-aligned masks and log-probs. A
+multimodal prompt is an `ImagePrompt` (its token ids, with its `PromptImages`); its samples and batch
+rows carry the same `PromptImages`, so the engine and the trainer see the same images. Text-only
+prompts, samples and batches carry none (`images` None) and are exactly what they always were.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -23,6 +28,43 @@ class FinishReason(str, Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class PromptImages:
+    """A prompt's images as both sides read them: encoded bytes, and each image's token grid."""
+
+    token_id: int
+    """The image placeholder token; the prompt holds rows * cols of them per image, in image order."""
+    images: tuple[bytes, ...]
+    """Encoded images (PNG / JPEG bytes, as the dataset holds them)."""
+    grids: tuple[tuple[int, int], ...]
+    """(rows, cols) of image tokens per image, within `task.max_image_tokens` (`skyq.rl.image_tokens`)."""
+
+    def __post_init__(self) -> None:
+        if len(self.images) != len(self.grids):
+            raise ValueError(f"{len(self.images)} images but {len(self.grids)} grids")
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(rows * cols for rows, cols in self.grids)
+
+
+class ImagePrompt(list):
+    """A prompt's token ids (a list of ints, so every worker API that passes prompts carries it
+    unchanged) with its images: what the loop gives an engine for a multimodal prompt."""
+
+    def __init__(self, token_ids: Iterable[int], images: PromptImages) -> None:
+        super().__init__(token_ids)
+        self.images = images
+
+    def __reduce__(self):  # pickled (Ray) as what it is, not as a bare list
+        return (ImagePrompt, (list(self), self.images))
+
+
+def images_of(prompt: list[int]) -> PromptImages | None:
+    """The images of a prompt (an `ImagePrompt`), None for a text prompt."""
+    return getattr(prompt, "images", None)
+
+
+@dataclass(frozen=True, slots=True)
 class Sample:
     prompt_ids: list[int]
     response_ids: list[int]
@@ -30,6 +72,8 @@ class Sample:
     logprobs: list[float]
     """Log-prob of each sampled token under the rollout model (after temperature)."""
     finish_reason: FinishReason
+    images: PromptImages | None = None
+    """The prompt's images (a multimodal prompt), None for text."""
 
 
 @dataclass(slots=True)
@@ -48,6 +92,8 @@ class RolloutBatch:
     """[B] float32, one per sequence."""
     rewards: Tensor
     """[B] float32."""
+    images: list[PromptImages | None] | None = None
+    """Each row's prompt images (None for a text row); None for a batch without any image."""
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -61,6 +107,7 @@ class RolloutBatch:
             rollout_logprobs=self.rollout_logprobs[start:stop],
             advantages=self.advantages[start:stop],
             rewards=self.rewards[start:stop],
+            images=None if self.images is None else self.images[start:stop],
         )
 
 
@@ -90,6 +137,7 @@ def collate(
         response_mask[row, prompt_len:total] = 1.0
         rollout_logprobs[row, prompt_len:total] = torch.tensor(sample.logprobs, dtype=torch.float32)
     reward_tensor = torch.tensor(rewards, dtype=torch.float32)
+    images = [s.images for s in samples]
     return RolloutBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -97,4 +145,5 @@ def collate(
         rollout_logprobs=rollout_logprobs,
         advantages=group_advantages(reward_tensor, group_size, normalize_std),
         rewards=reward_tensor,
+        images=images if any(i is not None for i in images) else None,
     )

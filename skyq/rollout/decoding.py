@@ -62,11 +62,13 @@ def cache_capacity(positions: int) -> int:
     return -(-positions // CAPACITY_STEP) * CAPACITY_STEP
 
 
-def _last_logits(model: nn.Module, cache_kwarg: str, cache, ids: Tensor) -> Tensor:
+def _last_logits(model: nn.Module, cache_kwarg: str, cache, ids: Tensor, images=None) -> Tensor:
     """[B, V] logits of the last position of `ids` [B, T], the cache extended by T positions. A
-    one-token step runs inside `decode_step` (the engine's decode paths at any batch)."""
+    one-token step runs inside `decode_step` (the engine's decode paths at any batch). `images` (a
+    multimodal prefill: one `PromptImages` or None per row) go to the model call."""
+    extra = {} if images is None else {"images": images}
     with decode_step() if ids.shape[1] == 1 else contextlib.nullcontext():
-        out = model(input_ids=ids, **{cache_kwarg: cache}, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=ids, **{cache_kwarg: cache}, use_cache=True, logits_to_keep=1, **extra)
     return out.logits[:, -1]
 
 
@@ -79,10 +81,11 @@ class DynamicDecoder:
         self.model, self.cache_kwarg, self.batch = model, cache_kwarg, batch
         self.cache = DynamicCache(config=model.config)
 
-    def forward(self, ids: Tensor, *, verify: bool = True) -> Tensor:
+    def forward(self, ids: Tensor, *, verify: bool = True, images=None) -> Tensor:
         """Logits [batch, V] of the last position of `ids` [batch, T] (eager: the quantizers' checks
-        go to the caller's deferred scope; `verify` is `StaticDecoder.forward`'s)."""
-        return _last_logits(self.model, self.cache_kwarg, self.cache, ids)
+        go to the caller's deferred scope; `verify` is `StaticDecoder.forward`'s; `images`: a
+        multimodal prefill's, per row)."""
+        return _last_logits(self.model, self.cache_kwarg, self.cache, ids, images)
 
     def flags_seen(self) -> None:
         """No replays, so no replay flags (see `StaticDecoder.flags_seen`)."""
@@ -166,14 +169,15 @@ class StaticDecoder:
         if self._checks is not None:
             self._checks.verify(strict=False)
 
-    def forward(self, ids: Tensor, *, verify: bool = True) -> Tensor:
+    def forward(self, ids: Tensor, *, verify: bool = True, images=None) -> Tensor:
         """Logits [batch, V] of the last position of `ids` [batch, T]; a replayed step's logits are
         the graph's output buffer, valid until the next forward. `verify=False`: a replay's checks
-        are left to the caller (`flags_seen`, `verify`), so the replay does not wait for the GPU."""
+        are left to the caller (`flags_seen`, `verify`), so the replay does not wait for the GPU.
+        `images`: a multimodal prefill's, per row (always eager: a prefill is never captured)."""
         if ids.shape[0] != self.batch:
             raise ValueError(f"StaticDecoder for {self.batch} rows given {ids.shape[0]}")
-        if ids.shape[1] != 1 or not self.use_graph:
-            return _last_logits(self.model, self.cache_kwarg, self.cache, ids)
+        if ids.shape[1] != 1 or not self.use_graph or images is not None:
+            return _last_logits(self.model, self.cache_kwarg, self.cache, ids, images)
         if self._graph is None:
             return self._warm_up_and_capture(ids)
         assert self._ids is not None and self._logits is not None and self._checks is not None

@@ -36,10 +36,10 @@ from skyq.quant import int4
 from skyq.quant.errors import QuantizationError
 from skyq.quant.fake_quant import activation_fake_quant
 from skyq.quant.kernels import _common, dispatch
-from skyq.quant.layouts import get_layout
+from skyq.quant.layouts import get_layout, vision
 from skyq.quant.plan import ParamPlan, build_plan
 from skyq.quant.strategies import WireSpec, get_strategy
-from skyq.rl.batch import FinishReason, Sample
+from skyq.rl.batch import FinishReason, PromptImages, Sample, images_of
 from skyq.rl.tokenizer import EOS_ID
 from skyq.rollout.decoding import DynamicDecoder, StaticDecoder, cache_capacity, padded_batch
 from skyq.rollout.quantized_linear import (
@@ -149,8 +149,10 @@ class EmbeddedEngine:
             lm = causal_lm_class(self.model_cfg)(hf_config(self.model_cfg))
         ops.install(lm)  # the trainer's norm, rotary and router kernels (same bits on a GPU)
         prefix = self.model_cfg.text_prefix
-        model = TextPrefixed(prefix, lm) if prefix else lm
+        model = TextPrefixed(prefix, lm, model_cfg=self.model_cfg) if prefix else lm
         for name, module in list(model.named_modules()):
+            if vision.is_vision_name(name + "."):  # bf16 in every precision: the tower's own modules
+                continue
             if isinstance(module, nn.Linear) and f"{name}.weight" in self.plan:
                 self._replace(model, name, self._linear(f"{name}.weight"))
             elif isinstance(getattr(module, "gate_up_proj", None), Tensor):
@@ -342,16 +344,25 @@ class EmbeddedEngine:
     # scoring ------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def score(self, input_ids: Tensor, attention_mask: Tensor, *, temperature: float = 1.0) -> Tensor:
-        """[B, T] fp32 log-prob of each token given the ones before it (0 at position 0), computed
-        like sampling computes them (bf16, wire-format weights, quantized activations) but
-        teacher-forced in one forward: the engine's side of a mismatch measured on given sequences."""
+    def score(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        *,
+        temperature: float = 1.0,
+        images: list[PromptImages | None] | None = None,
+    ) -> Tensor:
+        """[B, T] fp32 log-prob of each token given the ones before it (0 at position 0) and the rows'
+        `images` (a multimodal batch), computed like sampling computes them (bf16, wire-format weights,
+        quantized activations) but teacher-forced in one forward: the engine's side of a mismatch
+        measured on given sequences."""
         if self._version == NO_WEIGHTS:
             raise WeightLoadError("score called before load_weights: the engine holds no weights yet")
         ids, mask = input_ids.to(self.device), attention_mask.to(self.device)
         positions = (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
         with dispatch.deferred_finite_checks():
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+            extra = {} if images is None else {"images": images}
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **extra).logits
         logp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1).gather(-1, ids[:, 1:, None])
         return torch.nn.functional.pad(logp.squeeze(-1), (1, 0)).cpu()
 
@@ -372,7 +383,9 @@ class EmbeddedEngine:
 
         Prompts of equal length are decoded together (no padding, so positions and masks are
         trivially those the trainer recomputes); a row that emitted eos keeps decoding in the batch
-        but its tokens are dropped.
+        but its tokens are dropped. A multimodal prompt (an `ImagePrompt`) is prefilled with its images'
+        embeddings in place of its placeholder tokens (the vision tower and projector run here, on the
+        bf16 weights of the last sync); its samples carry its images.
         """
         if self._version == NO_WEIGHTS:
             raise WeightLoadError("generate called before load_weights: the engine holds no weights yet")
@@ -394,7 +407,14 @@ class EmbeddedEngine:
             for length in sorted(by_length):
                 group = by_length[length]
                 rows = [prompts[i] for i in group for _ in range(n)]
-                samples = self._sample_rows(rows, max_new_tokens, temperature, top_p, generator)
+                images = [images_of(row) for row in rows]
+                if all(i is None for i in images):
+                    images = None
+                elif not hasattr(self.model, "vision_tower"):
+                    raise ValueError(
+                        f"a prompt with images given to model={self.model_cfg.name}, which has no vision tower"
+                    )
+                samples = self._sample_rows(rows, max_new_tokens, temperature, top_p, generator, images)
                 for k, sample in enumerate(samples):
                     results[group[k // n] * n + k % n] = sample
         assert all(s is not None for s in results)
@@ -480,9 +500,11 @@ class EmbeddedEngine:
         temperature: float,
         top_p: float,
         generator: torch.Generator,
+        images: list[PromptImages | None] | None = None,
     ) -> list[Sample]:
         """Decode equal-length prompts together with a KV cache; one Sample per row. Rows a
         fixed-capacity decoder pads the batch with repeat the last row and are never sampled.
+        `images` (one entry per row) go into the prefill.
 
         Everything per step stays on the engine's device: the sampler (uniforms drawn up front from
         `generator`), the eos bookkeeping and each step's status (all rows finished, non-finite
@@ -501,7 +523,10 @@ class EmbeddedEngine:
         step_input = _pad_rows(input_ids, decoder.batch)
         steps = 0
         for step in range(max_new_tokens):
-            logits = decoder.forward(step_input, verify=False)[:n_rows]
+            prefill_images = None
+            if step == 0 and images is not None:
+                prefill_images = images + [images[-1]] * (decoder.batch - n_rows)
+            logits = decoder.forward(step_input, verify=False, images=prefill_images)[:n_rows]
             tokens, logprobs = sample_tokens(
                 logits, temperature=temperature, top_p=top_p, uniforms=uniforms[step]
             )
@@ -527,6 +552,7 @@ class EmbeddedEngine:
                 response_ids=tokens_cpu[r, : lengths_cpu[r]].tolist(),
                 logprobs=logprobs_cpu[r, : lengths_cpu[r]].tolist(),
                 finish_reason=FinishReason.stop if finished_cpu[r] else FinishReason.length,
+                images=None if images is None else images[r],
             )
             for r in range(len(rows))
         ]
@@ -575,10 +601,18 @@ class EmbeddedEngine:
 
 class TextPrefixed(nn.Module):
     """A causal LM held under `prefix` (`language_model.`: the text model of Kimi-K2.6's checkpoint),
-    so its state dict carries the checkpoint's names; calls go to the LM unchanged."""
+    so its state dict carries the checkpoint's names; calls go to the LM unchanged. With
+    `model.vision_num_layers` > 0 it also holds Kimi-K2.6's `vision_tower` and `mm_projector`
+    (`skyq.trainer.native.vision`, checkpoint names), and a call with `images` (a prefill) gives the LM
+    input embeddings with each row's images in place of its placeholder tokens."""
 
-    def __init__(self, prefix: str, lm: nn.Module) -> None:
+    def __init__(self, prefix: str, lm: nn.Module, *, model_cfg: ModelConfig | None = None) -> None:
         super().__init__()
+        if model_cfg is not None and model_cfg.vision_num_layers:
+            from skyq.trainer.native.vision import Projector, VisionTower
+
+            self.vision_tower = VisionTower(model_cfg)
+            self.mm_projector = Projector(model_cfg)
         *outer, last = prefix.removesuffix(".").split(".")
         holder: nn.Module = self
         for part in outer:
@@ -596,8 +630,15 @@ class TextPrefixed(nn.Module):
         """The LM's transformers config (what decoders and caches read)."""
         return self.lm.config
 
-    def forward(self, **kwargs):
-        return self.lm(**kwargs)
+    def forward(self, *, input_ids: Tensor, images: list[PromptImages | None] | None = None, **kwargs):
+        if images is None:
+            return self.lm(input_ids=input_ids, **kwargs)
+        from skyq.trainer.native.vision import embed_with_images
+
+        embeds = embed_with_images(
+            self.lm.model.embed_tokens, self.vision_tower, self.mm_projector, input_ids, images
+        )
+        return self.lm(inputs_embeds=embeds, **kwargs)
 
 
 class _StepStatus:

@@ -489,10 +489,16 @@ def test_settings_are_accepted_on_the_backend_that_reads_them():
 
 
 def test_the_native_pair_refuses_a_model_it_cannot_build():
-    """DeepSeek-V3 text models build (model=tiny_deepseek validates); a vision tower or MTP layers do not."""
+    """DeepSeek-V3 models build, Kimi-K2.6's vision tower too (model=tiny_deepseek and tiny_kimi_vl
+    validate); MTP layers, a tower on another family or of a width its 72-wide heads do not divide do not."""
     validate(_cfg("model=tiny_deepseek"))
-    _refused(_cfg("model=kimi_k26", "topology=1gpu"), "model.vision_num_layers=27: the native trainer and the")
-    _refused(_cfg("model=tiny_deepseek", "model.num_nextn_predict_layers=1"), "no multi-token-prediction layers")
+    validate(_cfg("model=tiny_kimi_vl"))
+    _refused(_cfg("model=tiny_kimi_vl", "model.vision_hidden_size=100"), "use a multiple of 72")
+    _refused(_cfg("model=tiny_moe", "model.vision_num_layers=1", "model.vision_hidden_size=72",
+                  "model.vision_intermediate_size=144"), "a vision tower is Kimi-K2.6's")  # fmt: skip
+    _refused(
+        _cfg("model=tiny_deepseek", "model.num_nextn_predict_layers=1"), "no multi-token-prediction layers"
+    )
 
 
 def test_the_trap_a_30b_model_on_the_embedded_pair_is_refused_with_its_numbers():

@@ -1,4 +1,5 @@
-"""Build and load the transformers causal LM a skyq `ModelConfig` describes (Qwen3-MoE, DeepSeek-V3).
+"""Build and load the transformers causal LM a skyq `ModelConfig` describes (Qwen3-MoE, DeepSeek-V3), with
+Kimi-K2.6's vision tower and projector beside it when `model.vision_num_layers` > 0 (`vision.py`).
 
 The trainer holds the text model's parameters under their transformers names (no `text_prefix`, routed
 experts fused); `hf_state` gives them back under the checkpoint's names and dtypes, through the
@@ -42,9 +43,13 @@ def build_model(model_cfg: ModelConfig, *, seed: int, dtype: torch.dtype = torch
     fork_devices: list[int] = []
     with torch.random.fork_rng(devices=fork_devices):
         torch.manual_seed(seed)
-        model = causal_lm_class(model_cfg)(config)
+        lm = model = causal_lm_class(model_cfg)(config)
+        if model_cfg.vision_num_layers:
+            from skyq.trainer.native.vision import VisionLanguageModel
+
+            model = VisionLanguageModel(lm, model_cfg)
         _router_bias_as_parameter(model)
-    ops.install(model)
+    ops.install(lm)
     kept = {name: model.get_parameter(name).detach().clone() for name in fp32_parameters(model, model_cfg)}
     model.to(dtype)
     for name, value in kept.items():

@@ -1,4 +1,5 @@
-"""NativeTrainer: GRPO updates of a transformers MoE model (Qwen3-MoE, DeepSeek-V3) in plain PyTorch.
+"""NativeTrainer: GRPO updates of a transformers MoE model (Qwen3-MoE, DeepSeek-V3, and Kimi-K2.6's vision
+tower and projector beside DeepSeek-V3: a batch's images are scored with their rows) in plain PyTorch.
 
 fp32 master weights and AdamW state; the forward computes on the weights the rollout engine holds
 (bf16, fake-quantized where the precision's strategy quantizes — see precision.py). One optimizer
@@ -23,7 +24,7 @@ from skyq.quant.kernels import dispatch
 from skyq.quant.layouts import experts as expert_layout
 from skyq.quant.layouts import get_layout
 from skyq.quant.strategies import get_strategy
-from skyq.rl.batch import RolloutBatch
+from skyq.rl.batch import PromptImages, RolloutBatch
 from skyq.rl.grpo import mismatch_metrics, policy_loss
 from skyq.sync.sender import WeightItem
 from skyq.trainer.native.model import fp32_parameters, hf_dtype, hf_state, load_model, write_hf_checkpoint
@@ -51,14 +52,24 @@ def position_ids_of(attention_mask: Tensor) -> Tensor:
 
 
 def token_logprobs(
-    forward: Callable[..., Any], input_ids: Tensor, attention_mask: Tensor, *, temperature: float = 1.0
+    forward: Callable[..., Any],
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    *,
+    temperature: float = 1.0,
+    images: list[PromptImages | None] | None = None,
 ) -> Tensor:
     """[B, T] log-prob of token t given tokens < t (0 at t = 0), in fp32; `forward` is the model call.
 
-    Scored at the sampling temperature, as the rollout engine reports its log-probs.
+    Scored at the sampling temperature, as the rollout engine reports its log-probs. `images` (one entry
+    per row, a multimodal batch only) go to the model, which puts them in place of their placeholders.
     """
+    extra = {} if images is None else {"images": images}
     logits = forward(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_of(attention_mask)
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_of(attention_mask),
+        **extra,
     ).logits
     logp = (
         torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
@@ -235,8 +246,11 @@ class NativeTrainer:
         return lambda **kwargs: torch.func.functional_call(self.model, params, args=(), kwargs=kwargs)
 
     @torch.no_grad()
-    def logprobs(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """[B, T] fp32 log-prob of each token given the ones before it (0 at position 0)."""
+    def logprobs(
+        self, input_ids: Tensor, attention_mask: Tensor, images: list[PromptImages | None] | None = None
+    ) -> Tensor:
+        """[B, T] fp32 log-prob of each token given the ones before it (0 at position 0) and the rows'
+        `images` (a multimodal batch)."""
         self.model.eval()
         forward = self._forward(self.effective_parameters())
         rows = []
@@ -244,7 +258,10 @@ class NativeTrainer:
             for start in range(0, input_ids.shape[0], self.micro_batch_size):
                 stop = start + self.micro_batch_size
                 ids, attn = input_ids[start:stop].to(self.device), attention_mask[start:stop].to(self.device)
-                rows.append(token_logprobs(forward, ids, attn, temperature=self.temperature))
+                micro_images = None if images is None else images[start:stop]
+                rows.append(
+                    token_logprobs(forward, ids, attn, temperature=self.temperature, images=micro_images)
+                )
         return torch.cat(rows).cpu()
 
     def learning_rate(self, step: int) -> float:
@@ -290,12 +307,16 @@ class NativeTrainer:
         for start in starts:
             micro = batch.slice(start, start + self.micro_batch_size)
             ids, attn = micro.input_ids.to(self.device), micro.attention_mask.to(self.device)
-            logp = token_logprobs(forward, ids, attn, temperature=self.temperature)
+            logp = token_logprobs(forward, ids, attn, temperature=self.temperature, images=micro.images)
             ref_logp = None
             if self.ref_params is not None:
                 with torch.no_grad():
                     ref_logp = token_logprobs(
-                        self._forward(self.ref_params), ids, attn, temperature=self.temperature
+                        self._forward(self.ref_params),
+                        ids,
+                        attn,
+                        temperature=self.temperature,
+                        images=micro.images,
                     )
                 ref_rows.append(ref_logp)
             loss, _ = policy_loss(
