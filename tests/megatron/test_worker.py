@@ -177,6 +177,32 @@ def test_save_then_load_restores_the_step_and_the_next_update(world_one, batch, 
         ray.get(trainer.load_state.remote(str(path)))
 
 
+def test_checkpoint_load_boots_the_saved_weights_and_the_kl_reference_is_them(
+    world_one, spec, batch, tmp_path
+):
+    """checkpoint.load: a new world boots from a saved checkpoint instead of the HF one (its step
+    starts at 0); with algorithm.kl_coef > 0 the KL reference is that starting policy, so the
+    first step's KL is 0."""
+    pair, _, _ = world_one
+    path = tmp_path / "trainer.pt"
+    ray.get(pair.trainer.save_state.remote(str(path)))
+    saved = ray.get(pair.trainer.logprobs.remote(batch.input_ids, batch.attention_mask))
+    kwargs = megatron_trainer_kwargs(spec)
+    kwargs.update(load_path=str(path), algorithm_cfg=dataclasses.replace(spec.algorithm, kl_coef=0.1))
+    worker = ray.remote(MegatronTrainerWorker).options(num_cpus=0, max_restarts=0).remote(**kwargs)
+    try:
+        booted = ray.get(worker.logprobs.remote(batch.input_ids, batch.attention_mask))
+        # a resume loads into an optimizer that has not stepped yet (no Adam state to load into)
+        resumed_step = ray.get(worker.load_state.remote(str(path)))
+        metrics = ray.get(worker.train_step.remote(batch))
+    finally:
+        ray.get(worker.close.remote())
+        ray.kill(worker)
+    assert torch.equal(booted, saved)
+    assert resumed_step == json.loads(path.read_text())["step"] and metrics["step"] == resumed_step + 1
+    assert metrics["kl"] == 0.0
+
+
 LAYOUTS = {
     "tp2_sp_etp2": {"tp": 2, "sequence_parallel": True, "etp": 2},
     "ep2": {"ep": 2, "dp": 2},

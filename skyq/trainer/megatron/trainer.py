@@ -551,6 +551,12 @@ class MegatronTrainer:
         """Restore weights, optimizer state and step from `save_checkpoint`'s directory; the step."""
         from megatron.core import dist_checkpointing
 
+        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if not optimizer.optimizer.state:
+                # A fresh optimizer (a resume before any step) has no Adam state for the checkpoint's
+                # to load into, and 0.16.1's state_dict reads each parameter's step: megatron's own
+                # zero-gradient step creates it (every value is then replaced by the checkpoint's).
+                optimizer._init_optimizer_states_with_dummy_values()
         loaded = dist_checkpointing.load(self._sharded_state(loading=True), directory)
         if loaded.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(
