@@ -324,7 +324,7 @@ class MegatronTrainer:
         self.rank, self.world_size = rank, world_size
         self.spec = "te" if self.device.type == "cuda" else "local"
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+            torch.cuda.set_device(self.device.index or 0)  # Ray shows each rank its one GPU as 0
         _loopback_env()
         dist.init_process_group(
             "nccl" if self.device.type == "cuda" else "gloo",
