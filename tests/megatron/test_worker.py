@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 import warnings
 
 import pytest
@@ -282,3 +283,22 @@ def test_what_this_trainer_cannot_run_is_refused_naming_the_key(spec, change, me
     with pytest.raises(ValueError, match=message):
         check_supported(parallel_cfg=parallel, optimizer_cfg=optimizer, device="cpu")
     check_supported(parallel_cfg=spec.parallel, optimizer_cfg=spec.trainer.optimizer, device="cpu")
+
+
+def test_a_peer_rank_that_fails_is_named_without_waiting_for_rank_0(cluster, spec):
+    """Rank 1 cannot join the world (its gloo has no such interface): the worker's start-up fails
+    naming rank 1 at once, not after rank 0's rendezvous times out."""
+    kwargs = megatron_trainer_kwargs(spec)
+    kwargs.update(
+        parallel_cfg=dataclasses.replace(spec.parallel, dp=2),
+        peer_env={"GLOO_SOCKET_IFNAME": "skyq-no-such-if"},
+        timeout_s=300.0,
+    )
+    worker = ray.remote(MegatronTrainerWorker).options(num_cpus=0, max_restarts=0).remote(**kwargs)
+    start = time.perf_counter()
+    try:
+        with pytest.raises(ray.exceptions.RayActorError, match="rank 1 of 2: start-up failed"):
+            ray.get(worker.build_seconds.remote())
+    finally:
+        ray.kill(worker)
+    assert time.perf_counter() - start < 120
