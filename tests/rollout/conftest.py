@@ -1,5 +1,6 @@
 """Fixtures: the shared native-trainer fixtures (tests/native_fixtures.py) and the tiny DeepSeek-V3's
-(tests/deepseek_fixtures.py), plus an embedded engine and the sender's serialization of a trainer's weights."""
+(tests/deepseek_fixtures.py) and the tiny Kimi-K2.6 with its vision tower's
+(tests/multimodal_fixtures.py), plus an embedded engine and the sender's serialization of a trainer's weights."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from deepseek_fixtures import (  # noqa: F401
     make_deepseek_engine,
     make_deepseek_trainer,
 )
+from multimodal_fixtures import dots_dir, make_vl_engine, make_vl_trainer, vl_cfg, vl_prompts  # noqa: F401
 from native_fixtures import _one_thread, make_trainer, run_cfg, tiny_checkpoint  # noqa: F401
 
 from skyq.rollout.embedded import EmbeddedEngine
