@@ -115,7 +115,7 @@ def test_a_checkpoint_of_another_routing_is_refused_naming_the_key(deepseek_cfg,
         ({"n_group": 3}, "n_group must divide model.num_experts=4"),
         (
             {"vision_num_layers": 2, "vision_hidden_size": 32, "vision_intermediate_size": 64},
-            "the text model only",
+            "model.vision_hidden_size=32: the vision tower's heads are 72 wide",
         ),
     ],
 )
