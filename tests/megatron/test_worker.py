@@ -121,6 +121,7 @@ def world_one(cluster, spec, batch):
     try:
         first_sync = pair.sync(1)
         pair.verify_engine_matches_trainer()
+        first_sync["digest"] = ray.get(pair.trainer.serialized_digest.remote())
         yield pair, first_sync, _run(pair.trainer, batch)
     finally:
         pair.shutdown()
@@ -219,6 +220,8 @@ def test_two_rank_layouts_equal_world_size_one(world_one, spec, batch, layout):
     worker = ray.remote(MegatronTrainerWorker).options(num_cpus=0, max_restarts=0).remote(**kwargs)
     try:
         assert ray.get(worker.build_seconds.remote()) > 0
+        # the export is a collective of both ranks: the same wire as world size 1's from the same weights
+        assert ray.get(worker.serialized_digest.remote()) == world_one[1]["digest"]
         mine = _run(worker, batch)
     finally:
         ray.get(worker.close.remote())
