@@ -152,3 +152,24 @@ def test_fp8_blockwise_forward_and_backward_track_bf16(world):
     assert 0 < rel < 0.1, f"fp8 vs bf16 logits relative error {rel:.4f}"
     for name, g in grads_q.items():
         assert torch.isfinite(g).all(), name
+
+
+def test_te_reads_the_scale_grid_at_import_and_te_env_checks_it():
+    """The real TE: NVTE_FP8_BLOCK_SCALING_FP32_SCALES set before the import gives fp32 scales and passes
+    `te_env.check`; TE imported without it keeps power-of-two scales, which `check` refuses."""
+    import os
+    import subprocess
+    import sys
+
+    probe = (
+        "import transformer_engine.pytorch\n"
+        "from skyq.trainer.megatron import te_env\n"
+        "te_env.check({te_env.FP32_SCALES: '1'})\n"
+        "print('checked')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NVTE_FP8_BLOCK_SCALING_FP32_SCALES"}
+    ok = subprocess.run([sys.executable, "-c", probe], env={**env, "NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "1"},
+                        capture_output=True, text=True)  # fmt: skip
+    assert ok.returncode == 0 and "checked" in ok.stdout, ok.stderr[-2000:]
+    late = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    assert late.returncode != 0 and "different grid" in late.stderr, late.stderr[-2000:]

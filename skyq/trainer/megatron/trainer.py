@@ -303,6 +303,10 @@ class MegatronTrainer:
         checkpoint directory (`checkpoint.load`) the weights boot from instead of `checkpoint_path`
         (HF); `ref_load`: the HF checkpoint of the KL reference (`checkpoint.ref_load`; None: the
         starting policy). `timeout_s` bounds every collective of this world."""
+        from skyq.trainer.megatron import te_env
+
+        # before the first megatron import: it imports Transformer Engine, which reads this env then
+        te_vars = te_env.apply(precision_cfg, torch.device(device))
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -362,6 +366,7 @@ class MegatronTrainer:
                 f"checkpoint.ref_load={ref_load} is the KL reference, but algorithm.kl_coef=0 uses none; "
                 "set algorithm.kl_coef > 0 or checkpoint.ref_load=null"
             )
+        te_env.check(te_vars)
         self.model, self.optimizer = self._wrap(model)
         self.step = 0
 
