@@ -325,7 +325,7 @@ def _te_like_block(model_cfg: ModelConfig):
 
 
 def test_te_spec_experts_become_fake_int4_grouped_linears(te_stand_ins):
-    from skyq.trainer.megatron.model import _swap_te_experts
+    from skyq.trainer.megatron.model import _module_of, _swap_te_experts
 
     precision = int4_precision()
     spec = _te_like_block(tiny(ModelFamily.deepseek_v3))
@@ -337,11 +337,11 @@ def test_te_spec_experts_become_fake_int4_grouped_linears(te_stand_ins):
         moe.submodules.mlp.submodules.experts.submodules.linear_fc1,
         moe.submodules.mlp.submodules.experts.submodules.linear_fc2,
     )
-    assert issubclass(fc1.module, _FakeTECol) and issubclass(fc2.module, _FakeTERow)
-    assert fc1.params == {"precision_cfg": precision} == fc2.params
+    fc1, fc2 = _module_of(fc1), _module_of(fc2)  # classes with the precision bound
+    assert issubclass(fc1, _FakeTECol) and issubclass(fc2, _FakeTERow)
     shared = moe.submodules.mlp.submodules.shared_experts.submodules.linear_fc1
     assert "Int4" not in str(shared)  # routed experts only
-    layer = fc1.module(precision_cfg=precision)
+    layer = fc1()
     weights = layer._get_weight_tensors()
     assert [n for n, _ in layer.named_parameters()] == ["weight0", "weight1"]
     for w, param in zip(weights, (layer.weight0, layer.weight1)):
@@ -357,3 +357,25 @@ def test_te_spec_refuses_int4_on_all_linears(te_stand_ins):
     spec = _te_like_block(tiny(ModelFamily.qwen3_moe))
     with pytest.raises(MegatronConfigError, match="precision.qat_scope=all_linear on the GPU"):
         _swap_te_experts(spec, int4_precision(scope=QuantScope.all_linear))
+
+
+def test_te_spec_swap_takes_megatron_019_partial_specs(te_stand_ins):
+    """megatron-core 0.19 writes the MoE and expert specs as functools.partial(Module, submodules=...)
+    and calls the expert linear classes directly: the swap reaches them there too (found on the H200)."""
+    import functools
+
+    from skyq.trainer.megatron.model import _module_of, _submodules_of, _swap_te_experts
+
+    precision = int4_precision()
+    spec = _te_like_block(tiny(ModelFamily.deepseek_v3))
+    for layer in spec.layer_specs:
+        mlp = layer.submodules.mlp
+        if mlp.submodules is not None and hasattr(mlp.submodules, "experts"):
+            experts = mlp.submodules.experts
+            mlp.submodules.experts = functools.partial(experts.module, submodules=experts.submodules)
+            layer.submodules.mlp = functools.partial(mlp.module, submodules=mlp.submodules)
+    _swap_te_experts(spec, precision)
+    experts = _submodules_of(_submodules_of(spec.layer_specs[1].submodules.mlp).experts)
+    assert issubclass(_module_of(experts.linear_fc1), _FakeTECol)
+    assert issubclass(_module_of(experts.linear_fc2), _FakeTERow)
+    assert "Int4" in _module_of(experts.linear_fc1)().__class__.__mro__[1].__name__

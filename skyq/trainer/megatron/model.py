@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -282,6 +283,9 @@ def _swap(node, mapping: dict):
             module=new or node.module,
             submodules=_swap(node.submodules, mapping) if node.submodules is not None else None,
         )
+    if isinstance(node, functools.partial):  # megatron-core 0.19's specs: partial(Module, submodules=...)
+        keywords = {k: _swap(v, mapping) for k, v in node.keywords.items()}
+        return functools.partial(mapping.get(node.func, node.func), *node.args, **keywords)
     if dataclasses.is_dataclass(node):
         changes = {f.name: _swap(getattr(node, f.name), mapping) for f in dataclasses.fields(node)}
         return dataclasses.replace(node, **changes)
@@ -293,6 +297,32 @@ def _swap(node, mapping: dict):
 # --- TE spec (GPU) -----------------------------------------------------------------------------
 
 
+def _module_of(node):
+    """The module class a spec node builds: a ModuleSpec's `module` (0.16), a partial's `func` (0.19)."""
+    if isinstance(node, functools.partial):
+        return node.func
+    return getattr(node, "module", node)
+
+
+def _submodules_of(node):
+    """A spec node's submodules: a ModuleSpec's `submodules`, a partial's `submodules=` keyword."""
+    if isinstance(node, functools.partial):
+        return node.keywords["submodules"]
+    return node.submodules
+
+
+def _bound(cls: type, precision_cfg: PrecisionConfig) -> type:
+    """`cls` (a fake-INT4 TE linear taking `precision_cfg=`) with the precision bound: a class, which
+    both 0.16's `build_module` and 0.19's direct calls construct."""
+
+    def __init__(self, *args, **kwargs):
+        cls.__init__(self, *args, precision_cfg=precision_cfg, **kwargs)
+
+    return type(
+        cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__, "__doc__": cls.__doc__}
+    )
+
+
 def _swap_te_experts(spec, precision_cfg: PrecisionConfig) -> None:
     """The routed experts' TE grouped linears -> fake-INT4 subclasses (`te_int4_grouped_linears`)."""
     from megatron.core.extensions.transformer_engine import (
@@ -300,26 +330,23 @@ def _swap_te_experts(spec, precision_cfg: PrecisionConfig) -> None:
         TERowParallelGroupedLinear,
     )
     from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.spec_utils import ModuleSpec
 
     if QuantScope(precision_cfg.qat_scope) is not QuantScope.routed_experts:
         raise MegatronConfigError(
             f"precision.qat_scope={precision_cfg.qat_scope.value} on the GPU (TE spec): skyq's fake INT4 "
             "covers TE's grouped expert linears only. Fix: precision.qat_scope=routed_experts"
         )
-    col, row = fake_int4.te_int4_grouped_linears()
-    mapping = {
-        TEColumnParallelGroupedLinear: ModuleSpec(module=col, params={"precision_cfg": precision_cfg}),
-        TERowParallelGroupedLinear: ModuleSpec(module=row, params={"precision_cfg": precision_cfg}),
-    }
+    col, row = (_bound(cls, precision_cfg) for cls in fake_int4.te_int4_grouped_linears())
+    # classes, not ModuleSpecs: megatron-core 0.19's TEGroupedMLP calls its linear classes directly
+    mapping = {TEColumnParallelGroupedLinear: col, TERowParallelGroupedLinear: row}
     for i, layer in enumerate(spec.layer_specs):
-        if layer.submodules.mlp.module is not MoELayer:
+        if _module_of(layer.submodules.mlp) is not MoELayer:
             continue
-        layer = spec.layer_specs[i] = _swap(layer, {})  # a fresh copy: layers share spec objects
-        experts = layer.submodules.mlp.submodules.experts
-        experts.submodules = _swap(experts.submodules, mapping)
-        fc1, fc2 = experts.submodules.linear_fc1, experts.submodules.linear_fc2
-        if getattr(fc1, "module", None) is not col or getattr(fc2, "module", None) is not row:
+        # a fresh copy (layers share spec objects); only the routed experts use TE's grouped linears
+        layer = spec.layer_specs[i] = _swap(layer, mapping)
+        experts = _submodules_of(_submodules_of(layer.submodules.mlp).experts)
+        fc1, fc2 = _module_of(experts.linear_fc1), _module_of(experts.linear_fc2)
+        if fc1 is not col or fc2 is not row:
             raise MegatronConfigError(
                 "precision=int4_qat: the TE spec's experts have no TEColumnParallelGroupedLinear / "
                 "TERowParallelGroupedLinear to fake-quantize (moe_grouped_gemm off, or another "
