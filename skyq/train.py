@@ -19,7 +19,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from skyq.config.enums import Device, RolloutBackend, TrainerBackend
+from skyq.config.enums import Device, RolloutBackend
 from skyq.config.schema import TrainConfig
 from skyq.config.store import recipe_file_argv, register, strict
 from skyq.config.validate import ConfigValidationError, validate
@@ -46,11 +46,6 @@ def check_hardware(cfg: TrainConfig) -> None:
             f"(trainer_gpus={cfg.topology.trainer_gpus}, rollout_gpus={cfg.topology.rollout_gpus}, "
             f"{cfg.topology.placement.value}), but this machine has {have}. "
             "Add dry_run=true to print the resolved plan without GPUs, or run topology=cpu."
-        )
-    if cfg.trainer.backend is TrainerBackend.megatron:
-        raise HardwareMissingError(
-            f"trainer={cfg.trainer.backend.value}: the Megatron-core/TE trainer is not in this build of skyq "
-            "yet; run trainer=torch, or add dry_run=true to print the plan."
         )
 
 

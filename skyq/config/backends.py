@@ -101,6 +101,7 @@ READS: dict[Backend, tuple[str, ...]] = {
     ),
     TrainerBackend.megatron: (
         "topology.parallel.*",
+        "trainer.compute_dtype",
         "trainer.micro_batch_size",
         "trainer.optimizer.cpu_offload",
         "trainer.optimizer.overlap_cpu_offload",
@@ -111,9 +112,6 @@ READS: dict[Backend, tuple[str, ...]] = {
         "precision.persistent_fp8_params",
         "checkpoint.load",
         "checkpoint.ref_load",
-        # Multimodal tasks: planned for the Megatron trainer (the seed's multimodal recipe pairs it with vLLM).
-        "task.image_key",
-        "task.max_image_tokens",
     ),
     RolloutBackend.embedded: (
         "rollout.cuda_graphs",
@@ -144,7 +142,7 @@ engine and to the trainer): one reader alone would train on prompts the engine s
 images, or the reverse. A pair with a planned backend is checked against its declarations as any key."""
 
 AVAILABLE: frozenset[Backend] = frozenset(
-    {TrainerBackend.torch, RolloutBackend.embedded, RolloutBackend.vllm}
+    {TrainerBackend.torch, TrainerBackend.megatron, RolloutBackend.embedded, RolloutBackend.vllm}
 )
 """Backends this build of skyq runs (the others are planned: their keys are declared, not yet read)."""
 

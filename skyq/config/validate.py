@@ -284,13 +284,28 @@ def _topology_errors(cfg: TrainConfig) -> list[str]:
                 "Fix: set them to 0 or pick topology=1gpu/8gpu/256gpu."
             )
         if cfg.trainer.backend is TrainerBackend.megatron:
+            # Megatron ranks are Ray actors on the CPU too (gloo): any layout the experts divide;
+            # the trainer refuses what megatron-core cannot run there (pp, cp) when it starts.
+            if Precision(cfg.precision.name) in (Precision.fp8_blockwise, Precision.mxfp8):
+                errors.append(
+                    f"precision={Precision(cfg.precision.name).value} with trainer=megatron on topology.device=cpu: "
+                    "Megatron's FP8 runs through Transformer Engine, which needs a GPU. "
+                    "Fix: precision=bf16 or int4_qat, or a GPU topology."
+                )
+            non_pp = par.tp * par.cp * (par.dp or 1)
+            if non_pp % (par.ep * par.etp):
+                errors.append(
+                    f"topology.parallel: ep*etp = {par.ep}*{par.etp} must divide tp*cp*dp = {non_pp} "
+                    "(experts are sharded over the non-pipeline ranks; on the CPU dp=null means 1)."
+                )
+            if m.num_experts % par.ep:
+                errors.append(
+                    f"topology.parallel.ep={par.ep} does not divide model.num_experts={m.num_experts}."
+                )
+        elif par.tp * par.pp * par.cp * par.ep * par.etp != 1:
             errors.append(
-                f"trainer.backend={cfg.trainer.backend.value} needs GPUs but topology.device=cpu. "
-                "Fix: trainer=torch, or a GPU topology."
-            )
-        if par.tp * par.pp * par.cp * par.ep * par.etp != 1:
-            errors.append(
-                "topology.parallel sizes must all be 1 on topology.device=cpu (one trainer process)."
+                "topology.parallel sizes must all be 1 on topology.device=cpu with "
+                f"trainer={cfg.trainer.backend.value} (one trainer process). Fix: trainer=megatron for a parallel layout."
             )
         return errors
     total = t.num_nodes * t.gpus_per_node
