@@ -12,7 +12,7 @@ export PYTHONPATH="/tmp/stage-site:$PYTHONPATH"
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 what=${1:-all}
-python3 -c "import megatron.core, transformer_engine.pytorch as te, torch; print('megatron-core', megatron.core.__version__, 'TE', te.__version__, 'torch', torch.__version__)" 2>&1 | tail -1 | tee "$OUT/versions.txt"
+python3 -c "import megatron.core, transformer_engine.pytorch as te, torch; print('megatron-core', megatron.core.__version__, 'TE', __import__("transformer_engine").__version__, 'torch', torch.__version__)" 2>&1 | tail -1 | tee "$OUT/versions.txt"
 
 if [ "$what" = test ] || [ "$what" = all ]; then
   timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_megatron_te.py 2>&1 | tail -30 | tee "$OUT/test.txt"
@@ -23,8 +23,8 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
 fi
 if [ "$what" = rl ] || [ "$what" = all ]; then
   for p in fp8_blockwise bf16; do
-    timeout 200 python3 -m skyq.train recipe=small_moe_fp8_blockwise_1gpu trainer=megatron precision=$p \
-      algorithm.num_steps=8 output_root=/tmp/runs 2>&1 | tail -25 | tee "$OUT/rl_$p.txt"
+    timeout 170 python3 -m skyq.train recipe=small_moe_fp8_blockwise_1gpu trainer=megatron precision=$p \
+      algorithm.num_steps=6 output_root=/tmp/runs 2>&1 | tail -25 | tee "$OUT/rl_$p.txt"
   done
   find /tmp/runs -name "metrics.jsonl" | head -4 | while read -r f; do
     cp "$f" "$OUT/$(basename "$(dirname "$f")")_metrics.jsonl"
