@@ -1,6 +1,6 @@
 """Write a synthetic multimodal task and a tiny Kimi-K2.6-style checkpoint to train on it, on the CPU.
 
-    python -m skyq.tools.make_dot_count <dir> [--rows 64] [--max-dots 3] [--seed 0]
+    python -m skyq.tools.make_dot_count <dir> [--rows 24] [--max-dots 3] [--seed 0]
 
 `<dir>/dots.jsonl` is an open-r1 multimodal dataset (the layout `task=multimodal_open_r1` reads, with
 its images as relative paths under `<dir>/images/`): each image is a white 56 x 56 square with 1 to
@@ -116,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m skyq.tools.make_dot_count", description=__doc__.split("\n")[0]
     )
     parser.add_argument("directory", type=Path)
-    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--rows", type=int, default=24)
     parser.add_argument("--max-dots", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

@@ -3,7 +3,8 @@ synthetic dot-count task (open-r1 JSONL, image paths) and the random-init tiny K
 tower; `recipe=tiny_kimi_vl_int4_qat_cpu_dots` trains it with GRPO through real Ray actors. The images
 reach the engine and the trainer (a mismatch this small is only possible when both see them: scored
 blind it is 10x larger, tests/rollout/test_multimodal_engine.py), every sync is accounted (the plan's
-wire tensors, the tower's and projector's bf16 ones included), and over more steps the reward rises."""
+wire tensors, the tower's and projector's bf16 ones included), and over the recipe's 400 steps the reward
+rises above chance."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ RECIPE = "tiny_kimi_vl_int4_qat_cpu_dots"
 @pytest.fixture(scope="module")
 def dots(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("dots")
-    assert make_dot_count.main([str(root), "--rows", "48"]) == 0
+    assert make_dot_count.main([str(root), "--rows", "24"]) == 0
     return root
 
 
@@ -75,9 +76,10 @@ def test_only_the_pair_that_takes_images_runs_a_multimodal_task():
     check_supported(rollout=cfg.rollout, trainer=cfg.trainer, algorithm=cfg.algorithm)  # a text task runs
 
 
-@pytest.mark.slow  # 120 GRPO steps: ~60 s on an idle 2-core CPU
-def test_the_reward_rises(dots, tmp_path):
-    rows = _train(dots, tmp_path / "runs", "algorithm.num_steps=120", "checkpoint.save_interval=0")
+@pytest.mark.slow  # the recipe's 400 GRPO steps: ~90 s on a 2-core CPU
+def test_the_reward_rises_above_chance(dots, tmp_path):
+    """Answering one count for every image scores 1/3; well above that, the policy reads the images."""
+    rows = _train(dots, tmp_path / "runs", "checkpoint.save_interval=0")
     rewards = [r["reward"] for r in rows]
-    first, last = sum(rewards[:20]) / 20, sum(rewards[-20:]) / 20
-    assert last > first + 0.15, (first, last)
+    first, last = sum(rewards[:40]) / 40, sum(rewards[-40:]) / 40
+    assert first < 0.2 and last > 0.5, (first, last)
