@@ -15,6 +15,11 @@ per layer and position the compressed latent (`kv_lora_rank`) and the rotated sh
 (`qk_rope_head_dim`), expanded into every head's key and value at each forward. On a GPU the decode loop replays a CUDA graph
 of its one-token step over a fixed-capacity cache (`skyq.rollout.decoding`; `cuda_graphs=False`
 launches every step eagerly over transformers' growing cache, as on CPU).
+
+Kimi-K2.6's vision tower and projector (`model.vision_num_layers` > 0) sit beside the text model under
+their checkpoint names, bf16 in every precision and loaded with every sync; a multimodal prompt (an
+`ImagePrompt`) is prefilled with its images' embeddings in place of its placeholder tokens and then decoded
+like any other.
 """
 
 from __future__ import annotations

@@ -83,3 +83,10 @@ def test_the_reward_rises_above_chance(dots, tmp_path):
     rewards = [r["reward"] for r in rows]
     first, last = sum(rewards[:40]) / 40, sum(rewards[-40:]) / 40
     assert first < 0.2 and last > 0.5, (first, last)
+
+
+def test_make_dot_count_refuses_bad_arguments_before_writing(tmp_path, capsys):
+    from skyq.tools.cli import run_tool
+
+    assert run_tool(make_dot_count.main, [str(tmp_path / "out"), "--max-dots", "10"]) == 2
+    assert "--max-dots=10 in 1..9" in capsys.readouterr().err and not (tmp_path / "out").exists()
