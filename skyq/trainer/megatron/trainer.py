@@ -235,13 +235,19 @@ def in_process_checkpoint_writes() -> None:
     threads: gRPC, gloo, the sync channels) can deadlock in the child on a lock another thread held,
     so a save would hang. Here each bucket is written by the same function, one after the other, in
     this process, and the results go through a plain queue: the same files, fsynced, the same
-    metadata. Idempotent."""
+    metadata. Idempotent; a no-op on megatron-core 0.19, whose writer uses threads (it has no
+    `write_preloaded_data_multiproc`, and `strategies.torch` imports the writer lazily: patching it
+    there raised AttributeError on the H200)."""
     import queue
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
     from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
 
     base = filesystem_async.FileSystemWriterAsync
+    if not hasattr(base, "write_preloaded_data_multiproc") or not hasattr(
+        torch_strategy, "FileSystemWriterAsync"
+    ):
+        return  # megatron-core 0.19 writes the buckets with threads of this process: nothing forks
     if torch_strategy.FileSystemWriterAsync is not base:
         return
 
@@ -267,6 +273,25 @@ def in_process_checkpoint_writes() -> None:
 
     filesystem_async._get_write_results_queue = queue.Queue
     torch_strategy.FileSystemWriterAsync = InProcessWriter
+
+
+def refresh_fp8_weight_caches(model: torch.nn.Module) -> int:
+    """Make Transformer Engine re-quantize every weight at the next forward (its first micro-batch of
+    a step); returns how many modules were told.
+
+    TE caches a linear's FP8 weight across micro-batches when its forward gets
+    `is_first_microbatch=False`, and Megatron's TE wrappers pass their `is_first_microbatch`
+    attribute, which they set False after each forward; megatron's own schedules set it True again
+    at each step's first micro-batch (`set_is_first_microbatch`), this trainer's plain loop must do
+    the same. Without it the FP8 forward keeps the weights of the first step while the engine gets
+    the updated ones, and the trainer vs engine mismatch grows step after step (seen on the H200,
+    docs/benchmarks.md). bf16 modules ignore the flag."""
+    told = 0
+    for module in model.modules():
+        if hasattr(module, "is_first_microbatch"):
+            module.is_first_microbatch = True
+            told += 1
+    return told
 
 
 def _loopback_env() -> None:
@@ -463,6 +488,7 @@ class MegatronTrainer:
         )  # fmt: skip
         share, start, real = self._share(batch)
         self.model.eval()
+        refresh_fp8_weight_caches(self.model)
         rows = []
         for first in range(0, len(share), self.micro_batch_size):
             micro = share.slice(first, first + self.micro_batch_size)
@@ -482,6 +508,7 @@ class MegatronTrainer:
             raise ValueError("train_step got a batch with no response tokens (response_mask is all zero)")
         share, start, real = self._share(batch)
         self.model.train()
+        refresh_fp8_weight_caches(self.model)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         rows, ref_rows = [], []
