@@ -127,3 +127,15 @@ register(
         in_process=False,
     ),
 )
+register(
+    TrainerBackend.megatron,
+    RolloutBackend.vllm,
+    WorkerBackends(
+        trainer="skyq.trainer.megatron.worker:MegatronTrainerWorker",
+        engine="skyq.rollout.vllm.worker:VllmEngineWorker",
+        trainer_kwargs="skyq.launch.pair:megatron_trainer_kwargs",
+        engine_kwargs="skyq.launch.pair:vllm_engine_kwargs",
+        in_process=False,
+        device_sync=False,
+    ),
+)
