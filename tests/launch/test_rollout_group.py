@@ -34,7 +34,12 @@ def test_every_registered_backend_pair_implements_the_worker_protocols():
     assert (TrainerBackend.torch, RolloutBackend.embedded) in registered()
 
 
-def test_a_pair_with_no_workers_is_refused_naming_what_runs():
+def test_a_pair_with_no_workers_is_refused_naming_what_runs(monkeypatch):
+    """Every pair of today's backends is registered; one taken out stands for a backend without workers."""
+    from skyq.launch import registry
+
+    assert len(registered()) == len(TrainerBackend) * len(RolloutBackend)
+    monkeypatch.delitem(registry._REGISTRY, (TrainerBackend.megatron, RolloutBackend.vllm))
     with pytest.raises(
         ValueError, match="trainer=megatron rollout=vllm: this build of skyq has no workers"
     ) as err:
