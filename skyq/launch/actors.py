@@ -29,10 +29,10 @@ from skyq.quant.strategies import get_strategy
 from skyq.rl.batch import RolloutBatch, Sample
 from skyq.rollout.embedded import EmbeddedEngine
 from skyq.sync.channel import Channel
+from skyq.sync.engine_senders import EngineSenders
 from skyq.sync.plan_wire import WireDigest, expected_units, plan_serializer, wire_digest
 from skyq.sync.receiver import WeightReceiver
-from skyq.sync.sender import WeightSender
-from skyq.sync.torch_dist import RECEIVER_RANK, SENDER_RANK, TorchDistChannel, connect_store, open_store
+from skyq.sync.torch_dist import RECEIVER_RANK, TorchDistChannel, connect_store
 from skyq.trainer.native.trainer import NativeTrainer
 
 
@@ -82,12 +82,8 @@ class TrainerWorker:
         self.resolution = resolve_on_device(precision_cfg, device)
         self.build_s = time.perf_counter() - start
         """Seconds the constructor took (model build): start-up feedback."""
-        self._stores: list = []
-        self._channels: list[Channel] = []
-        self._senders: list[WeightSender | None] = []
-        """One sender per engine channel and bucket size: it keeps the layout that engine committed,
-        so a same-layout sync sends a short reference instead of the full manifest."""
-        self._sender_bucket_bytes: int | None = None
+        self.senders = EngineSenders(self.serialize)
+        """The sending end of the sync to every engine (`skyq.sync.engine_senders`)."""
 
     def report_resolution(self) -> WorkerResolution:
         return self.resolution
@@ -96,33 +92,20 @@ class TrainerWorker:
         return self.build_s
 
     def open_sync_store(self, timeout_s: float) -> int:
-        """Start one engine's rendezvous store on a free loopback port (held from now on); returns
-        the port. Called once per engine of the rollout group, in engine order."""
-        self._timeout_s = timeout_s
-        store = open_store(timeout_s)
-        self._stores.append(store)
-        return store.port
+        """One engine's rendezvous store on a free loopback port; its port (in engine order)."""
+        return self.senders.open_store(timeout_s)
 
     def join_sync_group(self, sync_device: str) -> None:
         """Form the two-rank group of every opened store, in engine order (each engine joins its own)."""
-        self._channels = [
-            TorchDistChannel(
-                store, rank=SENDER_RANK, timeout_s=self._timeout_s, device=torch.device(sync_device)
-            )
-            for store in self._stores
-        ]
-        self._senders = [None] * len(self._channels)
+        self.senders.join(sync_device)
 
     def use_channel(self, channel: Channel) -> None:
         """Send over `channel` (an in-process pair's sender end) instead of a torch.distributed group."""
-        self._channels, self._senders = [channel], [None]
+        self.senders.use(channel)
 
     def abort_sync(self, reason: str) -> None:
         """Wake the engines waiting on this sync, where the channel can (the in-process one can)."""
-        for channel in self._channels:
-            abort = getattr(channel, "abort", None)
-            if abort is not None:
-                abort(reason)
+        self.senders.abort(reason)
 
     def send_weights(self, version: int, bucket_bytes: int) -> dict[str, float]:
         """Serialize the current weights and send them as `version` to every engine of the group, one
@@ -131,22 +114,7 @@ class TrainerWorker:
 
         Routed experts go as one stack per projection (one quantizer call each); the wire is
         bit-identical to serializing every expert's tensor on its own (`serialized_digest`)."""
-        if self._sender_bucket_bytes != bucket_bytes:
-            self._senders = [None] * len(self._channels)
-            self._sender_bucket_bytes = bucket_bytes
-        total: dict[str, float] = {}
-        for i, channel in enumerate(self._channels):
-            if self._senders[i] is None:
-                self._senders[i] = WeightSender(channel, serialize=self.serialize, bucket_bytes=bucket_bytes)
-            try:
-                metrics = self._senders[i].sync(self.trainer.hf_weight_items(), version).as_metrics()
-            except Exception as exc:
-                if len(self._channels) > 1:
-                    exc.add_note(f"(sending to engine {i} of {len(self._channels)})")
-                raise
-            for key, value in metrics.items():
-                total[key] = total.get(key, 0.0) + value if key.endswith("_s") else value
-        return total
+        return self.senders.send(self.trainer.hf_weight_items, version, bucket_bytes)
 
     def serialized_digest(self) -> WireDigest:
         """Digest of what the strategy serializes from the current weights (what a sync would send),
@@ -212,8 +180,7 @@ class TrainerWorker:
         return self.trainer.step
 
     def close(self) -> None:
-        for channel in self._channels:
-            channel.close()
+        self.senders.close()
 
 
 def _to_cpu(obj: Any) -> Any:

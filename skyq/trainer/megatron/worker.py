@@ -43,9 +43,9 @@ from skyq.quant.strategies import get_strategy
 from skyq.rl.batch import RolloutBatch
 from skyq.rl.grpo import mismatch_metrics, policy_loss
 from skyq.sync.channel import Channel
+from skyq.sync.engine_senders import EngineSenders
 from skyq.sync.plan_wire import WireDigest, plan_serializer, wire_digest
-from skyq.sync.sender import WeightItem, WeightSender
-from skyq.sync.torch_dist import SENDER_RANK, TorchDistChannel, open_store
+from skyq.sync.sender import WeightItem
 from skyq.trainer.megatron.group import RankGroup
 from skyq.trainer.megatron.trainer import loss_kwargs
 
@@ -140,10 +140,8 @@ class MegatronTrainerWorker:
         self.build_s = time.perf_counter() - start
         """Seconds the constructor took (every rank's model build): start-up feedback."""
         self._timeout_s = timeout_s
-        self._stores: list = []
-        self._channels: list[Channel] = []
-        self._senders: list[WeightSender | None] = []
-        self._sender_bucket_bytes: int | None = None
+        self.senders = EngineSenders(self.serialize)
+        """The sending end of the sync to every engine (rank 0 only; `skyq.sync.engine_senders`)."""
         self._saved: str | None = None
 
     def report_resolution(self) -> WorkerResolution:
@@ -156,29 +154,17 @@ class MegatronTrainerWorker:
 
     def open_sync_store(self, timeout_s: float) -> int:
         """One engine's rendezvous store on a free loopback port; its port (`TrainerWorker`'s)."""
-        self._timeout_s = timeout_s
-        store = open_store(timeout_s)
-        self._stores.append(store)
-        return store.port
+        return self.senders.open_store(timeout_s)
 
     def join_sync_group(self, sync_device: str) -> None:
         """Form the two-rank sync group of every opened store, in engine order."""
-        self._channels = [
-            TorchDistChannel(
-                store, rank=SENDER_RANK, timeout_s=self._timeout_s, device=torch.device(sync_device)
-            )
-            for store in self._stores
-        ]
-        self._senders = [None] * len(self._channels)
+        self.senders.join(sync_device)
 
     def use_channel(self, channel: Channel) -> None:
-        self._channels, self._senders = [channel], [None]
+        self.senders.use(channel)
 
     def abort_sync(self, reason: str) -> None:
-        for channel in self._channels:
-            abort = getattr(channel, "abort", None)
-            if abort is not None:
-                abort(reason)
+        self.senders.abort(reason)
 
     # weights -------------------------------------------------------------------------------------
 
@@ -195,23 +181,9 @@ class MegatronTrainerWorker:
         """Export the weights once (a collective of the world) and send them as `version` to every
         engine, one after the other; the sync metrics, times summed over the engines, the export's
         time in sync/gather_s. Routed experts go as one stack per projection."""
-        if self._sender_bucket_bytes != bucket_bytes:
-            self._senders = [None] * len(self._channels)
-            self._sender_bucket_bytes = bucket_bytes
         pairs, export_s = self._exported()
         items = list(stacked_items(pairs, self.model_cfg, self.layout))
-        total: dict[str, float] = {}
-        for i, channel in enumerate(self._channels):
-            if self._senders[i] is None:
-                self._senders[i] = WeightSender(channel, serialize=self.serialize, bucket_bytes=bucket_bytes)
-            try:
-                metrics = self._senders[i].sync(items, version).as_metrics()
-            except Exception as exc:
-                if len(self._channels) > 1:
-                    exc.add_note(f"(sending to engine {i} of {len(self._channels)})")
-                raise
-            for key, value in metrics.items():
-                total[key] = total.get(key, 0.0) + value if key.endswith("_s") else value
+        total = self.senders.send(lambda: items, version, bucket_bytes)
         total["sync/gather_s"] = total.get("sync/gather_s", 0.0) + export_s
         total["sync/total_s"] = total.get("sync/total_s", 0.0) + export_s
         return total
@@ -304,8 +276,7 @@ class MegatronTrainerWorker:
         return step
 
     def close(self) -> None:
-        for channel in self._channels:
-            channel.close()
+        self.senders.close()
         self.group.close()
 
 
