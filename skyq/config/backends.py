@@ -116,6 +116,7 @@ READS: dict[Backend, tuple[str, ...]] = {
     RolloutBackend.embedded: (
         "rollout.cuda_graphs",
         "rollout.fp8_codes_decode",
+        "checkpoint.rollout_checkpoint",
         # The embedded engine prefills a prompt's images; vLLM is not given them yet, so it refuses them.
         "task.image_key",
         "task.max_image_tokens",

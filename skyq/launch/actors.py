@@ -274,7 +274,11 @@ class EngineWorker:
         eos_token_id: int,
         cuda_graphs: bool = True,
         fp8_codes_decode: bool = True,
+        rollout_checkpoint: str | None = None,
     ) -> None:
+        """`rollout_checkpoint`: a checkpoint in the precision's wire format the engine boots from as
+        version 0 (the seed's two-checkpoint layout: the W4A16 release while the trainer starts from
+        its BF16 cast); None: it serves nothing until the first sync."""
         start = time.perf_counter()
         self.engine = EmbeddedEngine(
             model_cfg=model_cfg,
@@ -285,6 +289,8 @@ class EngineWorker:
             cuda_graphs=cuda_graphs,
             fp8_codes_decode=fp8_codes_decode,
         )
+        if rollout_checkpoint is not None:
+            self.engine.load_checkpoint(rollout_checkpoint)
         self.expected = expected_units(build_plan(model_cfg, precision_cfg))
         self.resolution = resolve_on_device(precision_cfg, device)
         self.build_s = time.perf_counter() - start

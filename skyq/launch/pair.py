@@ -53,7 +53,7 @@ class PairSpec:
     eos_token_id: int
     """The task tokenizer's end of response: engines stop a sample there."""
     rollout_checkpoint: str | None = None
-    """`checkpoint.rollout_checkpoint`: a converted checkpoint a vLLM engine boots from."""
+    """`checkpoint.rollout_checkpoint`: a converted checkpoint the engines boot from (vLLM, embedded)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """`topology.parallel`: the Megatron trainer's layout."""
     trainer_gpus: int = 0
@@ -132,6 +132,7 @@ def embedded_engine_kwargs(spec: PairSpec, index: int) -> dict[str, Any]:
         "eos_token_id": spec.eos_token_id,
         "cuda_graphs": spec.rollout.cuda_graphs,
         "fp8_codes_decode": spec.rollout.fp8_codes_decode,
+        "rollout_checkpoint": spec.rollout_checkpoint,
     }
 
 

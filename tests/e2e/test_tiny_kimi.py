@@ -1,7 +1,8 @@
 """Kimi-K2.6's text recipe end to end at tiny scale on the CPU, as a user runs it:
 `recipe=kimi_k26_int4_qat_256gpu_text` with the tiny DeepSeek-V3 and the CPU overrides (what
 recipes/tiny_deepseek_int4_qat_cpu_kimi_text.yaml sets), the trainer starting from the BF16 cast of a
-converted W4A16 release (the seed's two-checkpoint layout), real Ray actors, every sync accounted."""
+converted W4A16 release and the engine booting from that release (the seed's two-checkpoint layout),
+real Ray actors, every sync accounted."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 from skyq.config.store import compose, to_object
+from skyq.launch.actors import EngineWorker
 from skyq.quant.plan import build_plan
+from skyq.sync.plan_wire import wire_digest
 from skyq.tools import convert_hf_to_int4, convert_moe_int4_to_bf16
 from skyq.trainer.native.tiny_checkpoint import ensure_tiny_checkpoint
 
@@ -64,9 +68,21 @@ def test_kimi_text_recipe_runs_on_the_cpu_from_the_bf16_cast_of_a_w4a16_release(
         == 0
     )
     assert convert_moe_int4_to_bf16.main(["--model-dir", str(release), "--output-dir", str(cast)]) == 0
+    # the engine boots from the W4A16 release itself (version 0), holding exactly its tensors
+    worker = EngineWorker(
+        model_cfg=cfg.model, precision_cfg=cfg.precision, device="cpu", seed=0, eos_token_id=0,
+        rollout_checkpoint=str(release),
+    )  # fmt: skip
+    shipped = {}
+    for shard in sorted(release.glob("*.safetensors")):
+        shipped.update(load_file(shard))
+    assert worker.weight_version() == 0 and worker.wire_digest() == wire_digest(shipped)
+    worker.close()
     runs = tmp_path / "runs"
+    with_release = [a for a in TINY_CPU if not a.startswith("checkpoint.rollout_checkpoint=")]
     args = [
-        f"recipe={RECIPE}", *TINY_CPU, *WARM_UP, f"checkpoint.hf_checkpoint={cast}", "algorithm.num_steps=2",
+        f"recipe={RECIPE}", *with_release, f"checkpoint.rollout_checkpoint={release}", *WARM_UP,
+        f"checkpoint.hf_checkpoint={cast}", "algorithm.num_steps=2",
         "algorithm.group_size=4", "algorithm.global_batch_size=16", "trainer.micro_batch_size=16",
         f"output_root={runs}", f"checkpoint.cache_dir={ROOT / '.skyq_cache'}", "logger.progress_bar=false",
         "logger.plot=false", "checkpoint.save_interval=0",
@@ -88,3 +104,4 @@ def test_kimi_text_recipe_runs_on_the_cpu_from_the_bf16_cast_of_a_w4a16_release(
     saved = json.loads((run_dir / "skyq_config.json").read_text())["config"]
     assert saved["model"]["family"] == "deepseek_v3" and saved["precision"]["name"] == "int4_qat"
     assert saved["checkpoint"]["hf_checkpoint"] == str(cast)
+    assert saved["checkpoint"]["rollout_checkpoint"] == str(release)
