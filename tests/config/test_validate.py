@@ -467,7 +467,6 @@ IGNORED_BY_EMBEDDED = [
     "trainer.moe_token_dispatcher=flex",
     "topology.parallel.ep=2",
     "rollout.gpu_memory_fraction=0.5",
-    "checkpoint.rollout_checkpoint=/ckpt/fp8",
 ]
 
 
