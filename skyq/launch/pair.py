@@ -117,6 +117,8 @@ def megatron_trainer_kwargs(spec: PairSpec) -> dict[str, Any]:
         "trainer_gpus": spec.trainer_gpus,
         # the peer ranks' actors get the trainer's non-secret variables (Ray logs runtime_env)
         "peer_env": split_worker_env(dict(spec.trainer.env))[0],
+        # the secret ones by name only: rank 0 hands their values on through owner-only files
+        "peer_secret_env_names": tuple(sorted(split_worker_env(dict(spec.trainer.env))[1])),
         "timeout_s": spec.rollout.weight_sync.worker_call_timeout_s,
     }
 

@@ -217,7 +217,11 @@ def test_two_rank_layouts_equal_world_size_one(world_one, spec, batch, layout):
     _, _, reference = world_one
     kwargs = megatron_trainer_kwargs(spec)
     kwargs["parallel_cfg"] = dataclasses.replace(spec.parallel, **LAYOUTS[layout])
-    worker = ray.remote(MegatronTrainerWorker).options(num_cpus=0, max_restarts=0).remote(**kwargs)
+    # a secret trainer variable rank 0 holds reaches the peer rank through its own owner-only file
+    # (start-up checks it arrived and fails naming the rank otherwise)
+    kwargs["peer_secret_env_names"] = ("SKYQ_TEST_PEER_SECRET",)
+    options = {"num_cpus": 0, "max_restarts": 0, "runtime_env": {"env_vars": {"SKYQ_TEST_PEER_SECRET": "s3"}}}
+    worker = ray.remote(MegatronTrainerWorker).options(**options).remote(**kwargs)
     try:
         assert ray.get(worker.build_seconds.remote()) > 0
         # the export is a collective of both ranks: the same wire as world size 1's from the same weights

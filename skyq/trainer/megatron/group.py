@@ -50,7 +50,21 @@ def open_world_store(world_size: int, timeout_s: float, host: str = "127.0.0.1")
 class MegatronRank:
     """Rank r > 0 of the world (a Ray actor): a `MegatronTrainer` joined to rank 0's store."""
 
-    def __init__(self, *, store_port: int, world_size: int, timeout_s: float, **trainer_kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        store_port: int,
+        world_size: int,
+        timeout_s: float,
+        env_file: str | None = None,
+        **trainer_kwargs: Any,
+    ) -> None:
+        """`env_file`: the trainer's secret environment variables, handed over as the driver hands
+        them to rank 0 (`skyq.launch.worker_env`: an owner-only file, never Ray's logged runtime_env),
+        set before anything is built."""
+        from skyq.launch.worker_env import apply_env_file
+
+        apply_env_file(env_file)
         store = dist.TCPStore(
             "127.0.0.1", store_port, world_size, False, timeout=timedelta(seconds=timeout_s)
         )
@@ -65,6 +79,12 @@ class MegatronRank:
     def ready(self) -> bool:
         """True once constructed (a call that surfaces the constructor's error)."""
         return True
+
+    def missing_env(self, names: list[str]) -> list[str]:
+        """Which of `names` this rank's process lacks (rank 0 checks its secret variables arrived)."""
+        import os
+
+        return [name for name in names if name not in os.environ]
 
     def drain_weights(self) -> int:
         """Take part in one weight export (a collective) and drop what it yields; the tensor count."""
@@ -84,30 +104,42 @@ class RankGroup:
         timeout_s: float,
         peer_options: dict[str, Any],
         trainer_kwargs: dict[str, Any],
+        secret_env_names: tuple[str, ...] = (),
     ) -> None:
         """Start the peers, then build rank 0 while they build theirs (they meet in
-        init_process_group). `peer_options`: the Ray options of each peer actor."""
+        init_process_group). `peer_options`: the Ray options of each peer actor. `secret_env_names`:
+        the trainer's secret variables (set in this process by the driver's env file): each peer gets
+        them through its own owner-only file, and start-up fails if one did not arrive."""
         self.world_size = world_size
         self.peers: list[Any] = []
+        self._env_files: list = []
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megatron-rank0")
         self.trainer: MegatronTrainer | None = None
         store = open_world_store(world_size, timeout_s)
         self._store = store  # rank 0 holds the world's store for the world's lifetime
         try:
             if world_size > 1:
+                import os
+
                 import ray
 
+                from skyq.launch.worker_env import write_env_file
+
+                secret = {name: os.environ[name] for name in secret_env_names if name in os.environ}
                 actor = ray.remote(MegatronRank).options(**peer_options)
-                self.peers = [
-                    actor.remote(
-                        rank=r,
-                        store_port=store.port,
-                        world_size=world_size,
-                        timeout_s=timeout_s,
-                        **trainer_kwargs,
+                for r in range(1, world_size):
+                    env_file = write_env_file(secret, f"megatron-rank{r}")
+                    self._env_files.append(env_file)
+                    self.peers.append(
+                        actor.remote(
+                            rank=r,
+                            store_port=store.port,
+                            world_size=world_size,
+                            timeout_s=timeout_s,
+                            env_file=None if env_file is None else str(env_file),
+                            **trainer_kwargs,
+                        )
                     )
-                    for r in range(1, world_size)
-                ]
             local = self._thread.submit(
                 lambda: MegatronTrainer(
                     rank=0, store=store, world_size=world_size, timeout_s=timeout_s, **trainer_kwargs
@@ -115,9 +147,24 @@ class RankGroup:
             )
             # A method call on each peer surfaces its constructor's error.
             self.trainer, _ = self._wait(local, [p.ready.remote() for p in self.peers], "start-up")
+            if secret_env_names and self.peers:
+                import ray
+
+                for rank, missing in enumerate(
+                    ray.get([p.missing_env.remote(list(secret_env_names)) for p in self.peers]), 1
+                ):
+                    if missing:
+                        raise MegatronRankError(
+                            f"rank {rank} of {world_size}: the trainer's secret variables {missing} did not reach it"
+                        )
         except BaseException:
             self.close()
             raise
+        finally:
+            from skyq.launch.worker_env import remove_env_file
+
+            for path in self._env_files:  # the peers deleted theirs on start; a failed start leaves none
+                remove_env_file(path)
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> tuple[Any, list[Any]]:
         """`MegatronTrainer.<method>(*args, **kwargs)` on every rank at once: (rank 0's result,

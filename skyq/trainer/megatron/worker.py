@@ -98,13 +98,15 @@ class MegatronTrainerWorker:
         ref_load: str | None = None,
         trainer_gpus: int = 0,
         peer_env: dict[str, str] | None = None,
+        peer_secret_env_names: tuple[str, ...] = (),
         timeout_s: float = 1800.0,
     ) -> None:
         """`parallel_cfg`: topology.parallel (dp None: resolved by `world_layout`). `load_path`:
         checkpoint.load, a trainer=megatron checkpoint (its trainer.pt or step directory) or a
         megatron dist-checkpoint directory the weights boot from instead of `checkpoint_path`.
         `peer_env`: environment variables of the peer ranks' actors (the trainer's non-secret
-        ones). `timeout_s` bounds every collective of the world (the worker-call deadline)."""
+        ones); `peer_secret_env_names`: the secret ones, which reach the peers as they reached this
+        actor (owner-only files, `RankGroup`). `timeout_s` bounds every collective of the world (the worker-call deadline)."""
         start = time.perf_counter()
         torch.manual_seed(seed)
         self.model_cfg, self.precision_cfg = model_cfg, precision_cfg
@@ -119,6 +121,7 @@ class MegatronTrainerWorker:
             world_size=self.world_size,
             timeout_s=timeout_s,
             peer_options=peer_options,
+            secret_env_names=tuple(peer_secret_env_names),
             trainer_kwargs={
                 "model_cfg": model_cfg,
                 "precision_cfg": precision_cfg,
