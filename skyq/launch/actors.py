@@ -29,7 +29,7 @@ from skyq.quant.strategies import get_strategy
 from skyq.rl.batch import RolloutBatch, Sample
 from skyq.rollout.embedded import EmbeddedEngine
 from skyq.sync.channel import Channel
-from skyq.sync.engine_senders import EngineSenders
+from skyq.sync.engine_senders import EngineSenders, SendsToEngines
 from skyq.sync.plan_wire import WireDigest, expected_units, plan_serializer, wire_digest
 from skyq.sync.receiver import WeightReceiver
 from skyq.sync.torch_dist import RECEIVER_RANK, TorchDistChannel, connect_store
@@ -43,7 +43,7 @@ def resolve_on_device(precision_cfg: PrecisionConfig, device: str) -> WorkerReso
     return resolve_worker(precision_cfg, capability)
 
 
-class TrainerWorker:
+class TrainerWorker(SendsToEngines):
     """The native trainer plus the sending end of the weight sync."""
 
     def __init__(
@@ -90,22 +90,6 @@ class TrainerWorker:
 
     def build_seconds(self) -> float:
         return self.build_s
-
-    def open_sync_store(self, timeout_s: float) -> int:
-        """One engine's rendezvous store on a free loopback port; its port (in engine order)."""
-        return self.senders.open_store(timeout_s)
-
-    def join_sync_group(self, sync_device: str) -> None:
-        """Form the two-rank group of every opened store, in engine order (each engine joins its own)."""
-        self.senders.join(sync_device)
-
-    def use_channel(self, channel: Channel) -> None:
-        """Send over `channel` (an in-process pair's sender end) instead of a torch.distributed group."""
-        self.senders.use(channel)
-
-    def abort_sync(self, reason: str) -> None:
-        """Wake the engines waiting on this sync, where the channel can (the in-process one can)."""
-        self.senders.abort(reason)
 
     def send_weights(self, version: int, bucket_bytes: int) -> dict[str, float]:
         """Serialize the current weights and send them as `version` to every engine of the group, one

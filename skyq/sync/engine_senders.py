@@ -84,3 +84,26 @@ class EngineSenders:
     def close(self) -> None:
         for channel in self.channels:
             channel.close()
+
+
+class SendsToEngines:
+    """The trainer protocol's sync-channel methods (`skyq.launch.protocols.TrainerWorkerApi`) for a
+    worker whose `senders` is an `EngineSenders`: every trainer backend's worker inherits them."""
+
+    senders: EngineSenders
+
+    def open_sync_store(self, timeout_s: float) -> int:
+        """One engine's rendezvous store on a free loopback port; its port (in engine order)."""
+        return self.senders.open_store(timeout_s)
+
+    def join_sync_group(self, sync_device: str) -> None:
+        """Form the two-rank group of every opened store, in engine order (each engine joins its own)."""
+        self.senders.join(sync_device)
+
+    def use_channel(self, channel: Channel) -> None:
+        """Send over `channel` (an in-process pair's sender end) instead of a torch.distributed group."""
+        self.senders.use(channel)
+
+    def abort_sync(self, reason: str) -> None:
+        """Wake the engines waiting on this sync, where the channel can (the in-process one can)."""
+        self.senders.abort(reason)

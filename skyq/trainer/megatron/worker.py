@@ -42,8 +42,7 @@ from skyq.quant.plan import build_plan
 from skyq.quant.strategies import get_strategy
 from skyq.rl.batch import RolloutBatch
 from skyq.rl.grpo import mismatch_metrics, policy_loss
-from skyq.sync.channel import Channel
-from skyq.sync.engine_senders import EngineSenders
+from skyq.sync.engine_senders import EngineSenders, SendsToEngines
 from skyq.sync.plan_wire import WireDigest, plan_serializer, wire_digest
 from skyq.sync.sender import WeightItem
 from skyq.trainer.megatron.group import RankGroup
@@ -78,7 +77,7 @@ def world_size(parallel_cfg: ParallelConfig) -> int:
     return parallel_cfg.tp * parallel_cfg.pp * parallel_cfg.cp * parallel_cfg.dp
 
 
-class MegatronTrainerWorker:
+class MegatronTrainerWorker(SendsToEngines):
     """The Megatron trainer's world (rank 0 here, the rest as Ray actors) plus the sending end of
     the weight sync."""
 
@@ -152,22 +151,6 @@ class MegatronTrainerWorker:
 
     def build_seconds(self) -> float:
         return self.build_s
-
-    # the sync channels (rank 0 only) -------------------------------------------------------------
-
-    def open_sync_store(self, timeout_s: float) -> int:
-        """One engine's rendezvous store on a free loopback port; its port (`TrainerWorker`'s)."""
-        return self.senders.open_store(timeout_s)
-
-    def join_sync_group(self, sync_device: str) -> None:
-        """Form the two-rank sync group of every opened store, in engine order."""
-        self.senders.join(sync_device)
-
-    def use_channel(self, channel: Channel) -> None:
-        self.senders.use(channel)
-
-    def abort_sync(self, reason: str) -> None:
-        self.senders.abort(reason)
 
     # weights -------------------------------------------------------------------------------------
 
