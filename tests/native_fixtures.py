@@ -66,3 +66,36 @@ def make_trainer(run_cfg, tiny_checkpoint):
         )  # fmt: skip
 
     return make
+
+
+def sync_in_process(trainer, engine, version: int, weights=None):
+    """Trainer worker -> engine worker over the in-process transport (the sender on this thread, the
+    receiver on another); returns (sender error, receiver error), None where that side succeeded."""
+    import threading
+
+    from skyq.sync.errors import SyncError
+    from skyq.sync.in_process import in_process_pair
+    from skyq.sync.receiver import WeightReceiver
+    from skyq.sync.sender import WeightSender
+
+    send_end, recv_end = in_process_pair(timeout_s=10.0)
+    errors: dict[str, SyncError] = {}
+
+    def receive() -> None:
+        try:
+            WeightReceiver(recv_end, engine.expected, verify_checksum=True).receive(
+                current_version=engine.engine.weight_version, commit=engine.engine.load_weights
+            )
+        except SyncError as exc:
+            errors["recv"] = exc
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    try:
+        items = weights if weights is not None else trainer.trainer.hf_weight_items()
+        WeightSender(send_end, serialize=trainer.serialize, bucket_bytes=4096).sync(items, version)
+    except SyncError as exc:
+        errors["send"] = exc
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    return errors.get("send"), errors.get("recv")

@@ -5,11 +5,10 @@ release, the trainer from its BF16 cast)."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from deepseek_fixtures import serialize_all
+from native_fixtures import sync_in_process
 
 from skyq.launch.actors import EngineWorker, TrainerWorker
 from skyq.rl.batch import collate
@@ -17,10 +16,7 @@ from skyq.rl.grpo import mismatch_metrics
 from skyq.rl.tasks import build_task
 from skyq.rl.tokenizer import EOS_ID
 from skyq.rollout.embedded import WeightLoadError
-from skyq.sync.errors import SyncError, SyncRefused
-from skyq.sync.in_process import in_process_pair
-from skyq.sync.receiver import WeightReceiver
-from skyq.sync.sender import WeightSender
+from skyq.sync.errors import SyncRefused
 from skyq.tools import convert_hf_to_int4, convert_moe_int4_to_bf16
 
 PRECISIONS = ["bf16", "fp8_blockwise", "mxfp8", "int4_qat"]
@@ -46,37 +42,12 @@ def _workers(cfg, checkpoint: str) -> tuple[TrainerWorker, EngineWorker]:
     return trainer, engine
 
 
-def _sync(trainer: TrainerWorker, engine: EngineWorker, version: int, weights=None):
-    """Trainer -> engine over the in-process transport; returns (sender error, receiver error)."""
-    send_end, recv_end = in_process_pair(timeout_s=10.0)
-    errors: dict[str, SyncError] = {}
-
-    def receive() -> None:
-        try:
-            WeightReceiver(recv_end, engine.expected, verify_checksum=True).receive(
-                current_version=engine.engine.weight_version, commit=engine.engine.load_weights
-            )
-        except SyncError as exc:
-            errors["recv"] = exc
-
-    thread = threading.Thread(target=receive)
-    thread.start()
-    try:
-        items = weights if weights is not None else trainer.trainer.hf_weight_items()
-        WeightSender(send_end, serialize=trainer.serialize, bucket_bytes=4096).sync(items, version)
-    except SyncError as exc:
-        errors["send"] = exc
-    thread.join(timeout=30)
-    assert not thread.is_alive()
-    return errors.get("send"), errors.get("recv")
-
-
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_the_sync_lands_bit_for_bit_with_the_router_bias_in_fp32(
     deepseek_cfg, deepseek_checkpoint, precision
 ):
     trainer, engine = _workers(deepseek_cfg(precision), deepseek_checkpoint)
-    assert _sync(trainer, engine, 1) == (None, None)
+    assert sync_in_process(trainer, engine, 1) == (None, None)
     first = engine.wire_digest()
     assert first == trainer.serialized_digest() and engine.engine.weight_version == 1
     assert first[BIAS][0] == "float32"
@@ -84,12 +55,12 @@ def test_the_sync_lands_bit_for_bit_with_the_router_bias_in_fp32(
     with torch.no_grad():  # new weights: the next sync must carry them
         for p in trainer.trainer.model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    assert _sync(trainer, engine, 2) == (None, None)
+    assert sync_in_process(trainer, engine, 2) == (None, None)
     assert engine.wire_digest() == trainer.serialized_digest() != first
     # a sync without the router bias is refused by the accounting; the engine keeps version 2
     held = engine.wire_digest()
     dropped = [(n, t) for n, t in trainer.trainer.hf_weights() if n != BIAS]
-    send_err, recv_err = _sync(trainer, engine, 3, weights=dropped)
+    send_err, recv_err = sync_in_process(trainer, engine, 3, weights=dropped)
     for err in (send_err, recv_err):
         assert isinstance(err, SyncRefused) and f"`{BIAS}` was dropped" in str(err), err
     assert engine.engine.weight_version == 2 and engine.wire_digest() == held

@@ -5,46 +5,17 @@ the same images, scores the engine's samples as the engine did."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
+from native_fixtures import sync_in_process
 
 from skyq.launch.actors import EngineWorker, TrainerWorker
 from skyq.quant.layouts import vision
 from skyq.rl.batch import collate
 from skyq.rl.grpo import mismatch_metrics
-from skyq.sync.errors import SyncError, SyncRefused
-from skyq.sync.in_process import in_process_pair
-from skyq.sync.receiver import WeightReceiver
-from skyq.sync.sender import WeightSender
+from skyq.sync.errors import SyncRefused
 
 PROJECTOR_OUT = "mm_projector.proj.2.weight"
-
-
-def _sync(trainer: TrainerWorker, engine: EngineWorker, version: int, weights=None):
-    """Trainer -> engine over the in-process transport; returns (sender error, receiver error)."""
-    send_end, recv_end = in_process_pair(timeout_s=10.0)
-    errors: dict[str, SyncError] = {}
-
-    def receive() -> None:
-        try:
-            WeightReceiver(recv_end, engine.expected, verify_checksum=True).receive(
-                current_version=engine.engine.weight_version, commit=engine.engine.load_weights
-            )
-        except SyncError as exc:
-            errors["recv"] = exc
-
-    thread = threading.Thread(target=receive)
-    thread.start()
-    try:
-        items = weights if weights is not None else trainer.trainer.hf_weight_items()
-        WeightSender(send_end, serialize=trainer.serialize, bucket_bytes=4096).sync(items, version)
-    except SyncError as exc:
-        errors["send"] = exc
-    thread.join(timeout=30)
-    assert not thread.is_alive()
-    return errors.get("send"), errors.get("recv")
 
 
 @pytest.mark.parametrize("precision", ["bf16", "int4_qat"])
@@ -58,7 +29,7 @@ def test_the_sync_carries_the_tower_and_projector_in_bf16(vl_cfg, dots_dir, prec
     engine = EngineWorker(
         model_cfg=cfg.model, precision_cfg=cfg.precision, device="cpu", seed=0, eos_token_id=2
     )
-    assert _sync(trainer, engine, 1) == (None, None)
+    assert sync_in_process(trainer, engine, 1) == (None, None)
     digest = engine.wire_digest()
     assert digest == trainer.serialized_digest() and engine.engine.weight_version == 1
     towers = {name: d for name, d in digest.items() if vision.is_vision_name(name)}
@@ -69,7 +40,7 @@ def test_the_sync_carries_the_tower_and_projector_in_bf16(vl_cfg, dots_dir, prec
     assert torch.equal(held, dict(trainer.trainer.hf_weights())[PROJECTOR_OUT])
     # a sync that drops a projector tensor is refused by the accounting; the engine keeps version 1
     dropped = [(n, t) for n, t in trainer.trainer.hf_weights() if n != PROJECTOR_OUT]
-    send_err, recv_err = _sync(trainer, engine, 2, weights=dropped)
+    send_err, recv_err = sync_in_process(trainer, engine, 2, weights=dropped)
     for err in (send_err, recv_err):
         assert isinstance(err, SyncRefused) and f"`{PROJECTOR_OUT}` was dropped" in str(err), err
     assert engine.engine.weight_version == 1 and engine.wire_digest() == digest
