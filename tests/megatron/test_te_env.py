@@ -13,6 +13,7 @@ import types
 import pytest
 import torch
 
+from skyq.config.enums import Precision
 from skyq.config.schema import PrecisionConfig
 from skyq.trainer.megatron import te_env
 
@@ -64,3 +65,16 @@ def test_check_compares_the_imported_recipe_with_the_env(monkeypatch, value, pow
         with pytest.raises(te_env.TeEnvironmentError, match="different grid"):
             te_env.check({te_env.FP32_SCALES: value})
     te_env.check({})  # bf16 / int4: nothing asked, nothing checked
+
+
+def test_a_recipe_te_cannot_run_on_this_gpu_is_refused_not_emulated():
+    """MXFP8 on a Hopper GPU: skyq's trainers emulate it when asked, TE cannot, so the Megatron
+    worker refuses before TE is imported, naming the fix."""
+    mxfp8 = PrecisionConfig(name=Precision.mxfp8, emulate=True)
+    with pytest.raises(te_env.TeEnvironmentError, match=r"mxfp8 recipe.*9\.0.*Fix: precision=fp8_blockwise"):
+        te_env.env_for_capability(mxfp8, (9, 0))
+    assert te_env.env_for_capability(mxfp8, (10, 0)) == te_env.env_for_capability(
+        PrecisionConfig(name=Precision.mxfp8), (10, 0)
+    )
+    blockwise = te_env.env_for_capability(PrecisionConfig(name=Precision.fp8_blockwise), (9, 0))
+    assert set(blockwise) == {te_env.FP32_SCALES}

@@ -36,8 +36,23 @@ def trainer_env(precision_cfg: PrecisionConfig, device: torch.device) -> dict[st
     without a TE recipe)."""
     if device.type != "cuda" or Precision(precision_cfg.name) not in FP8_PRECISIONS:
         return {}
-    capability = torch.cuda.get_device_capability(device)
+    return env_for_capability(precision_cfg, torch.cuda.get_device_capability(device))
+
+
+def env_for_capability(precision_cfg: PrecisionConfig, capability: tuple[int, int]) -> dict[str, str]:
+    """The trainer environment for an FP8 precision on a GPU of `capability`. Refuses a recipe this
+    GPU cannot run natively: `precision.emulate` is exact emulation in skyq's own (torch) trainer and
+    engine, but Transformer Engine has no emulation, so a Megatron worker would fail inside TE's
+    first GEMM (MXFP8BlockScaling needs SM100+) instead of here."""
     resolution = resolve_worker(precision_cfg, capability)
+    if resolution.emulated:
+        raise TeEnvironmentError(
+            f"precision={Precision(precision_cfg.name).value} resolves to the {resolution.fp8_recipe.value} recipe, "
+            f"which compute capability {capability[0]}.{capability[1]} lacks; precision.emulate=true runs it "
+            "as exact emulation in skyq's own trainer, but trainer=megatron computes through Transformer "
+            "Engine, which has no emulation. Fix: precision=fp8_blockwise on this GPU, or trainer=torch "
+            "with precision.emulate=true"
+        )
     return dict(get_strategy(precision_cfg).env_vars(resolution.fp8_recipe)["trainer"])
 
 
