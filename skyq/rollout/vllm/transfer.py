@@ -32,6 +32,7 @@ from vllm.model_executor.model_loader.reload.layerwise import (
 )
 
 from skyq.rollout.vllm.compat import (
+    checkpoint_copies,
     is_deferred_attention_layer,
     layer_groups,
     repack_cpu_moe,
@@ -75,11 +76,17 @@ class SkyqUpdateInfo(WeightTransferUpdateInfo):
 
 
 def loadable_numel(layer: torch.nn.Module) -> int:
-    """Elements a checkpoint fills in `layer` (checkpoint format): its loadable tensors, less
-    non-persistent buffers (computed, e.g. RoPE's cos/sin cache) and a vocabulary's padding rows."""
+    """Elements a checkpoint fills in `layer` (checkpoint format), as vLLM's reload counts them: its
+    loadable tensors, each times the checkpoint tensors that fill it (`compat.checkpoint_copies`: 0
+    for W4A16 act-order tensors no checkpoint without act order carries), less non-persistent buffers
+    (computed, e.g. RoPE's cos/sin cache) and a vocabulary's padding rows."""
     params, buffers = get_layerwise_info(layer).restore_metadata
     skip = skip_load_tensors() | set(layer._non_persistent_buffers_set)
-    total = sum(tensor_load_numel(t) for n, t in (params | buffers).items() if n not in skip)
+    total = sum(
+        tensor_load_numel(t) * checkpoint_copies(layer, n)
+        for n, t in (params | buffers).items()
+        if n not in skip
+    )
     shard = getattr(layer, "shard_indices", None)  # VocabParallelEmbedding / ParallelLMHead
     if shard is not None and total:
         rows = (shard.org_vocab_end_index - shard.org_vocab_start_index) + (

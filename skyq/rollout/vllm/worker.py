@@ -29,7 +29,6 @@ from skyq.rollout.vllm.engine_args import (
     engine_env,
     engine_kwargs,
     refuse_on_cpu,
-    refuse_on_gpu,
 )
 from skyq.sync.errors import SyncError
 
@@ -67,7 +66,6 @@ def check_engine_config(
     if problem is not None:
         raise ValueError(problem)
     if device != "cpu":
-        refuse_on_gpu(precision.name)
         return
     refuse_on_cpu(precision.name)
     check_cpu_layout(rollout)
