@@ -21,6 +21,7 @@ from skyq.config.backends import ignored_setting_errors
 from skyq.config.checkpoint_rules import checkpoint_errors
 from skyq.config.enums import (
     Device,
+    Fp8Recipe,
     LoggerBackend,
     Placement,
     Precision,
@@ -30,7 +31,7 @@ from skyq.config.enums import (
     WeightSyncMode,
 )
 from skyq.config.resolve import resolve_transport
-from skyq.config.schema import TrainConfig
+from skyq.config.schema import PrecisionConfig, TrainConfig
 from skyq.config.shard_rules import ShardCheck, shard_checks, shard_errors
 
 
@@ -76,6 +77,7 @@ def validate(cfg: TrainConfig, *, run_here: bool = False) -> ValidationReport:
     report = ValidationReport()
     errors: list[str] = _range_errors(cfg)
     errors += _precision_errors(cfg)
+    errors += precision_env_conflicts(cfg.precision, trainer_env=cfg.trainer.env, rollout_env=cfg.rollout.env)
     errors += _model_errors(cfg)
     errors += _topology_errors(cfg)
     errors += _length_errors(cfg)
@@ -251,6 +253,40 @@ def _precision_errors(cfg: TrainConfig) -> list[str]:
         )
     if p.int4_group_size not in (32, 64, 128, 256):
         errors.append(f"precision.int4_group_size={p.int4_group_size} must be one of 32, 64, 128, 256.")
+    return errors
+
+
+def precision_env_conflicts(
+    precision: PrecisionConfig,
+    *,
+    trainer_env: dict[str, str],
+    rollout_env: dict[str, str],
+    recipes: tuple[Fp8Recipe, ...] = (Fp8Recipe.blockwise, Fp8Recipe.mxfp8),
+) -> list[str]:
+    """`trainer.env` / `rollout.env` entries that give a variable the precision's strategy sets (for any
+    FP8 recipe in `recipes` the workers may resolve) another value: the trainer and the engine would
+    then quantize on different grids (e.g. VLLM_USE_DEEP_GEMM_E8M0=1 rounds fp32 scales to powers of
+    two), a mismatch that raises nothing."""
+    from skyq.quant.strategies import StrategyError, get_strategy
+
+    strategy, errors = get_strategy(precision), []
+    for recipe in recipes:
+        try:
+            env = strategy.env_vars(recipe)
+        except StrategyError:  # refused on the workers that resolve it, naming the fix
+            continue
+        for side, user in (("trainer", trainer_env), ("engine", rollout_env)):
+            key = "trainer.env" if side == "trainer" else "rollout.env"
+            for name, value in sorted(user.items()):
+                want = env[side].get(name)
+                line = (
+                    f"{key}.{name}={value} contradicts precision.name={precision.name.value} "
+                    f"precision.scale_format={precision.scale_format.value}, which sets {name}={want} "
+                    f"(trainer and engine would quantize on different grids). Fix: drop {key}.{name}, "
+                    "or change precision.scale_format"
+                )
+                if want is not None and want != value and line not in errors:
+                    errors.append(line)
     return errors
 
 

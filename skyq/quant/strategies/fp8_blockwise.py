@@ -140,10 +140,12 @@ class Fp8BlockwiseStrategy(QuantizationStrategy):
         - NVTE_FP8_BLOCK_SCALING_FP32_SCALES: TE's Float8BlockScaling rounds scales to powers of two
           unless this is "1"; it must match `scale_format` or the trainer's forward quantizes on a
           different grid than the weights pushed to the engine. Read at TE import time.
-        - VLLM_USE_DEEP_GEMM_E8M0: vLLM re-quantizes block scales to E8M0 for DeepGEMM when "1". On
-          Hopper that would round fp32 scales (mismatch) so it is "0"; on SM100+ (resolved recipe
-          mxfp8) DeepGEMM only takes E8M0, which pow2 scales convert to losslessly, so it is "1"
-          and fp32 scales are refused.
+        - VLLM_USE_DEEP_GEMM_E8M0: when "1", vLLM re-quantizes weight block scales to E8M0 for
+          DeepGEMM and quantizes activations with power-of-two scales (`per_token_group_quant_fp8`).
+          It follows `scale_format`: "1" for ue8m0, whose weight scales convert losslessly and whose
+          trainer quantizes activations with the same power-of-two rule (vLLM itself turns it on for
+          a `scale_fmt: ue8m0` checkpoint unless it is set); "0" for fp32, which E8M0 would round (a
+          mismatch). SM100+ DeepGEMM (resolved recipe mxfp8) only takes E8M0, so fp32 is refused there.
         """
         super().env_vars(resolved_recipe)
         if resolved_recipe is Fp8Recipe.mxfp8 and not self.pow2_scale:
@@ -152,8 +154,7 @@ class Fp8BlockwiseStrategy(QuantizationStrategy):
                 "fp8_recipe=mxfp8 (SM100+): Blackwell DeepGEMM and TE's MX-emulated blockwise need "
                 "power-of-two scales; set precision.scale_format=ue8m0"
             )
-        blackwell = resolved_recipe is Fp8Recipe.mxfp8
         return {
             "trainer": {"NVTE_FP8_BLOCK_SCALING_FP32_SCALES": "0" if self.pow2_scale else "1"},
-            "engine": {"VLLM_USE_DEEP_GEMM_E8M0": "1" if blackwell else "0"},
+            "engine": {"VLLM_USE_DEEP_GEMM_E8M0": "1" if self.pow2_scale else "0"},
         }

@@ -15,6 +15,7 @@ from typing import Any
 
 from skyq.config.enums import Fp8Recipe, Precision
 from skyq.config.schema import ModelConfig, PrecisionConfig, RolloutConfig
+from skyq.config.validate import precision_env_conflicts
 from skyq.quant.plan import build_plan
 from skyq.quant.strategies import get_strategy
 from skyq.rollout.vllm.transfer_names import BACKEND, EXTENSION
@@ -151,14 +152,19 @@ def engine_env(
 ) -> dict[str, str]:
     """Environment of an engine process: the strategy's engine variables, rollout.env, and vLLM's
     engine core in the same process as its driver (one engine per process; deadlines and shutdown
-    stay in skyq's hands)."""
+    stay in skyq's hands). A rollout.env entry contradicting the strategy's value for the recipe this
+    worker resolved is refused (`validate.precision_env_conflicts`)."""
     # A worker with no GPU leaves the recipe `auto` (nothing to resolve it for); the strategies'
     # engine variables select GPU kernels, so a CPU engine has none of them.
-    env = (
-        {}
-        if resolved_recipe is Fp8Recipe.auto
-        else dict(get_strategy(precision_cfg).env_vars(resolved_recipe)["engine"])
-    )
+    if resolved_recipe is Fp8Recipe.auto:
+        env = {}
+    else:
+        conflicts = precision_env_conflicts(
+            precision_cfg, trainer_env={}, rollout_env=rollout_cfg.env, recipes=(resolved_recipe,)
+        )
+        if conflicts:
+            raise ValueError(conflicts[0])
+        env = dict(get_strategy(precision_cfg).env_vars(resolved_recipe)["engine"])
     env.update(rollout_cfg.env)
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     return env
