@@ -320,8 +320,8 @@ def _topology_errors(cfg: TrainConfig) -> list[str]:
                 "Fix: set them to 0 or pick topology=1gpu/8gpu/256gpu."
             )
         if cfg.trainer.backend is TrainerBackend.megatron:
-            # Megatron ranks are Ray actors on the CPU too (gloo): any layout the experts divide;
-            # the trainer refuses what megatron-core cannot run there (pp, cp) when it starts.
+            # Megatron ranks are Ray actors on the CPU too (gloo): any layout the experts divide,
+            # pipeline stages included; the trainer refuses what it cannot run there (cp) when it starts.
             if Precision(cfg.precision.name) in (Precision.fp8_blockwise, Precision.mxfp8):
                 errors.append(
                     f"precision={Precision(cfg.precision.name).value} with trainer=megatron on topology.device=cpu: "
@@ -338,6 +338,7 @@ def _topology_errors(cfg: TrainConfig) -> list[str]:
                 errors.append(
                     f"topology.parallel.ep={par.ep} does not divide model.num_experts={m.num_experts}."
                 )
+            errors += _pipeline_errors(cfg)
         elif par.tp * par.pp * par.cp * par.ep * par.etp != 1:
             errors.append(
                 "topology.parallel sizes must all be 1 on topology.device=cpu with "
@@ -419,7 +420,9 @@ def _pipeline_errors(cfg: TrainConfig) -> list[str]:
         )
     middle_stages = par.pp - (first is not None) - (last is not None)
     rest = layers - (first or 0) - (last or 0)
-    if middle_stages <= 0 or rest < 0 or rest % middle_stages:
+    # megatron-core's rule: the layers left over split evenly over the stages left over (pp=2 with
+    # both counts set leaves none of either)
+    if rest < 0 or bool(rest) != bool(middle_stages) or (middle_stages and rest % middle_stages):
         return [
             f"topology.parallel: model.num_layers={layers} minus first_stage_layers={first} and "
             f"last_stage_layers={last} leaves {rest} layers for {middle_stages} pipeline stages "

@@ -132,11 +132,7 @@ def test_load_then_export_gives_back_the_checkpoint_at_world_size_2(tmp_path):
         for i, label in enumerate(dict.fromkeys(label for label, _, _ in layouts))
     }
     cases = [(CONFIGS[label], tp, ep, dirs[label]) for label, tp, ep in layouts]
-    pp_errors = run_ranks(world_size_two, 2, cases)
-    # and, after those, load_hf_checkpoint under pp=2 is refused
-    assert all("pipeline parallel size 2" in e and "topology.parallel.pp=1" in e for e in pp_errors), (
-        pp_errors
-    )
+    run_ranks(world_size_two, 2, cases)
 
 
 def test_te_names_are_the_golden_lists():

@@ -271,7 +271,6 @@ def test_export_items_stack_each_projection_of_the_routed_experts_in_the_layout_
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"parallel": {"pp": 2}}, "topology.parallel.pp=2"),
         ({"parallel": {"cp": 2}}, "topology.parallel.cp=2"),
         ({"parallel": {"tp": 2, "sequence_parallel": True}}, "set topology.parallel.etp=2"),
         ({"optimizer": {"cpu_offload": True}}, "trainer.optimizer.cpu_offload=true on topology.device=cpu"),

@@ -39,11 +39,24 @@ Each patch names the megatron-core version that needs it (0.16.1, the CPU pin) a
   importing `megatron.core.extensions.transformer_engine`, which succeeds without TE (it stands in
   a MagicMock for `te`), so `MLASelfAttention.__init__` runs `isinstance(linear_proj, TELinear)`
   with a MagicMock and raises TypeError: no MLA model builds.
+- `pipeline_parallel.schedules.torch` -> `CpuAllocatingTorch`. 0.16.1's schedules (every one of
+  them, `forward_backward_pipelining_without_interleaving` included) start with
+  `total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")`: no pipeline schedule runs.
+- `torch.cuda.synchronize` -> a no-op. 0.16.1's `P2PCommunicator._communicate` calls it after
+  every batched send / receive between pipeline stages (`batch_p2p_comm` and `batch_p2p_sync`,
+  both on by default; gloo's `batch_isend_irecv` itself works), and dist-checkpointing's save and
+  load call it; every CPU op is synchronous.
+- `LanguageModule.setup_embeddings_and_output_layer` runs with `Tensor.cuda` returning the tensor
+  itself. With tied embeddings and pp > 1, 0.16.1 copies the first stage's embedding into the last
+  stage's output layer by `weight.data = weight.data.cuda()` and an all-reduce over the embedding
+  group: on the CPU that line raised, so no tied model built in a pipeline. Only inside that call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import types
+from typing import Any
 
 import torch
 
@@ -128,6 +141,51 @@ def _move_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
     return tensor
 
 
+def _on_cpu(factory: Any) -> Any:
+    def make(*args: Any, **kwargs: Any) -> Any:
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    return make
+
+
+class CpuAllocatingTorch(types.ModuleType):
+    """`torch` as a megatron module that allocates on "cuda" unconditionally sees it on the CPU:
+    its tensor factories put such tensors on the CPU; everything else is torch's."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        for name in ("tensor", "zeros", "ones", "empty", "full"):
+            setattr(self, name, _on_cpu(getattr(torch, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+def _synchronize(device=None) -> None:
+    return None
+
+
+def _tensor_itself(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return self
+
+
+def _with_cpu_tensor_cuda(method: Any) -> Any:
+    """`method` with `torch.Tensor.cuda` returning the tensor itself while it runs."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        saved = torch.Tensor.cuda
+        torch.Tensor.cuda = _tensor_itself
+        try:
+            return method(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = saved
+
+    return run
+
+
 def _have_te() -> bool:
     import importlib.util
 
@@ -140,6 +198,8 @@ def apply() -> None:
     if _APPLIED or torch.cuda.is_available():
         return
     from megatron.core.fusions import fused_softmax
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer import utils as mcore_utils
@@ -154,12 +214,17 @@ def apply() -> None:
     torch.cuda.random.get_rng_state = _get_rng_state
     torch.cuda.set_rng_state = _set_rng_state
     torch.cuda.manual_seed = _manual_seed
+    torch.cuda.synchronize = _synchronize
     mcore_random._get_cuda_rng_state = _get_rng_state
     mcore_random._set_cuda_rng_state = _set_rng_state
     mcore_utils.get_default_causal_mask = _default_causal_mask
     fused_softmax.get_default_causal_mask = _default_causal_mask
     moe_utils.maybe_move_tensor_to_cpu = _move_to_cpu
     token_dispatcher.maybe_move_tensor_to_cpu = _move_to_cpu
+    schedules.torch = CpuAllocatingTorch()
+    LanguageModule.setup_embeddings_and_output_layer = _with_cpu_tensor_cuda(
+        LanguageModule.setup_embeddings_and_output_layer
+    )
     if not _have_te():
         if not hasattr(moe_utils, "te_general_gemm"):
             moe_utils.te_general_gemm = None

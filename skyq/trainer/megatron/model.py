@@ -59,6 +59,10 @@ def build_model(
     the CPU, `torch.manual_seed(seed)`: `use_cpu_initialization` draws each full weight from the CPU
     generator and keeps this rank's slice. The vocabulary is `model_cfg.vocab_size` exactly (Megatron
     core never pads it; it must divide by tp). Embeddings are tied iff `model_cfg.tie_word_embeddings`.
+    Under pipeline parallelism the stage is megatron's `parallel_state` position: the embedding on the
+    first stage, the final norm and output layer on the last, its decoder layers from the config's
+    first / last stage counts (`topology.parallel.first_stage_layers` / `last_stage_layers`); with tied
+    embeddings megatron gives the last stage a copy of the embedding as its output layer.
     `gradient_accumulation_fusion`: see `config.transformer_config` (None: where the GPU can).
     With bf16 compute (`config.bf16`) the caller wraps the model in megatron's `Float16Module`.
     """

@@ -16,10 +16,15 @@ batch's token count and DDP sums (not averages) the shares' gradients
 (`calculate_per_token_loss`), so the gradient is the one a world of one computes.
 
 Choices, and why:
-- A plain micro-batch loop (pp = 1) instead of megatron's `get_forward_backward_func`: its
-  no-pipelining schedule allocates on "cuda" unconditionally (0.16.1), and the loop plus
-  `finalize_model_grads` is what that schedule does at pp = 1. Pipeline and context parallel are
-  refused (`check_supported`).
+- Megatron's own schedule (`get_forward_backward_func`: no pipelining at pp = 1, the
+  non-interleaved 1F1B schedule at pp > 1) runs the micro-batches, for the update and for the
+  log-probs alike. The GRPO loss and the log-probs are computed on the last pipeline stage, which
+  then broadcasts the log-probs over its pipeline group, so every rank (rank 0, the first stage,
+  faces the loop) returns the same rows. The loss of a micro-batch is already divided by the
+  batch's token count, so the schedule scales nothing (`calculate_per_token_loss`) and the
+  gradients are finalized here (`finalize_model_grads`: DP reduction, sequence-parallel norms, the
+  tied embedding's gradient summed between the first and last stage), not by the schedule. Virtual
+  pipeline stages (interleaving) and context parallel are refused (`check_supported`).
 - The distributed optimizer always (one code path, and its checkpoint reshards across DP sizes);
   at dp = 1 it is megatron's plain mixed-precision optimizer with one shard.
 - Every DP rank runs the same number of micro-batches of the same size (the batch is padded with
@@ -33,7 +38,6 @@ import contextlib
 import dataclasses
 import os
 import sys
-import types
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -69,11 +73,6 @@ keeps the run's config, so its layout)."""
 def check_supported(*, parallel_cfg: ParallelConfig, optimizer_cfg: OptimizerConfig, device: str) -> None:
     """Refuse, with the reason, a layout or optimizer setting this trainer cannot run on `device`."""
     problems = []
-    if parallel_cfg.pp != 1:
-        problems.append(
-            f"topology.parallel.pp={parallel_cfg.pp}: trainer=megatron runs its micro-batches in a plain "
-            "loop, which has no pipeline schedule; use pp=1 (tp / ep / dp for the model's memory)"
-        )
     if parallel_cfg.cp != 1:
         problems.append(
             f"topology.parallel.cp={parallel_cfg.cp}: context parallel needs each sequence split across "
@@ -160,29 +159,6 @@ def _mixed_precision(model: torch.nn.Module) -> torch.nn.Module:
     return Float16Module(config, model) if config.bf16 or config.fp16 else model
 
 
-def _on_cpu(factory: Any) -> Any:
-    def make(*args: Any, **kwargs: Any) -> Any:
-        device = kwargs.get("device")
-        if device is not None and torch.device(device).type == "cuda":
-            kwargs["device"] = "cpu"
-        return factory(*args, **kwargs)
-
-    return make
-
-
-class _CpuAllocatingTorch(types.ModuleType):
-    """`torch` as a megatron module that allocates on "cuda" unconditionally sees it on the CPU:
-    its tensor factories put such tensors on the CPU; everything else is torch's."""
-
-    def __init__(self) -> None:
-        super().__init__("torch")
-        for name in ("tensor", "zeros", "ones", "empty", "full"):
-            setattr(self, name, _on_cpu(getattr(torch, name)))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-
 def optimizer_cpu_compat() -> None:
     """What megatron-core 0.16.1's optimizer and dist-checkpointing need on a torch without CUDA, on
     top of `cpu_compat.apply()` (the model's): their modules build small tensors with
@@ -196,10 +172,12 @@ def optimizer_cpu_compat() -> None:
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as mcore_optimizer
 
-    cpu_torch = _CpuAllocatingTorch()
+    from skyq.trainer.megatron import cpu_compat
+
+    cpu_compat.apply()  # also makes torch.cuda.synchronize a no-op
+    cpu_torch = cpu_compat.CpuAllocatingTorch()
     for module in (mcore_optimizer, clip_grads, mcore_utils):
         module.torch = cpu_torch
-    torch.cuda.synchronize = lambda device=None: None
 
 
 @contextlib.contextmanager
@@ -449,29 +427,82 @@ class MegatronTrainer:
 
     # compute ------------------------------------------------------------------------------------
 
-    def token_logprobs(self, model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-        """[B, T] fp32 log-prob of token t given tokens < t (0 at t = 0), at the sampling temperature:
-        `skyq.trainer.native.trainer.token_logprobs` on vocab-parallel logits.
-
-        Causal attention without a padding mask: the batch is right-padded, so a real token never
-        sees a pad; pad positions get log-probs no loss reads."""
+    def token_logprobs(self, logits: Tensor, input_ids: Tensor) -> Tensor:
+        """[B, T] fp32 log-prob of token t given tokens < t (0 at t = 0), at the sampling temperature,
+        from the model's [B, T, V / tp] logits: `skyq.trainer.native.trainer.token_logprobs` on
+        vocab-parallel logits (TP never gathers the vocabulary)."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        logits = model(
-            input_ids=input_ids, position_ids=position_ids_of(attention_mask), attention_mask=None
-        )  # [B, T, V / tp]
         scaled = (logits[:, :-1].float() / self.temperature).transpose(0, 1).contiguous()
         target = input_ids[:, 1:].transpose(0, 1).contiguous()
         logp = -vocab_parallel_cross_entropy(scaled, target).transpose(0, 1)
         return F.pad(logp, (1, 0))
 
+    def _schedule(
+        self,
+        model: torch.nn.Module,
+        share: RolloutBatch,
+        *,
+        forward_only: bool,
+        loss_of: Any = None,
+    ) -> Tensor:
+        """Run `share`'s micro-batches through megatron's schedule; the [rows, T] token log-probs
+        of the share (on every stage of the pipeline: the last stage computes and broadcasts them).
+
+        `loss_of(index, micro, logp)` (with a backward, `forward_only=False`): the micro-batch's
+        loss, computed on the last stage. Causal attention without a padding mask: the batch is
+        right-padded, so a real token never sees a pad; pad positions get log-probs no loss reads."""
+        from megatron.core import parallel_state
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        size = self.micro_batch_size
+        micros = [share.slice(first, first + size) for first in range(0, len(share), size)]
+        rows: list[Tensor] = []
+
+        def forward_step(data_iterator: Iterator, module: torch.nn.Module) -> tuple[Tensor, Any]:
+            index, micro = next(data_iterator)
+            ids, attn = micro.input_ids.to(self.device), micro.attention_mask.to(self.device)
+            output = module(input_ids=ids, position_ids=position_ids_of(attn), attention_mask=None)
+
+            def loss_func(logits: Tensor) -> tuple[Tensor, Tensor, dict]:
+                logp = self.token_logprobs(logits, ids)
+                rows.append(logp.detach())
+                loss = logits.new_zeros(()) if loss_of is None else loss_of(index, micro, logp)
+                return loss, torch.ones((), dtype=torch.int, device=logits.device), {}
+
+            return output, loss_func
+
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(enumerate(micros)),
+            model=[model],
+            num_microbatches=len(micros),
+            seq_length=share.input_ids.shape[1],
+            micro_batch_size=size,
+            forward_only=forward_only,
+        )
+        if self.parallel_cfg.pp == 1:
+            return torch.cat(rows).cpu()
+        if parallel_state.is_pipeline_last_stage():
+            logp = torch.cat(rows).contiguous()
+        else:
+            logp = torch.empty(share.input_ids.shape, dtype=torch.float32, device=self.device)
+        dist.broadcast(
+            logp,
+            parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
+        return logp.cpu()
+
     def _share(self, batch: RolloutBatch) -> tuple[RolloutBatch, int, int]:
         """This DP rank's rows of `batch` padded to equal shares (and, with sequence parallel, to a
-        multiple of tp tokens): (share, first row, real rows of the share)."""
+        multiple of tp tokens; under pipeline parallelism to whole micro-batches, the shape every
+        stage sends the next): (share, first row, real rows of the share)."""
         columns = batch.input_ids.shape[1]
         if self.parallel_cfg.sequence_parallel:
             columns = _round_up(columns, self.parallel_cfg.tp)
-        rows = _round_up(len(batch), self.dp_size)
+        per_rank = self.micro_batch_size if self.parallel_cfg.pp > 1 else 1
+        rows = _round_up(len(batch), self.dp_size * per_rank)
         padded = pad_rows(batch, rows, columns)
         per = rows // self.dp_size
         start = self.dp_rank * per
@@ -489,12 +520,8 @@ class MegatronTrainer:
         share, start, real = self._share(batch)
         self.model.eval()
         refresh_fp8_weight_caches(self.model)
-        rows = []
-        for first in range(0, len(share), self.micro_batch_size):
-            micro = share.slice(first, first + self.micro_batch_size)
-            ids, attn = micro.input_ids.to(self.device), micro.attention_mask.to(self.device)
-            rows.append(self.token_logprobs(self.model, ids, attn).cpu())
-        return {"dp_rank": self.dp_rank, "start": start, "logp": torch.cat(rows)[:real, : input_ids.shape[1]]}
+        logp = self._schedule(self.model, share, forward_only=True)
+        return {"dp_rank": self.dp_rank, "start": start, "logp": logp[:real, : input_ids.shape[1]]}
 
     def train_step(self, batch: RolloutBatch) -> dict[str, Any]:
         """This rank's part of one GRPO update on `batch` (the whole batch; this rank takes its DP
@@ -511,23 +538,22 @@ class MegatronTrainer:
         refresh_fp8_weight_caches(self.model)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        rows, ref_rows = [], []
-        for first in range(0, len(share), self.micro_batch_size):
-            micro = share.slice(first, first + self.micro_batch_size)
-            ids, attn = micro.input_ids.to(self.device), micro.attention_mask.to(self.device)
-            logp = self.token_logprobs(self.model, ids, attn)
-            ref_logp = None
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref_logp = self.token_logprobs(self.ref_model, ids, attn)
-                ref_rows.append(ref_logp.cpu())
+        ref = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref = self._schedule(self.ref_model, share, forward_only=True)
+        size = self.micro_batch_size
+
+        def loss_of(index: int, micro: RolloutBatch, logp: Tensor) -> Tensor:
+            ref_logp = None if ref is None else ref[index * size : index * size + len(micro)].to(self.device)
             loss, _ = policy_loss(
                 logp, logp.detach(), micro.rollout_logprobs.to(self.device), micro.advantages.to(self.device),
                 micro.response_mask.to(self.device), ref_logp=ref_logp, loss_normalizer=num_tokens,
                 with_metrics=False, **loss_kwargs(self.algorithm_cfg),
             )  # fmt: skip
-            loss.backward()
-            rows.append(logp.detach().cpu())
+            return loss
+
+        logp = self._schedule(self.model, share, forward_only=False, loss_of=loss_of)
         # DP reduction of the grad buffers, sequence-parallel norms across TP, expert-bias updates.
         finalize_model_grads([self.model])
         lr = learning_rate(self.optimizer_cfg, self.algorithm_cfg, self.step)
@@ -540,10 +566,10 @@ class MegatronTrainer:
                 f"rank {self.rank}: megatron's optimizer skipped step {self.step} (non-finite gradients)"
             )
         self.step += 1
-        logp = torch.cat(rows)[:real, : batch.input_ids.shape[1]]
-        ref = torch.cat(ref_rows)[:real, : batch.input_ids.shape[1]] if ref_rows else None
+        columns = batch.input_ids.shape[1]
         return {
-            "dp_rank": self.dp_rank, "start": start, "logp": logp, "ref_logp": ref,
+            "dp_rank": self.dp_rank, "start": start, "logp": logp[:real, :columns],
+            "ref_logp": None if ref is None else ref[:real, :columns],
             "grad_norm": float(grad_norm), "lr": lr, "step": self.step,
         }  # fmt: skip
 
