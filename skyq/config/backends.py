@@ -131,6 +131,7 @@ READS: dict[Backend, tuple[str, ...]] = {
         "rollout.max_num_seqs",
         "rollout.kv_cache_bytes",
         "rollout.enforce_eager",
+        "rollout.engine_core_process",
         "rollout.weight_sync.mode",
         "checkpoint.rollout_checkpoint",
     ),

@@ -270,6 +270,8 @@ class RolloutConfig:
     """vLLM: KV-cache size in bytes (None: gpu_memory_fraction of the device; on a CPU, of host memory)."""
     enforce_eager: bool = True
     """vLLM: run eagerly (no torch.compile, no CUDA graphs): boots in seconds; false for decode speed."""
+    engine_core_process: bool = False
+    """vLLM: run the engine core in a child process of the engine actor (V1 multiprocessing: scheduling overlaps the forward); false: in the actor's own process."""
     temperature: float = bounded(1.0, gt=0)
     """Sampling temperature."""
     top_p: float = bounded(1.0, gt=0, le=1)

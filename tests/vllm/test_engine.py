@@ -15,14 +15,17 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import pytest
 import torch
 from safetensors.torch import load_file
+from vllm import envs
+from vllm.v1.engine.core_client import SyncMPClient
 from vllm_sync import SyncTrainer, perturbed
 
 from skyq.config.enums import Precision
 from skyq.config.schema import ModelConfig, PrecisionConfig, RolloutConfig, TaskConfig
 from skyq.rollout.vllm import transfer
-from skyq.rollout.vllm.engine import VllmEngine
+from skyq.rollout.vllm.engine import NO_WEIGHTS, VllmEngine
 from skyq.rollout.vllm.engine_args import VllmOptions, engine_kwargs
 from skyq.sync.errors import SyncError
+from skyq.sync.plan_wire import wire_digest
 from skyq.sync.sender import WeightSender
 from skyq.trainer.native.model import write_hf_checkpoint
 from skyq.trainer.native.tiny_checkpoint import ensure_tiny_checkpoint
@@ -70,7 +73,7 @@ def setup(tmp_path_factory):
     stats = trainer.sync(list(new.items()), version=1)
     reference = _engine(str(synced))
     yield {"engine": engine, "trainer": trainer, "reference": reference, "before": before,
-           "weights": weights, "new": new, "stats": stats}  # fmt: skip
+           "weights": weights, "new": new, "stats": stats, "base": base}  # fmt: skip
     engine.shutdown()
     reference.shutdown()
 
@@ -199,3 +202,29 @@ def test_stale_prefix_cache_without_the_reset(setup, monkeypatch):
     synced = answer()  # the reset is back: the first answer after the sync is computed afresh
     engine.llm.reset_prefix_cache()
     assert synced == answer()
+
+
+def test_engine_core_in_its_own_process_takes_an_accounted_sync(setup, monkeypatch):
+    """`rollout.engine_core_process`: vLLM's engine core in a child process (V1 multiprocessing). An
+    engine booted there with dummy weights takes a sync through the same RPCs (by name, plain data over
+    vLLM's msgpack, no pickle) and then equals the in-process reference booted on the synced weights;
+    its first-sync digest comes back as the trainer computes it (tuples, not msgpack's lists)."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    envs.disable_envs_cache()  # an in-process engine core cached the environment in this process
+    kwargs = engine_kwargs(
+        model_path=str(setup["base"]), model_cfg=MODEL, precision_cfg=PRECISION, rollout_cfg=RolloutConfig(),
+        seed=0, options=VllmOptions(max_model_len=256, max_num_seqs=8, kv_cache_bytes=64 << 20, dummy_weights=True),
+    )  # fmt: skip
+    engine = VllmEngine(llm_kwargs=kwargs, model_cfg=MODEL, precision_cfg=PRECISION)
+    try:
+        assert isinstance(engine.llm.llm_engine.engine_core, SyncMPClient)
+        trainer = Trainer(engine)
+        assert engine.weight_version() == NO_WEIGHTS
+        assert trainer.sync(list(setup["new"].items()), version=1)["version"] == 1
+        assert engine.weight_version() == 1
+        assert _greedy(engine) == _greedy(setup["reference"])
+        assert engine.weight_checksums() == setup["reference"].weight_checksums()
+        assert engine.first_wire_digest() == wire_digest(setup["new"])
+    finally:
+        engine.shutdown()
+        envs.disable_envs_cache()

@@ -14,7 +14,7 @@ from skyq.config.store import compose, to_object
 from skyq.config.validate import ConfigValidationError, validate
 from skyq.quant.fake_quant import activation_fake_quant
 from skyq.rollout.vllm import worker
-from skyq.rollout.vllm.engine_args import engine_env
+from skyq.rollout.vllm.engine_args import MULTIPROCESSING, engine_env
 
 KEY = "VLLM_USE_DEEP_GEMM_E8M0"
 
@@ -81,3 +81,13 @@ def test_the_engine_worker_applies_its_own_resolution_before_importing_vllm(monk
         worker.VllmEngineWorker(
             precision_cfg=_fp8(ScaleFormat.fp32), rollout_cfg=RolloutConfig(env={KEY: "1"}), **args
         )
+
+
+def test_engine_core_process_key_sets_vllm_multiprocessing_and_owns_it():
+    bf16 = PrecisionConfig(name=Precision.bf16)
+    assert engine_env(bf16, Fp8Recipe.auto, RolloutConfig())[MULTIPROCESSING] == "0"
+    assert engine_env(bf16, Fp8Recipe.auto, RolloutConfig(engine_core_process=True))[MULTIPROCESSING] == "1"
+    with pytest.raises(
+        ValueError, match=rf"^rollout.env.{MULTIPROCESSING}=1 contradicts rollout.engine_core_process"
+    ):
+        engine_env(bf16, Fp8Recipe.auto, RolloutConfig(env={MULTIPROCESSING: "1"}))

