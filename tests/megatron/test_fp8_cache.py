@@ -30,7 +30,7 @@ def test_every_te_module_is_told_to_requantize_and_plain_modules_are_left_alone(
 
 def test_train_step_and_logprobs_refresh_before_their_first_forward():
     """Both passes over the current weights start by telling TE to re-quantize them (the order of the
-    calls in the source: refresh, then the micro-batch loop)."""
+    calls in the source: refresh, then megatron's micro-batch schedule)."""
     for method in (megatron_trainer.MegatronTrainer.train_step, megatron_trainer.MegatronTrainer.logprobs):
         source = inspect.getsource(method)
-        assert source.index("refresh_fp8_weight_caches(self.model)") < source.index("for first in range")
+        assert source.index("refresh_fp8_weight_caches(self.model)") < source.index("self._schedule(")
