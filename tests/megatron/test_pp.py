@@ -9,7 +9,10 @@ MLA (DeepSeek-V3 family) models.
   of tests/megatron/test_worker.py's two-rank layouts; a dist-checkpoint save -> load at PP2 restores
   the next update bit for bit.
 
-Each test is one spawned run of two ranks (megatron-core imported once per rank).
+Each test is one spawned run of two ranks (megatron-core imported once per rank). Version detail:
+on megatron-core 0.16.1 (the CPU pin) these run only with `cpu_compat`'s pipeline patches (the
+schedules' token counter allocated on "cuda", `torch.cuda.synchronize` after the batched p2p ops,
+the tied embedding's `Tensor.cuda()` copy to the last stage); without any one of them they fail.
 """
 
 from __future__ import annotations
