@@ -1,8 +1,8 @@
 """`dry_run=true`: the resolved plan of a run, printed without touching a GPU.
 
-Placement and parallel layout as the chosen backends will really run them (the embedded pair: one
-trainer and one engine, whatever the topology's GPU count; the multi-GPU backends: the placement plan
-of `skyq.launch.plan`, the same text `simulate=true` prints), the per-parameter quantization plan (from
+Placement and parallel layout as the chosen backends will really run them (the embedded pair in the
+driver's process on one GPU; every run of Ray actors, on the CPU too: the placement plan of
+`skyq.launch.plan`, the same text the run and `simulate=true` print), the per-parameter quantization plan (from
 the model config alone), bytes per weight sync, a per-GPU memory estimate, the shard-divisibility
 table, the env vars and the packing alignment each GPU generation would resolve to (the driver never
 guesses which it has).
@@ -10,7 +10,7 @@ guesses which it has).
 
 from __future__ import annotations
 
-from skyq.config.enums import ComputeDtype, Device, Precision, RolloutBackend, TrainerBackend, TransportKind
+from skyq.config.enums import ComputeDtype, Device, Precision, RolloutBackend, TrainerBackend
 from skyq.config.resolve import packing_alignment, resolve_worker
 from skyq.config.schema import TrainConfig
 from skyq.config.validate import ValidationReport, trainer_dp
@@ -45,70 +45,37 @@ def _embedded(cfg: TrainConfig) -> bool:
     return cfg.trainer.backend is TrainerBackend.torch and cfg.rollout.backend is RolloutBackend.embedded
 
 
-def _torch_vllm_placement(cfg: TrainConfig) -> str:
-    """What trainer=torch rollout=vllm really starts: one native trainer actor and rollout.num_engines vLLM
-    engine actors (one unless set), never in the driver's process (vLLM owns its engine process)."""
-    from skyq.launch.placement import placement_for
-
-    t, r = cfg.topology, cfg.rollout
-    transport = r.weight_sync.transport
-    placed = placement_for(t, TransportKind.broadcast if transport is TransportKind.auto else transport)
-    engines = r.num_engines or 1
-    if t.device is Device.cpu:
-        where = "on the CPU"
-    else:
-        gpus = t.num_nodes * t.gpus_per_node
-        used = placed.trainer_gpus + engines * placed.engine_gpus
-        where = f"on {used:g} of the topology's {gpus} GPU(s) (trainer {placed.trainer_gpus:g}, each engine {placed.engine_gpus:g})"
-    return "\n".join(
-        [
-            f"placement: the native trainer and {engines} vLLM engine(s) as Ray actors {where}",
-            "  trainer: one process, the whole model (no TP/PP/EP/DP)",
-            f"  rollout: {engines} engine(s), each one vLLM process (TP{r.tp_size or r.gpus_per_engine} "
-            f"DP{r.dp_size} EP{r.ep_size}), memory fraction {r.gpu_memory_fraction}",
-            "  sync: skyq's accounted sync over gloo through host memory into each engine, verified per engine",
-        ]
-    )
-
-
 def _placement(cfg: TrainConfig) -> str:
-    t, p, r = cfg.topology, cfg.topology.parallel, cfg.rollout
-    if _embedded(cfg):
-        from skyq.launch.placement import describe, placement_for
+    """Where the run's workers go, as the run itself prints it: the embedded pair in the driver's
+    process on one GPU, else the placement plan its Ray actors are started from (`loop.run_plan`)."""
+    from skyq.launch.loop import run_placement, run_plan
+    from skyq.launch.placement import describe, describe_plan
 
-        placed = placement_for(t, r.weight_sync.transport)
-        where = describe(placed)
-        if t.device is Device.cpu:
-            return f"placement: CPU; {where}"
-        gpus = t.num_nodes * t.gpus_per_node
-        used = 1 if placed.in_process or placed.trainer_gpus < 1 else 2
-        idle = f"; {gpus - used} of the topology's {gpus} GPUs stay idle" if gpus > used else ""
+    t, p, r = cfg.topology, cfg.topology.parallel, cfg.rollout
+    placed = run_placement(t, cfg.trainer, r)
+    plan = run_plan(t, cfg.trainer, r)
+    if plan is None:
         return "\n".join(
             [
-                f"placement: the embedded pair on {used} of {gpus} GPU(s){idle}",
-                f"  trainer: one process on {placed.trainer_gpus:g} GPU, the whole model (no TP/PP/EP/DP)",
-                f"  rollout: one embedded engine on {placed.engine_gpus:g} GPU, the whole model",
-                f"  sync: {where}",
+                "placement: the embedded pair in this process on the topology's one GPU",
+                "  trainer: the whole model (no TP/PP/EP/DP); rollout: one embedded engine, the whole model",
+                f"  sync: {describe(placed)}",
             ]
         )
-    if cfg.trainer.backend is TrainerBackend.torch and r.backend is RolloutBackend.vllm:
-        return _torch_vllm_placement(cfg)
-    from skyq.launch.placement import describe_plan
-    from skyq.launch.plan import plan_placement
-
-    stages = (
-        f" trainer first/last pipeline stage layers {p.first_stage_layers}/{p.last_stage_layers};"
-        if p.pp > 1
-        else ""
-    )
-    return "\n\n".join(
-        [
-            describe_plan(plan_placement(topology=t, rollout=r, trainer=cfg.trainer)),
-            f"parallel layout:{stages} each engine TP{r.tp_size or r.gpus_per_engine} "
-            f"DP{r.dp_size} EP{r.ep_size}, memory fraction {r.gpu_memory_fraction}; weights to the "
-            f"{r.backend.value} engines (transport {r.weight_sync.transport.value})",
-        ]
-    )
+    lines = [f"sync: {describe(placed)}"]
+    if cfg.trainer.backend is TrainerBackend.torch:
+        lines.append("trainer: the native trainer, one process with the whole model (no TP/PP/EP/DP)")
+    elif p.pp > 1:
+        lines.append(
+            f"trainer: first/last pipeline stage layers {p.first_stage_layers}/{p.last_stage_layers}"
+        )
+    if r.backend is RolloutBackend.vllm:
+        lines.append(
+            f"engines: each one vLLM engine TP{r.tp_size or r.gpus_per_engine} DP{r.dp_size} EP{r.ep_size}, "
+            f"memory fraction {r.gpu_memory_fraction}"
+            + (" (on the CPU: one process, TP1)" if t.device is Device.cpu else "")
+        )
+    return describe_plan(plan) + "\n\n" + "\n".join(lines)
 
 
 def _trainer_numerics(cfg: TrainConfig) -> list[str]:

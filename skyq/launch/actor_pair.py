@@ -6,21 +6,35 @@ generate, train_step, a checkpoint, a whole sync) by `rollout.weight_sync.worker
 the error names the actor, the call and the deadline. Secret worker environment variables reach
 the actors through an owner-only file, never through Ray's logged `runtime_env`
 (`skyq.launch.worker_env`).
+
+Where the actors go is the placement plan's (`skyq.launch.plan`): the pair reserves the plan's one
+placement group through the two-phase start (`skyq.launch.probe.placement`: reserve within
+topology.placement_timeout_s, probe, re-sort, resolve on GPUs) and starts the trainer actor and
+every engine actor with `actor_options` (bundle, GPU fraction or CPU share, the plan's env). The
+trainer actor is handed the started placement too, so a trainer that starts ranks of its own (the
+Megatron world) puts each on its planned bundle. `shutdown` removes the group, however the run
+ended. When a call fails or outlasts its deadline, a node of the group that is gone is named
+(`probe.check_intact`) instead of the bare failure.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 import ray
 
+from skyq.config.enums import Device
 from skyq.config.resolve import agree
-from skyq.launch.deadlines import call_with_deadline, finished_with_deadline
+from skyq.config.schema import TopologyConfig
+from skyq.launch.deadlines import WorkerTimeout, call_with_deadline, finished_with_deadline
 from skyq.launch.pair import PairSpec, WorkerPair, describe_error, engine_names
+from skyq.launch.plan import ENGINE, TRAINER, PlacementPlan, plan_placement
+from skyq.launch.probe import PlacementError, StartedPlacement, check_intact, placement, set_actor_placement
 from skyq.launch.ray_local import startup_line
-from skyq.launch.redaction import split_worker_env
 from skyq.launch.worker_env import apply_env_file, remove_env_file, write_env_file
 from skyq.sync.errors import SyncError
 
@@ -32,57 +46,80 @@ SYNC_PEER_GRACE_S = 10.0
 (both wait on the same transfers under the same deadline, so it fails at about the same moment)."""
 
 
-def _with_env_file(cls: type) -> type:
-    """`cls` whose constructor first sets its secret environment variables from `env_file`."""
+def _worker_class(cls: type) -> type:
+    """`cls` whose constructor first sets its secret environment variables from `env_file` and
+    records the placement the actor was started from (`probe.actor_placement`)."""
 
-    def __init__(self, *, env_file: str | None, **kwargs: Any) -> None:
+    def __init__(self, *, env_file: str | None, placement: StartedPlacement, **kwargs: Any) -> None:
         apply_env_file(env_file)
+        set_actor_placement(placement)
         cls.__init__(self, **kwargs)
 
     return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__})
 
 
-def _actor_options(num_gpus: float, public_env: dict[str, str], num_cpus: float = 1) -> dict[str, Any]:
-    """Ray options of one actor; `public_env` holds only allow-listed (non-secret) variables. The
-    trainer asks for one logical CPU and the rollout group for one in all (1/m per engine), so the
-    pair fits the local cluster's two whatever the number of engines."""
-    options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_restarts": 0}
-    if public_env:
-        options["runtime_env"] = {"env_vars": dict(public_env)}
-    return options
+def pair_plan(spec: PairSpec) -> PlacementPlan:
+    """The placement plan of a CPU pair built from `spec` alone (its topology is the CPU's, with
+    `spec.parallel`); a GPU pair takes the plan of its topology (`ActorPair(spec, plan)`)."""
+    if Device(spec.placement.device) is not Device.cpu:
+        raise ValueError(
+            "a GPU pair needs the placement plan of its topology: ActorPair(spec, plan_placement(topology=...))"
+        )
+    topology = TopologyConfig(parallel=spec.parallel)
+    return plan_placement(topology=topology, rollout=spec.rollout, trainer=spec.trainer)
 
 
 class ActorPair(WorkerPair):
-    """Builds the trainer actor, the rollout group's engine actors (`rollout.num_engines`, each its
-    own sync group with the trainer) and their sync groups; `shutdown` ends them."""
+    """Reserves the plan's placement group, then builds the trainer actor, the rollout group's
+    engine actors (the plan's engines, each its own sync group with the trainer) and their sync
+    groups on it; `shutdown` ends them and removes the group."""
 
-    def __init__(self, spec: PairSpec) -> None:
-        placement = spec.placement
+    def __init__(
+        self,
+        spec: PairSpec,
+        plan: PlacementPlan | None = None,
+        *,
+        placement_timeout_s: float = TopologyConfig.placement_timeout_s,
+    ) -> None:
+        """`plan`: `plan_placement` of the run's topology (None: `pair_plan(spec)`, a CPU pair).
+        `placement_timeout_s`: topology.placement_timeout_s, the deadline of the reservation."""
+        placement_cfg = spec.placement
         backends = spec.backends()
+        plan = pair_plan(spec) if plan is None else plan
         self.sync_cfg = spec.rollout.weight_sync
         self.call_timeout_s = self.sync_cfg.worker_call_timeout_s
         self.trainer = None
         self.engines: list[Any] = []
-        self.num_engines = spec.num_engines
-        self.engine_names = engine_names(spec.num_engines)
-        trainer_public, trainer_secret = split_worker_env(dict(spec.trainer.env))
-        engine_public, engine_secret = split_worker_env(dict(spec.rollout.env))
+        self.num_engines = len(plan.engines)
+        self.engine_names = engine_names(self.num_engines)
+        self.started: StartedPlacement | None = None
+        self._placement = ExitStack()
         env_files: list[Path | None] = []
         try:
-            env_files.append(write_env_file(trainer_secret, "trainer"))
-            env_files += [write_env_file(engine_secret, "engine") for _ in self.engine_names]
+            start = time.perf_counter()
+            self.started = self._placement.enter_context(
+                placement(plan, spec.precision, timeout_s=placement_timeout_s)
+            )
+            started = self.started
+            startup_line(
+                f"placement group of {len(plan.bundles)} bundle(s) ready in {time.perf_counter() - start:.1f} s"
+            )
+            env_files.append(write_env_file(started.plan.secret_env(TRAINER, 0), "trainer"))
+            env_files += [
+                write_env_file(started.plan.secret_env(ENGINE, i), "engine") for i in range(self.num_engines)
+            ]
             startup_line("starting the trainer and engine actors (model build, engine boot)")
             start = time.perf_counter()
-            trainer_actor = ray.remote(_with_env_file(backends.trainer_class()))
-            engine_actor = ray.remote(_with_env_file(backends.engine_class()))
-            self.trainer = trainer_actor.options(
-                **_actor_options(placement.trainer_gpus, trainer_public)
-            ).remote(env_file=_str(env_files[0]), **spec.trainer_kwargs())
+            trainer_actor = ray.remote(_worker_class(backends.trainer_class()))
+            engine_actor = ray.remote(_worker_class(backends.engine_class()))
+            self.trainer = trainer_actor.options(**_options(started, TRAINER, 0)).remote(
+                env_file=_str(env_files[0]), placement=started, **spec.trainer_kwargs()
+            )
             for i, env_file in enumerate(env_files[1:]):
                 self.engines.append(
-                    engine_actor.options(
-                        **_actor_options(placement.engine_gpus, engine_public, 1 / spec.num_engines)
-                    ).remote(env_file=_str(env_file), **spec.engine_kwargs(i))
+                    engine_actor.options(**_options(started, ENGINE, i)).remote(
+                        env_file=_str(env_file), placement=started, **spec.engine_kwargs(i)
+                    )
                 )
             # Hardware-dependent settings are resolved where the hardware is, then must agree.
             ready = {"trainer actor": self.trainer.report_resolution.remote()}
@@ -103,18 +140,21 @@ class ActorPair(WorkerPair):
             start = time.perf_counter()
             timeout_s = self.sync_cfg.timeout_s
             ports = [self._call("trainer", "open_sync_store", timeout_s) for _ in self.engines]
-            joins = {"trainer actor": self.trainer.join_sync_group.remote(placement.sync_device)}
+            joins = {"trainer actor": self.trainer.join_sync_group.remote(placement_cfg.sync_device)}
             joins.update(
                 {
-                    name: e.join_sync_group.remote(port, timeout_s, placement.sync_device)
+                    name: e.join_sync_group.remote(port, timeout_s, placement_cfg.sync_device)
                     for name, e, port in zip(self.engine_names, self.engines, ports)
                 }
             )
             for _, ref in finished_with_deadline(joins, "join_sync_group", self.call_timeout_s):
                 ray.get(ref)
             startup_line(f"weight-sync group formed in {time.perf_counter() - start:.1f} s")
-        except BaseException:
+        except BaseException as exc:
+            lost = self._lost_node(exc)  # before shutdown removes the group
             self.shutdown()
+            if lost is not None:
+                raise lost from exc
             raise
         finally:
             for path in env_files:  # the actors deleted theirs on start; a failed start leaves nothing either
@@ -128,7 +168,35 @@ class ActorPair(WorkerPair):
     def _actor(self, worker: str) -> Any:
         return self.trainer if worker == "trainer actor" else self.engines[self.engine_names.index(worker)]
 
+    def _lost_node(self, exc: BaseException) -> PlacementError | None:
+        """For a failed or timed-out call (`exc`): the error naming a node of the placement group
+        that is gone, if one is (`probe.check_intact`); None when the group is whole."""
+        if self.started is None or not isinstance(exc, (WorkerTimeout, SyncError, ray.exceptions.RayError)):
+            return None
+        try:
+            check_intact(self.started)
+        except PlacementError as lost:
+            return lost
+        return None
+
+    @contextmanager
+    def _naming_lost_node(self) -> Iterator[None]:
+        """Re-raise a failed call as the lost node's `PlacementError` when a node is gone."""
+        try:
+            yield
+        except (WorkerTimeout, SyncError, ray.exceptions.RayError) as exc:
+            lost = self._lost_node(exc)
+            if lost is None:
+                raise
+            raise lost from exc
+
     def sync(self, version: int) -> dict[str, float]:
+        """One full weight sync as `version` to every engine (`_sync`); a failure with a node of the
+        placement group gone raises `PlacementError` naming it."""
+        with self._naming_lost_node():
+            return self._sync(version)
+
+    def _sync(self, version: int) -> dict[str, float]:
         """One full weight sync as `version` to every engine; raises `SyncError` (with every side's
         story) on failure, `WorkerTimeout` if the sync as a whole outlasts
         rollout.weight_sync.worker_call_timeout_s. The run's version advances only when every
@@ -171,8 +239,9 @@ class ActorPair(WorkerPair):
 
     def _call(self, side: str, method: str, *args: Any, **kwargs: Any) -> Any:
         worker = "trainer actor" if side == "trainer" else self.engine_names[0]
-        ref = getattr(self._actor(worker), method).remote(*args, **kwargs)
-        return call_with_deadline(worker, method, ref, self.call_timeout_s)
+        with self._naming_lost_node():
+            ref = getattr(self._actor(worker), method).remote(*args, **kwargs)
+            return call_with_deadline(worker, method, ref, self.call_timeout_s)
 
     def _call_engines(self, method: str, calls: list[tuple[tuple, dict]]) -> list[Any]:
         refs = {
@@ -180,17 +249,27 @@ class ActorPair(WorkerPair):
             for name, e, (args, kwargs) in zip(self.engine_names, self.engines, calls)
         }
         results = {}
-        for worker, ref in finished_with_deadline(refs, method, self.call_timeout_s):
-            results[worker] = ray.get(ref)
+        with self._naming_lost_node():
+            for worker, ref in finished_with_deadline(refs, method, self.call_timeout_s):
+                results[worker] = ray.get(ref)
         return [results[name] for name in self.engine_names]
 
     def _describe_worker_error(self, exc: BaseException) -> str:
         return _describe(exc)
 
     def shutdown(self) -> None:
+        """Stop every actor, then remove the placement group (idempotent)."""
         for actor in (self.trainer, *self.engines):
             if actor is not None:
                 _stop(actor)
+        self.trainer, self.engines = None, []
+        self._placement.close()
+
+
+def _options(started: StartedPlacement, role: str, index: int) -> dict[str, Any]:
+    """The plan's Ray options of one worker actor, never restarted (a restarted actor would have
+    lost its model and its place in the sync group)."""
+    return {**started.actor_options(role, index), "max_restarts": 0}
 
 
 def _stop(actor: Any) -> None:

@@ -42,7 +42,8 @@ from skyq.launch.deadlines import WorkerTimeout
 from skyq.launch.guards import MismatchGuard
 from skyq.launch.metrics import MetricsLogger, keep_rows_before, read_metrics
 from skyq.launch.pair import PairSpec, WorkerPair
-from skyq.launch.placement import Placement, describe, placement_for
+from skyq.launch.placement import Placement, describe, describe_plan, placement_for
+from skyq.launch.plan import PlacementPlan, plan_placement
 from skyq.launch.plot import plot_run
 from skyq.launch.ray_local import local_ray, startup_line
 from skyq.launch.redaction import redact
@@ -139,9 +140,25 @@ def rollout_seed(seed: int, step: int) -> int:
     return int.from_bytes(hashlib.sha256(f"skyq-rollout:{seed}:{step}".encode()).digest()[:8], "little") >> 1
 
 
+def run_plan(
+    topology: TopologyConfig, trainer: TrainerConfig, rollout: RolloutConfig
+) -> PlacementPlan | None:
+    """The placement plan of a run whose workers are Ray actors (None: both in this process), as
+    the dry run prints it and `ActorPair` reserves it."""
+    if run_placement(topology, trainer, rollout).in_process:
+        return None
+    return plan_placement(topology=topology, rollout=rollout, trainer=trainer)
+
+
 @contextmanager
-def worker_pair(spec: PairSpec) -> Iterator[WorkerPair]:
-    """Build the trainer/engine pair where `spec.placement` puts it; always shut it down."""
+def worker_pair(
+    spec: PairSpec,
+    plan: PlacementPlan | None = None,
+    *,
+    placement_timeout_s: float = TopologyConfig.placement_timeout_s,
+) -> Iterator[WorkerPair]:
+    """Build the trainer/engine pair where `spec.placement` puts it (Ray actors: on `plan`'s
+    placement group, reserved within `placement_timeout_s`); always shut it down."""
     if spec.placement.in_process:
         from skyq.launch.local_pair import LocalPair
 
@@ -157,7 +174,7 @@ def worker_pair(spec: PairSpec) -> Iterator[WorkerPair]:
     with local_ray():
         from skyq.launch.actor_pair import ActorPair
 
-        pair = ActorPair(spec)
+        pair = ActorPair(spec, plan, placement_timeout_s=placement_timeout_s)
         try:
             yield pair
         finally:
@@ -305,6 +322,7 @@ def run_rl(
     """
     check_supported(rollout=rollout, trainer=trainer, algorithm=algorithm, task=task)
     placement = run_placement(topology, trainer, rollout)
+    plan = run_plan(topology, trainer, rollout)
     # The task (its tokenizer and dataset) is checked before the run directory is touched.
     tokenizer = tokenizer_for(
         task, checkpoint_dir=checkpoint.hf_checkpoint, model_vocab_size=model.vocab_size
@@ -332,6 +350,8 @@ def run_rl(
         # On resume this records the (compatible) config the run continues with, e.g. more steps.
         save_resolved_config(run_dir, config_container)
         print(describe(placement))
+        if plan is not None:
+            print(describe_plan(plan))
         print(task_obj.describe())  # where the prompts come from, and how many the length limit dropped
         startup_line(
             "locating the starting checkpoint (a tiny model's is built once, into checkpoint.cache_dir)"
@@ -351,7 +371,7 @@ def run_rl(
             trainer_gpus=topology.trainer_gpus,
             checkpoint=checkpoint,
         )
-        with worker_pair(spec) as pair:
+        with worker_pair(spec, plan, placement_timeout_s=topology.placement_timeout_s) as pair:
             res = pair.resolution
             print(
                 f"workers agree: fp8 recipe {res.fp8_recipe.value}, scales {res.scale_format.value}"

@@ -3,16 +3,22 @@
 Decided on the driver from the config alone (no device is touched): the transport is a fact of the
 placement, so it cannot resolve differently on different workers.
 
-    topology.device=cpu                  two Ray actors on the CPU, frames over gloo
+    topology.device=cpu                  Ray actors on the CPU, frames over gloo
     one GPU (topology=1gpu)              both workers in the driver process on that GPU, frames
                                          through an in-process channel (device-to-device copies)
-    two GPUs or more                     two Ray actors, one GPU each, frames over NCCL
+    two GPUs or more, split              Ray actors, one GPU each, frames over NCCL
+    colocated, Ray actors                trainer rank 0 and an engine share a GPU: frames over gloo
+
+Where the Ray actors go is the placement plan's (`skyq.launch.plan`; `ActorPair` reserves its
+placement group through `skyq.launch.probe`); `Placement` keeps what the driver decides before that:
+in process or not, the device kind and the sync's device.
 
 `rollout.weight_sync.transport=auto` picks the line above; `in_process` and `broadcast` force one
 where it can work and are refused where it cannot.
 
-`describe_plan` prints the placement plan (`skyq.launch.plan`) of the multi-GPU backends: one
-placement group, the trainer ranks and the engines' GPUs, their sync groups and env.
+`describe_plan` prints the placement plan (`skyq.launch.plan`) of every run whose workers are Ray
+actors, as the dry run and the run itself print it: one placement group, the trainer ranks and the
+engines' GPUs (or CPU shares), their sync groups and env.
 """
 
 from __future__ import annotations
@@ -20,14 +26,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from skyq.config.enums import Device, RolloutBackend, TransportKind
+from skyq.config.enums import Placement as PlacementLayout
 from skyq.config.resolve import resolve_transport, total_gpus
 from skyq.config.schema import TopologyConfig
 from skyq.launch.plan import (
     CPUS_PER_BUNDLE,
     ENGINE,
     ENGINE_WORKER,
+    ENGINE_WORKER_COLOCATED_GPUS,
     NOSET_VISIBLE_DEVICES,
     TRAINER,
+    TRAINER_COLOCATED_GPUS,
     PlacementPlan,
 )
 
@@ -56,10 +65,17 @@ def placement_for(topology: TopologyConfig, transport: TransportKind = Transport
         return Placement(device="cpu", trainer_gpus=0, engine_gpus=0, sync_device="cpu", transport=kind)
     if kind is TransportKind.in_process:
         return Placement(device="cuda", trainer_gpus=1, engine_gpus=1, sync_device="cuda", transport=kind)
-    if gpus >= 2:
+    if gpus >= 2 and topology.placement is not PlacementLayout.colocated:
         return Placement(device="cuda", trainer_gpus=1, engine_gpus=1, sync_device="cuda", transport=kind)
-    # One GPU shared by two Ray actors: NCCL refuses two ranks on one device, so frames go through host memory.
-    return Placement(device="cuda", trainer_gpus=0.5, engine_gpus=0.5, sync_device="cpu", transport=kind)
+    # Trainer rank 0 and an engine on one GPU (the plan's colocated bundle, fractions of it): NCCL refuses
+    # two ranks on one device, so frames go through host memory.
+    return Placement(
+        device="cuda",
+        trainer_gpus=TRAINER_COLOCATED_GPUS,
+        engine_gpus=ENGINE_WORKER_COLOCATED_GPUS,
+        sync_device="cpu",
+        transport=kind,
+    )
 
 
 def describe(placement: Placement) -> str:
@@ -69,20 +85,26 @@ def describe(placement: Placement) -> str:
             f"trainer and engine in this process on {placement.device}, weights through an in-process channel"
         )
     backend = "NCCL" if placement.sync_device == "cuda" else "gloo"
-    return f"trainer and engine as two Ray actors on {placement.device}, weights over {backend}"
+    return f"the trainer and engine actors on {placement.device}, weights over {backend}"
 
 
 def describe_plan(plan: PlacementPlan) -> str:
     """The placement plan as the dry run and the simulation print it: in slots (node-major GPU
     positions), so it reads the same before and after the probe binds slots to bundles."""
-    if plan.device is Device.cpu:
-        n = len(plan.engines)
-        return (
-            f"placement plan: CPU, no placement group; the trainer actor (1 CPU) and {n} engine actor(s) "
-            f"({1 / n:.3g} CPU each) on the local Ray cluster"
-        )
     tp, pp, cp, dp = plan.parallel
     ep, etp = plan.expert_parallel
+    if plan.device is Device.cpu:
+        world, n = len(plan.trainer), len(plan.engines)
+        return "\n".join(
+            [
+                f"placement plan: CPU; one placement group of {plan.num_slots} bundles (CPU only), PACK, on "
+                "the local Ray cluster",
+                f"  trainer: {world} rank(s) TP{tp} PP{pp} CP{cp} DP{dp} EP{ep} ETP{etp} on bundles "
+                f"{_span(range(world))}, {plan.slot_cpus(0):g} CPU each",
+                f"  rollout: {n} {plan.rollout_backend.value} engine(s) on bundles {_span(range(world, world + n))}, "
+                f"{plan.slot_cpus(world):g} CPU each",
+            ]
+        )
     gpn, gpe, slots = plan.gpus_per_node, plan.gpus_per_engine, plan.num_slots
     vllm = plan.rollout_backend is RolloutBackend.vllm
     lines = [

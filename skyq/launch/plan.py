@@ -25,6 +25,15 @@ is one engine whose workers are grouped per node (`EngineSpec.node_groups`: vLLM
 starts gpus_per_node workers per node and ranks them node by node; a backend that starts one
 process per node, as slime does for SGLang, takes one group each).
 
+CPU (`topology.device=cpu`). The same one placement group, with a bundle per worker instead of per
+GPU: the trainer ranks' bundles share `CPU_TRAINER_CPUS` logical CPUs and the engines' share
+`CPU_ENGINE_CPUS`, so any world and any number of engines fit the local cluster's two CPUs. Slot
+r is trainer rank r, slot world + i engine i; nothing is probed (no GPU to find), the bundles'
+nodes are read from Ray's placement-group table.
+
+Which backend runs how many ranks: trainer=megatron one per rank of tp * pp * cp * dp (on the CPU
+dp null means 1); trainer=torch one process, rank 0 on slot 0, whatever the topology's trainer GPUs.
+
 Devices. A trainer rank is a Ray actor with a GPU fraction: Ray sets its CUDA_VISIBLE_DEVICES to the
 bundle's GPU (device 0 inside the process). A vLLM engine is an actor with no GPU of its own on the
 bundle of its first slot (`placement_group_capture_child_tasks`, so vLLM's workers land in the same
@@ -47,7 +56,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from skyq.config.enums import Device, Placement, RolloutBackend
+from skyq.config.enums import Device, Placement, RolloutBackend, TrainerBackend
 from skyq.config.schema import RolloutConfig, TopologyConfig, TrainerConfig
 from skyq.launch.redaction import split_worker_env
 
@@ -57,6 +66,10 @@ TRAINER_COLOCATED_GPUS = 0.4
 """A trainer rank's share of its GPU when the engines share it (slime's figure)."""
 ENGINE_WORKER_COLOCATED_GPUS = 0.2
 """An engine worker's share of its GPU when the trainer shares it (vLLM's VLLM_RAY_PER_WORKER_GPUS)."""
+CPU_TRAINER_CPUS = 1.0
+"""Logical CPUs of a CPU plan's trainer bundles together (1/world each)."""
+CPU_ENGINE_CPUS = 1.0
+"""Logical CPUs of a CPU plan's engine bundles together (1/num_engines each)."""
 PROBE_GPUS = 0.1
 """The start-up probe's share of a bundle's GPU (enough for Ray to hand it the GPU's id)."""
 NOSET_VISIBLE_DEVICES = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
@@ -153,13 +166,26 @@ class PlacementPlan:
     @property
     def bundles(self) -> list[dict[str, float]]:
         """The placement group's bundles (`ray.util.placement_group(plan.bundles, strategy="PACK")`)."""
+        if self.device is Device.cpu:
+            return [{"CPU": self.slot_cpus(s)} for s in range(self.num_slots)]
         return [{"GPU": 1, "CPU": CPUS_PER_BUNDLE} for _ in range(self.num_slots)]
+
+    def slot_cpus(self, slot: int) -> float:
+        """Logical CPUs of a CPU plan's slot: its share of the trainer's or of the engines' CPUs
+        (rounded to Ray's resource precision, so the actor asks exactly what its bundle holds)."""
+        if slot < len(self.trainer):
+            return round(CPU_TRAINER_CPUS / len(self.trainer), 4)
+        return round(CPU_ENGINE_CPUS / len(self.engines), 4)
 
     @property
     def gpus_per_engine(self) -> int:
         return len(self.engines[0].slots) if self.engines and self.num_slots else 0
 
     def node(self, slot: int) -> int:
+        """The node index of `slot` (a CPU plan: the node of its bundle in IP order, once bound)."""
+        if self.device is Device.cpu:
+            ips = sorted(set(self.slot_node_ip), key=_ip_key)
+            return ips.index(self.slot_node_ip[slot]) if self.slot_node_ip else 0
         return slot // self.gpus_per_node
 
     # ---- per worker ----------------------------------------------------------------------------
@@ -204,9 +230,7 @@ class PlacementPlan:
         same_node = [s for s in self.engines[engine].slots if self.node(s) == self.node(slot)]
         return ",".join(str(g) for g in sorted(self.slot_gpu[s] for s in same_node))
 
-    def slot_of(self, role: str, index: int) -> int | None:
-        if self.device is Device.cpu:
-            return None
+    def slot_of(self, role: str, index: int) -> int:
         if role == TRAINER:
             return self.trainer[index].slot
         if role == ENGINE:
@@ -228,10 +252,10 @@ class PlacementPlan:
             role=role,
             index=index,
             slot=slot,
-            bundle=None if slot is None else self.slot_bundle[slot],
-            node=0 if slot is None else self.node(slot),
-            node_ip=self.slot_node_ip[slot] if slot is not None and self.slot_node_ip else None,
-            gpu=None if slot is None else self.slot_gpu[slot],
+            bundle=self.slot_bundle[slot],
+            node=self.node(slot),
+            node_ip=self.slot_node_ip[slot] if self.slot_node_ip else None,
+            gpu=None if self.device is Device.cpu else self.slot_gpu[slot],
             num_gpus=self.num_gpus(role),
             visible_devices=self.visible_devices(role, index),
             env=self.env(role, index),
@@ -245,25 +269,26 @@ class PlacementPlan:
         `skyq.launch.worker_env`'s file, never through Ray's logged runtime_env)."""
         if role not in ROLES:
             raise ValueError(f"role {role!r}: one of {ROLES}")
+        if placement_group is None:
+            raise ValueError("the plan's actors need the plan's placement group (probe.placement)")
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         secret = self.secret_env(role, index)
         public = {k: v for k, v in self.env(role, index).items() if k not in secret}
+        slot = self.slot_of(role, index)
         if self.device is Device.cpu:
-            cpus = 1 if role == TRAINER else 1 / len(self.engines)
-            options: dict[str, Any] = {"num_cpus": cpus, "num_gpus": 0}
+            cpus: float = self.slot_cpus(slot)
         else:
-            if placement_group is None:
-                raise ValueError("a GPU plan's actors need the plan's placement group (probe.reserve)")
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-            options = {
-                "num_cpus": CPUS_PER_BUNDLE if role == TRAINER else 0,
-                "num_gpus": self.num_gpus(role),
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                    placement_group=placement_group,
-                    placement_group_bundle_index=self.slot_bundle[self.slot_of(role, index)],
-                    placement_group_capture_child_tasks=role == ENGINE,
-                ),
-            }
+            cpus = CPUS_PER_BUNDLE if role == TRAINER else 0
+        options: dict[str, Any] = {
+            "num_cpus": cpus,
+            "num_gpus": self.num_gpus(role),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=placement_group,
+                placement_group_bundle_index=self.slot_bundle[slot],
+                placement_group_capture_child_tasks=role == ENGINE,
+            ),
+        }
         if public:
             options["runtime_env"] = {"env_vars": public}
         return options
@@ -301,18 +326,31 @@ def plan_placement(
         trainer_env=dict(trainer.env),
         engine_env=dict(rollout.env),
     )
+    one_process = trainer.backend is TrainerBackend.torch
+    tp, pp, cp = (1, 1, 1) if one_process else (p.tp, p.pp, p.cp)
+    model = tp * pp * cp
     if topology.device is Device.cpu:
+        dp = 1 if one_process or p.dp is None else p.dp
+        ranks = _ranks(tp, cp, dp, pp)
         engines = rollout.num_engines or 1
+        world = len(ranks)
         return PlacementPlan(
-            device=Device.cpu, num_nodes=1, gpus_per_node=0, parallel=(1, 1, 1, 1),
-            trainer=(TrainerRank(rank=0, slot=0, tp=0, cp=0, dp=0, pp=0),),
-            engines=tuple(EngineSpec(i, (), ((0,),), 2, 1, 1 + i) for i in range(engines)),
-            **common,
+            device=Device.cpu, num_nodes=1, gpus_per_node=0, parallel=(tp, pp, cp, dp),
+            expert_parallel=(p.ep, p.etp), trainer=ranks,
+            engines=tuple(EngineSpec(i, (world + i,), ((0,),), 2, 1, 1 + i) for i in range(engines)),
+            slot_bundle=tuple(range(world + engines)), **common,
         )  # fmt: skip
     gpn, total = topology.gpus_per_node, topology.num_nodes * topology.gpus_per_node
-    model = p.tp * p.pp * p.cp
-    dp = p.dp if p.dp is not None else topology.trainer_gpus // model
-    if model * dp != topology.trainer_gpus or dp < 1:
+    if gpn < 1:
+        raise PlanError(
+            f"topology.device={topology.device.value} with topology.gpus_per_node={gpn}: a GPU topology needs "
+            "GPUs. Fix: topology.gpus_per_node >= 1, or topology=cpu."
+        )
+    if one_process:
+        dp = 1
+    else:
+        dp = p.dp if p.dp is not None else topology.trainer_gpus // model
+    if not one_process and (model * dp != topology.trainer_gpus or dp < 1):
         raise PlanError(
             f"topology.parallel: tp*pp*cp*dp = {p.tp}*{p.pp}*{p.cp}*{p.dp} does not fill topology.trainer_gpus="
             f"{topology.trainer_gpus}. Fix: topology.parallel.dp=null (derived) or sizes whose product is the trainer GPUs."
@@ -329,19 +367,29 @@ def plan_placement(
             f"{topology.trainer_gpus}, rollout_gpus {topology.rollout_gpus}), the topology has "
             f"num_nodes*gpus_per_node = {total}. Fix: topology.trainer_gpus / rollout_gpus."
         )
-    ranks = []
-    for rank in range(model * dp):
-        tp_r, rest = rank % p.tp, rank // p.tp
-        cp_r, rest = rest % p.cp, rest // p.cp
-        ranks.append(TrainerRank(rank=rank, slot=rank, tp=tp_r, cp=cp_r, dp=rest % dp, pp=rest // dp))
     offset = topology.trainer_gpus if split else 0
     engines = _engines(topology, rollout, offset)
     return PlacementPlan(
-        device=Device.cuda, num_nodes=topology.num_nodes, gpus_per_node=gpn, parallel=(p.tp, p.pp, p.cp, dp),
+        device=Device.cuda, num_nodes=topology.num_nodes, gpus_per_node=gpn, parallel=(tp, pp, cp, dp),
         expert_parallel=(p.ep, p.etp),
-        trainer=tuple(ranks), engines=engines, slot_bundle=tuple(range(total)),
+        trainer=_ranks(tp, cp, dp, pp), engines=engines, slot_bundle=tuple(range(total)),
         slot_gpu=tuple(s % gpn for s in range(total)), **common,
     )  # fmt: skip
+
+
+def _ranks(tp: int, cp: int, dp: int, pp: int) -> tuple[TrainerRank, ...]:
+    """Megatron's default rank order (tp fastest, then cp, dp, pp), rank r on slot r."""
+    ranks = []
+    for rank in range(tp * cp * dp * pp):
+        tp_r, rest = rank % tp, rank // tp
+        cp_r, rest = rest % cp, rest // cp
+        ranks.append(TrainerRank(rank=rank, slot=rank, tp=tp_r, cp=cp_r, dp=rest % dp, pp=rest // dp))
+    return tuple(ranks)
+
+
+def _ip_key(ip: str) -> tuple[int, ...]:
+    """An IPv4 address sortable as a number (10.0.10.1 after 10.0.9.1)."""
+    return tuple(int(part) for part in ip.split(".")) if ip.count(".") == 3 else (0,)
 
 
 def _engines(topology: TopologyConfig, rollout: RolloutConfig, offset: int) -> tuple[EngineSpec, ...]:

@@ -11,7 +11,13 @@ only then may the backends spawn their workers (`placement`).
 4. `resolve`: `resolve_worker` per GPU from its capability, `agree` across all of them, and the
    precision's env vars for the agreed recipe merged into the plan (user env wins), so each worker
    starts with its final env: Transformer Engine and vLLM read theirs at import.
-The stand-ins of `skyq.launch.simulate` run this same code on a logical cluster.
+The stand-ins of `skyq.launch.simulate` run this same code on a logical cluster. A CPU plan is
+reserved the same way (its bundles hold CPUs only) but has no device to probe: its slots keep
+their bundles and learn their nodes from Ray's placement-group table.
+
+A worker that starts workers of its own (the Megatron trainer's rank 0 starts the other ranks) is
+handed its `StartedPlacement` at construction (`set_actor_placement`, in that actor's process) and
+places them with `actor_placement().actor_options(...)`.
 """
 
 from __future__ import annotations
@@ -71,6 +77,21 @@ class StartedPlacement:
         return self.plan.actor_options(role, index, self.placement_group)
 
 
+_ACTOR_PLACEMENT: StartedPlacement | None = None
+
+
+def set_actor_placement(started: StartedPlacement | None) -> None:
+    """Record, in a worker actor's process, the placement it was started from."""
+    global _ACTOR_PLACEMENT
+    _ACTOR_PLACEMENT = started
+
+
+def actor_placement() -> StartedPlacement | None:
+    """The placement this process's worker was started from (None: not started from a plan, e.g.
+    a worker built in the driver's process or by a test)."""
+    return _ACTOR_PLACEMENT
+
+
 def device_report(bundle: int) -> ProbeReport:
     """Runs in the probe task: where it landed and what device it sees (Ray has set its
     CUDA_VISIBLE_DEVICES to the bundle's GPU, so device 0 is that GPU)."""
@@ -99,7 +120,7 @@ def reserve(plan: PlacementPlan, *, timeout_s: float, name: str = "") -> Any:
         raise PlacementError(
             f"placement group not ready within {timeout_s:g} s (topology.placement_timeout_s): asked "
             f"{len(plan.bundles)} bundles {plan.bundles[0]} (PACK) = {_counts(_sum(plan.bundles))} for "
-            f"{plan.num_nodes} node(s) x {plan.gpus_per_node} GPUs; the cluster has {cluster_summary()}. "
+            f"{_shape(plan)}; the cluster has {cluster_summary()}. "
             "Fix: a topology that fits the cluster, or free its GPUs (another job's placement group?)."
         ) from None
     except BaseException:
@@ -246,14 +267,15 @@ def placement(
 ) -> Iterator[StartedPlacement]:
     """The two-phase start: reserve, probe, bind, resolve, then yield what the workers spawn from.
     The placement group is removed when the block ends, however it ends (a sweep's next job gets
-    its GPUs back). A CPU plan needs no group."""
-    if plan.device is Device.cpu:
-        yield StartedPlacement(None, plan, None, ())
-        return
+    its GPUs back). A CPU plan is reserved alike and bound to its bundles' nodes, with nothing to
+    probe or resolve (its workers resolve on their CPU)."""
     from ray.util.placement_group import remove_placement_group
 
     pg = reserve(plan, timeout_s=timeout_s, name=f"skyq-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
+        if plan.device is Device.cpu:
+            yield StartedPlacement(pg, bind_nodes(plan, pg), None, ())
+            return
         reports = probe_bundles(
             pg, plan, timeout_s=timeout_s, report=report, report_args=report_args, window=window
         )
@@ -267,6 +289,17 @@ def placement(
         yield StartedPlacement(pg, bound, resolution, tuple(reports), align)
     finally:
         remove_placement_group(pg)
+
+
+def bind_nodes(plan: PlacementPlan, pg: Any) -> PlacementPlan:
+    """A CPU plan with each slot's node IP, from where Ray placed its bundle (slot s is bundle s)."""
+    import dataclasses
+
+    import ray
+
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    nodes = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+    return dataclasses.replace(plan, slot_node_ip=tuple(ips[nodes[b]] for b in plan.slot_bundle))
 
 
 def check_intact(started: StartedPlacement) -> None:
@@ -306,6 +339,12 @@ def _ranges(values: list[int]) -> str:
         else:
             spans.append([v, v])
     return ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def _shape(plan: PlacementPlan) -> str:
+    if plan.device is Device.cpu:
+        return f"{len(plan.trainer)} trainer rank(s) and {len(plan.engines)} engine(s) on the CPU"
+    return f"{plan.num_nodes} node(s) x {plan.gpus_per_node} GPUs"
 
 
 def _sum(bundles: list[dict[str, float]]) -> dict[str, float]:

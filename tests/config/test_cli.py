@@ -83,7 +83,7 @@ def test_a_model_the_embedded_pair_cannot_hold_is_refused_dry_run_or_not(tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_embedded_dry_run_shows_one_trainer_and_one_engine(tmp_path):
+def test_the_embedded_dry_run_shows_one_trainer_rank_and_an_engine_per_gpu(tmp_path):
     out = _run(
         "-m",
         "skyq.train",
@@ -93,8 +93,8 @@ def test_the_embedded_dry_run_shows_one_trainer_and_one_engine(tmp_path):
         f"output_root={tmp_path}",
     )
     assert out.returncode == 0, out.stderr
-    assert "the embedded pair on 2 of 8 GPU(s); 6 of the topology's 8 GPUs stay idle" in out.stdout
-    assert "DP8" not in out.stdout and "engine(s)" not in out.stdout
+    assert "trainer: 1 rank(s) TP1 PP1 CP1 DP1" in out.stdout and "DP8" not in out.stdout
+    assert "rollout: 8 embedded engine(s) x 1 GPU, 0.2 GPU each" in out.stdout
 
 
 def test_hydra_level_errors_are_one_line_exit_2(tmp_path):

@@ -70,7 +70,9 @@ def test_qwen3_8gpu_plans_colocate_trainer_and_engines(recipe, engines, gpe):
     assert plan.visible_devices(ENGINE_WORKER, 2 * gpe) == ",".join(str(2 * gpe + w) for w in range(gpe))
 
 
-SPLIT_2x8 = ["topology=8gpu", "topology.num_nodes=2", "topology.placement=split", "topology.trainer_gpus=4"]
+SPLIT_2x8 = [
+    "topology=8gpu", "topology.num_nodes=2", "topology.placement=split", "topology.trainer_gpus=4", "trainer=megatron",
+]  # fmt: skip
 
 
 def test_split_layout_packs_engines_per_node_after_the_trainer_gpus():
@@ -163,10 +165,32 @@ def test_secret_user_env_stays_out_of_ray_runtime_env():
     assert options["num_gpus"] == 0 and options["scheduling_strategy"].placement_group_capture_child_tasks
 
 
-def test_cpu_plan_needs_no_placement_group():
-    plan = _plan(_cfg("topology=cpu", "rollout.num_engines=4"))
-    assert plan.bundles == [] and plan.actor_options(TRAINER, 0) == {"num_cpus": 1, "num_gpus": 0}
-    assert plan.actor_options(ENGINE, 3) == {"num_cpus": 0.25, "num_gpus": 0}
+def test_cpu_plan_gives_each_rank_and_engine_a_cpu_bundle_within_two_cpus():
+    plan = _plan(_cfg("topology=cpu", "trainer=megatron", "topology.parallel.tp=2", "rollout.num_engines=3"))
+    assert plan.bundles == [{"CPU": 0.5}] * 2 + [{"CPU": 0.3333}] * 3  # the local cluster's two CPUs
+    assert [r.slot for r in plan.trainer] == [0, 1] and [e.slots for e in plan.engines] == [(2,), (3,), (4,)]
+    options = plan.actor_options(TRAINER, 1, placement_group=object())
+    assert (options["num_cpus"], options["num_gpus"]) == (0.5, 0)
+    assert options["scheduling_strategy"].placement_group_bundle_index == 1
+    engine = plan.actor_options(ENGINE, 2, placement_group=object())
+    assert (engine["num_cpus"], engine["scheduling_strategy"].placement_group_bundle_index) == (0.3333, 4)
+    with pytest.raises(ValueError, match="need the plan's placement group"):
+        plan.actor_options(TRAINER, 0)
+
+
+def test_the_native_trainer_is_one_rank_whatever_the_trainer_gpus():
+    plan = _plan(_cfg("topology=8gpu", "topology.placement=split", "topology.trainer_gpus=4",
+                      "topology.rollout_gpus=4"))  # fmt: skip
+    assert [r.slot for r in plan.trainer] == [0] and plan.parallel == (1, 1, 1, 1)
+    assert [e.slots for e in plan.engines] == [(4,), (5,), (6,), (7,)]
+
+
+def test_one_gpu_colocated_puts_trainer_and_engine_on_one_bundle_with_fractions():
+    plan = _plan(_cfg("topology=1gpu", "trainer=megatron"))
+    assert plan.bundles == [{"GPU": 1, "CPU": 1}]
+    trainer, engine = plan.worker(TRAINER, 0), plan.worker(ENGINE, 0)
+    assert (trainer.bundle, engine.bundle) == (0, 0)
+    assert (trainer.num_gpus, engine.num_gpus) == (0.4, 0.2)
 
 
 def test_dry_run_prints_the_plan():

@@ -102,13 +102,14 @@ def test_the_local_cluster_listens_on_loopback_only(pair):
 
 def test_actor_start_up_prints_one_line_per_phase(pair):
     lines = pair.startup_lines
-    assert lines[0] == "start-up: starting the trainer and engine actors (model build, engine boot)"
-    assert sorted(line.split(" ready after ")[0] for line in lines[1:3]) == [
+    assert lines[0].startswith("start-up: placement group of 2 bundle(s) ready in ")
+    assert lines[1] == "start-up: starting the trainer and engine actors (model build, engine boot)"
+    assert sorted(line.split(" ready after ")[0] for line in lines[2:4]) == [
         "start-up: engine actor",
         "start-up: trainer actor",
     ]
     assert any("(model build " in line for line in lines) and any("(engine boot " in line for line in lines)
-    assert lines[3].startswith("start-up: weight-sync group formed in ") and len(lines) == 4
+    assert lines[4].startswith("start-up: weight-sync group formed in ") and len(lines) == 5
 
 
 def test_secret_worker_env_reaches_the_actor_but_not_rays_logs(pair):

@@ -7,6 +7,12 @@ of the worker (all its Megatron work on the same thread), while this thread watc
 first error, rank 0's or a peer's, is raised at once naming its rank, instead of rank 0 waiting in a
 collective for a peer that has died. The world's collectives are bounded by its process-group
 timeout (`timeout_s`), so a rank left waiting by a failed peer gives up too.
+
+Where the peers go: when this process's worker was started from the run's placement plan
+(`skyq.launch.probe.actor_placement`), rank r is placed as the plan places trainer rank r (its
+bundle of the plan's placement group, its GPU fraction or CPU share, the plan's env merged under
+the backend's own), so every rank of the world sits where the plan printed it. A world built
+outside a planned run (a test's, the driver's) places its peers with `peer_options` alone.
 """
 
 from __future__ import annotations
@@ -94,6 +100,32 @@ class MegatronRank:
         self.trainer.close()
 
 
+def rank_options(peer_options: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """Ray options of peer `rank`: the plan's for trainer rank `rank` when this process was started
+    from a placement plan (its env merged with `peer_options`' own), else `peer_options`."""
+    from skyq.launch.plan import TRAINER
+    from skyq.launch.probe import actor_placement
+
+    started = actor_placement()
+    if started is None:
+        return dict(peer_options)
+    planned = len(started.plan.trainer)
+    if planned != world_size:
+        raise MegatronRankError(
+            f"the Megatron world has {world_size} ranks but the placement plan places {planned} trainer "
+            "rank(s): topology.parallel and topology.trainer_gpus disagree with the world"
+        )
+    options = {**peer_options, **started.actor_options(TRAINER, rank)}
+    env = {
+        **peer_options.get("runtime_env", {}).get("env_vars", {}),
+        **options.get("runtime_env", {}).get("env_vars", {}),
+    }
+    options.pop("runtime_env", None)
+    if env:
+        options["runtime_env"] = {"env_vars": env}
+    return options
+
+
 class RankGroup:
     """Rank 0's `MegatronTrainer` plus the peer actors of ranks 1 .. world_size - 1."""
 
@@ -126,12 +158,12 @@ class RankGroup:
                 from skyq.launch.worker_env import write_env_file
 
                 secret = {name: os.environ[name] for name in secret_env_names if name in os.environ}
-                actor = ray.remote(MegatronRank).options(**peer_options)
+                actor = ray.remote(MegatronRank)
                 for r in range(1, world_size):
                     env_file = write_env_file(secret, f"megatron-rank{r}")
                     self._env_files.append(env_file)
                     self.peers.append(
-                        actor.remote(
+                        actor.options(**rank_options(peer_options, r, world_size)).remote(
                             rank=r,
                             store_port=store.port,
                             world_size=world_size,
