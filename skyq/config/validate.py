@@ -79,7 +79,7 @@ def validate(cfg: TrainConfig, *, run_here: bool = False) -> ValidationReport:
     errors += _precision_errors(cfg)
     errors += precision_env_conflicts(cfg.precision, trainer_env=cfg.trainer.env, rollout_env=cfg.rollout.env)
     errors += _model_errors(cfg)
-    errors += _topology_errors(cfg)
+    errors += _topology_errors(cfg) or _placement_errors(cfg)
     errors += _length_errors(cfg)
     errors += _algorithm_errors(cfg)
     errors += _transport_errors(cfg)
@@ -407,6 +407,20 @@ def _topology_errors(cfg: TrainConfig) -> list[str]:
     if m.num_experts % r.ep_size:
         errors.append(f"rollout.ep_size={r.ep_size} does not divide model.num_experts={m.num_experts}.")
     return errors
+
+
+def _placement_errors(cfg: TrainConfig) -> list[str]:
+    """What the placement planner refuses for a topology that passed `_topology_errors` (an engine
+    that would straddle two nodes, one wider than a node not on whole nodes, a user env entry for a
+    variable the plan sets): reported with the other errors before anything starts, in the
+    planner's own words (`skyq.launch.plan`, which raises the same again as a backstop)."""
+    from skyq.launch.plan import PlanError, plan_placement
+
+    try:
+        plan_placement(topology=cfg.topology, rollout=cfg.rollout, trainer=cfg.trainer)
+    except PlanError as exc:
+        return [str(exc)]
+    return []
 
 
 def _pipeline_errors(cfg: TrainConfig) -> list[str]:

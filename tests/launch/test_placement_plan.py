@@ -219,3 +219,25 @@ def test_worker_gathers_one_workers_placement():
         "0",
     )
     assert plan.worker(TRAINER, 1).sync_rank is None and plan.worker(ENGINE, 5).num_gpus == 0
+
+
+def test_validation_reports_the_plans_refusal_before_anything_starts(tmp_path):
+    import subprocess
+    import sys
+
+    from skyq.config.validate import ConfigValidationError, validate
+
+    straddle = [*SPLIT_2x8, "topology.rollout_gpus=12", "rollout=vllm", "rollout.gpus_per_engine=3",
+                "rollout.num_engines=4", "topology.parallel.ep=1", "precision=bf16"]  # fmt: skip
+    with pytest.raises(PlanError) as planned:
+        _plan(_cfg(*straddle))
+    with pytest.raises(ConfigValidationError) as refused:
+        validate(_cfg(*straddle))
+    assert refused.value.errors == [str(planned.value)]  # one error, in the planner's words
+    out = subprocess.run(
+        [sys.executable, "-m", "skyq.train", *straddle, "dry_run=true", f"output_root={tmp_path}"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "straddling two nodes: 3 fit. Fix: rollout.num_engines <= 3" in out.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing started, nothing written
