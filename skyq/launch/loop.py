@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -150,6 +151,13 @@ def run_plan(
     return plan_placement(topology=topology, rollout=rollout, trainer=trainer)
 
 
+def local_cpus(plan: PlacementPlan | None) -> int:
+    """Logical CPUs of the run's own local Ray cluster: what the plan's bundles hold (a GPU plan: one
+    per GPU), at least the two a CPU plan's trainer and engines share."""
+    bundles = plan.bundles if plan is not None else []
+    return max(2, math.ceil(sum(b.get("CPU", 0) for b in bundles)))
+
+
 @contextmanager
 def worker_pair(
     spec: PairSpec,
@@ -171,7 +179,7 @@ def worker_pair(
         finally:
             pair.shutdown()
         return
-    with local_ray():
+    with local_ray(num_cpus=local_cpus(plan)):
         from skyq.launch.actor_pair import ActorPair
 
         pair = ActorPair(spec, plan, placement_timeout_s=placement_timeout_s)

@@ -241,3 +241,11 @@ def test_validation_reports_the_plans_refusal_before_anything_starts(tmp_path):
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert "straddling two nodes: 3 fit. Fix: rollout.num_engines <= 3" in out.stderr
     assert list(tmp_path.iterdir()) == []  # nothing started, nothing written
+
+
+def test_the_runs_local_cluster_has_a_cpu_for_every_gpu_bundle():
+    from skyq.launch.loop import local_cpus
+
+    assert local_cpus(_plan(_cfg("recipe=qwen3_30b_mxfp8_8gpu"))) == 8  # was 2: 8 bundles never ready
+    assert local_cpus(_plan(_cfg("topology=cpu", "rollout.num_engines=3"))) == 2
+    assert local_cpus(_plan(_cfg("topology=1gpu", "trainer=megatron"))) == 2
