@@ -207,8 +207,13 @@ def test_stale_prefix_cache_without_the_reset(setup, monkeypatch):
 def test_engine_core_in_its_own_process_takes_an_accounted_sync(setup, monkeypatch):
     """`rollout.engine_core_process`: vLLM's engine core in a child process (V1 multiprocessing). An
     engine booted there with dummy weights takes a sync through the same RPCs (by name, plain data over
-    vLLM's msgpack, no pickle) and then equals the in-process reference booted on the synced weights;
-    its first-sync digest comes back as the trainer computes it (tuples, not msgpack's lists)."""
+    vLLM's msgpack, no pickle) and then equals the in-process reference holding the same weights
+    (tokens, log-probs, every parameter); its first-sync digest comes back as the trainer computes it
+    (tuples, not msgpack's lists)."""
+    weights, reference = perturbed(setup["weights"], 14), setup["reference"]
+    if "reference_trainer" not in setup:
+        setup["reference_trainer"] = Trainer(reference)
+    setup["reference_trainer"].sync(list(weights.items()), reference.weight_version() + 1)
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     envs.disable_envs_cache()  # an in-process engine core cached the environment in this process
     kwargs = engine_kwargs(
@@ -220,11 +225,11 @@ def test_engine_core_in_its_own_process_takes_an_accounted_sync(setup, monkeypat
         assert isinstance(engine.llm.llm_engine.engine_core, SyncMPClient)
         trainer = Trainer(engine)
         assert engine.weight_version() == NO_WEIGHTS
-        assert trainer.sync(list(setup["new"].items()), version=1)["version"] == 1
+        assert trainer.sync(list(weights.items()), version=1)["version"] == 1
         assert engine.weight_version() == 1
-        assert _greedy(engine) == _greedy(setup["reference"])
-        assert engine.weight_checksums() == setup["reference"].weight_checksums()
-        assert engine.first_wire_digest() == wire_digest(setup["new"])
+        assert engine.weight_checksums() == reference.weight_checksums()
+        assert _greedy(engine) == _greedy(reference)
+        assert engine.first_wire_digest() == wire_digest(weights)
     finally:
         engine.shutdown()
         envs.disable_envs_cache()
