@@ -9,7 +9,8 @@
 #    takes skyq's INT4 sync and equals, bit for bit, one booted from the converted checkpoint (both QAT
 #    scopes), sync after sync.
 # 2. int4_rl: a short GRPO run, `rollout=vllm precision=int4_qat` on the one-GPU recipe (trainer and
-#    engine as Ray actors sharing the GPU): every sync accounted, the mismatch per step.
+#    engine as Ray actors sharing the GPU): every sync accounted, the mismatch per step. RL_TRAINER=megatron
+#    (and RL_LIMIT seconds) runs it with trainer=megatron.
 # 3. mm-*: trainer vs vLLM mismatch of FP8 blockwise with ue8m0 scales on vLLM's W8A8 path beside bf16
 #    (benchmarks/vllm_rollout.py, CUDA graphs; DeepGEMM compiles lazily, VLLM_DEEP_GEMM_WARMUP=skip).
 #    precision.scale_format=ue8m0 alone sets VLLM_USE_DEEP_GEMM_E8M0=1 for the engine (power-of-two
@@ -69,7 +70,9 @@ else
 fi
 
 step int4_test 180 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_vllm_int4_gpu.py
-step int4_rl 180 python3 -m skyq.train recipe=small_moe_fp8_blockwise_1gpu rollout=vllm precision=int4_qat \
+# RL_TRAINER=megatron: the same run with the Megatron trainer (TE, megatron-core staged too: gpu_box_megatron.sh)
+step int4_rl "${RL_LIMIT:-180}" python3 -m skyq.train recipe=small_moe_fp8_blockwise_1gpu rollout=vllm precision=int4_qat \
+  trainer="${RL_TRAINER:-torch}" \
   algorithm.num_steps=6 rollout.gpu_memory_fraction=0.3 rollout.kv_cache_bytes=4294967296 \
   hydra.run.dir="$run" logger.progress_bar=false logger.plot=false
 [ -f "$run/metrics.jsonl" ] && cp "$run/metrics.jsonl" "$OUT/int4_rl_metrics.jsonl"
