@@ -47,9 +47,8 @@ def _embedded(cfg: TrainConfig) -> bool:
 
 def _placement(cfg: TrainConfig) -> str:
     """Where the run's workers go, as the run itself prints it: the embedded pair in the driver's
-    process on one GPU, else the placement plan its Ray actors are started from (`loop.run_plan`)."""
-    from skyq.launch.loop import run_placement, run_plan
-    from skyq.launch.placement import describe, describe_plan
+    process on one GPU, else the placement plan its Ray actors are started from (`placement.run_plan`)."""
+    from skyq.launch.placement import describe, describe_plan, run_placement, run_plan
 
     t, p, r = cfg.topology, cfg.topology.parallel, cfg.rollout
     placed = run_placement(t, cfg.trainer, r)

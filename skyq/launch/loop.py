@@ -15,7 +15,6 @@ weight version with the same data order, after verifying that the engine holds t
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import math
 import time
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skyq.config.enums import RolloutBackend, TrainerBackend, TransportKind, WeightSyncMode
+from skyq.config.enums import RolloutBackend, TrainerBackend, WeightSyncMode
 from skyq.config.schema import (
     AlgorithmConfig,
     CheckpointConfig,
@@ -43,8 +42,8 @@ from skyq.launch.deadlines import WorkerTimeout
 from skyq.launch.guards import MismatchGuard
 from skyq.launch.metrics import MetricsLogger, keep_rows_before, read_metrics
 from skyq.launch.pair import PairSpec, WorkerPair
-from skyq.launch.placement import Placement, describe, describe_plan, placement_for
-from skyq.launch.plan import PlacementPlan, plan_placement
+from skyq.launch.placement import describe, describe_plan, run_placement, run_plan
+from skyq.launch.plan import PlacementPlan
 from skyq.launch.plot import plot_run
 from skyq.launch.ray_local import local_ray, startup_line
 from skyq.launch.redaction import redact
@@ -110,45 +109,9 @@ def check_supported(
         )
 
 
-def worker_transport(trainer: TrainerConfig, rollout: RolloutConfig) -> TransportKind:
-    """`rollout.weight_sync.transport`, except that `auto` never picks the in-process layout for a
-    backend pair that cannot share the driver's process (vLLM owns its engine process): its workers
-    are Ray actors, on one GPU too (frames through host memory)."""
-    transport = TransportKind(rollout.weight_sync.transport)
-    backends = lookup(trainer.backend, rollout.backend)
-    if backends.in_process:
-        return transport
-    if transport is TransportKind.in_process:
-        raise ValueError(
-            f"rollout.weight_sync.transport=in_process: rollout={rollout.backend.value} runs each engine in "
-            "its own Ray actor; use transport=auto or broadcast"
-        )
-    return TransportKind.broadcast
-
-
-def run_placement(topology: TopologyConfig, trainer: TrainerConfig, rollout: RolloutConfig) -> Placement:
-    """Where the run's workers live and how frames move, for the chosen backend pair: the topology's
-    placement, Ray actors for a backend that cannot share the driver's process, and frames through
-    host memory for an engine that cannot receive them on its GPU."""
-    placement = placement_for(topology, worker_transport(trainer, rollout))
-    if not lookup(trainer.backend, rollout.backend).device_sync:
-        placement = dataclasses.replace(placement, sync_device="cpu")
-    return placement
-
-
 def rollout_seed(seed: int, step: int) -> int:
     """The engine's sampling seed of step `step`: a function of (seed, step) only, so a resume matches."""
     return int.from_bytes(hashlib.sha256(f"skyq-rollout:{seed}:{step}".encode()).digest()[:8], "little") >> 1
-
-
-def run_plan(
-    topology: TopologyConfig, trainer: TrainerConfig, rollout: RolloutConfig
-) -> PlacementPlan | None:
-    """The placement plan of a run whose workers are Ray actors (None: both in this process), as
-    the dry run prints it and `ActorPair` reserves it."""
-    if run_placement(topology, trainer, rollout).in_process:
-        return None
-    return plan_placement(topology=topology, rollout=rollout, trainer=trainer)
 
 
 def local_cpus(plan: PlacementPlan | None) -> int:

@@ -23,12 +23,13 @@ engines' GPUs (or CPU shares), their sync groups and env.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from skyq.config.enums import Device, RolloutBackend, TransportKind
 from skyq.config.enums import Placement as PlacementLayout
 from skyq.config.resolve import resolve_transport, total_gpus
-from skyq.config.schema import TopologyConfig
+from skyq.config.schema import RolloutConfig, TopologyConfig, TrainerConfig
 from skyq.launch.plan import (
     CPUS_PER_BUNDLE,
     ENGINE,
@@ -38,7 +39,9 @@ from skyq.launch.plan import (
     TRAINER,
     TRAINER_COLOCATED_GPUS,
     PlacementPlan,
+    plan_placement,
 )
+from skyq.launch.registry import lookup
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,3 +154,39 @@ def describe_plan(plan: PlacementPlan) -> str:
 def _span(values) -> str:
     values = list(values)
     return f"{values[0]}" if len(values) == 1 else f"{values[0]}-{values[-1]}"
+
+
+def worker_transport(trainer: TrainerConfig, rollout: RolloutConfig) -> TransportKind:
+    """`rollout.weight_sync.transport`, except that `auto` never picks the in-process layout for a
+    backend pair that cannot share the driver's process (vLLM owns its engine process): its workers
+    are Ray actors, on one GPU too (frames through host memory)."""
+    transport = TransportKind(rollout.weight_sync.transport)
+    backends = lookup(trainer.backend, rollout.backend)
+    if backends.in_process:
+        return transport
+    if transport is TransportKind.in_process:
+        raise ValueError(
+            f"rollout.weight_sync.transport=in_process: rollout={rollout.backend.value} runs each engine in "
+            "its own Ray actor; use transport=auto or broadcast"
+        )
+    return TransportKind.broadcast
+
+
+def run_placement(topology: TopologyConfig, trainer: TrainerConfig, rollout: RolloutConfig) -> Placement:
+    """Where the run's workers live and how frames move, for the chosen backend pair: the topology's
+    placement, Ray actors for a backend that cannot share the driver's process, and frames through
+    host memory for an engine that cannot receive them on its GPU."""
+    placement = placement_for(topology, worker_transport(trainer, rollout))
+    if not lookup(trainer.backend, rollout.backend).device_sync:
+        placement = dataclasses.replace(placement, sync_device="cpu")
+    return placement
+
+
+def run_plan(
+    topology: TopologyConfig, trainer: TrainerConfig, rollout: RolloutConfig
+) -> PlacementPlan | None:
+    """The placement plan of a run whose workers are Ray actors (None: both in this process), as
+    the dry run prints it and `ActorPair` reserves it."""
+    if run_placement(topology, trainer, rollout).in_process:
+        return None
+    return plan_placement(topology=topology, rollout=rollout, trainer=trainer)

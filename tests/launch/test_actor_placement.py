@@ -15,8 +15,9 @@ import ray
 from ray import cloudpickle
 
 from skyq.launch.actor_pair import ActorPair
-from skyq.launch.loop import _starting_checkpoint, run_placement, run_plan
+from skyq.launch.loop import _starting_checkpoint
 from skyq.launch.pair import PairSpec
+from skyq.launch.placement import run_placement, run_plan
 from skyq.launch.plan import ENGINE, TRAINER
 from skyq.launch.ray_local import local_ray
 from skyq.rl.tokenizer import EOS_ID

@@ -30,21 +30,25 @@ IN_PROCESS = "rollout.weight_sync.transport=in_process"
 @pytest.mark.parametrize(
     ("topology", "transport", "want", "sync_device", "gpus"),
     [
-        ("cpu", "auto", TransportKind.broadcast, "cpu", 0),
-        ("cpu", "in_process", TransportKind.in_process, "cpu", 0),
-        ("1gpu", "auto", TransportKind.in_process, "cuda", 1),
-        ("1gpu", "broadcast", TransportKind.broadcast, "cpu", 0.5),
-        ("2gpu", "auto", TransportKind.broadcast, "cuda", 1),
-        ("8gpu", "auto", TransportKind.broadcast, "cuda", 1),
+        ("cpu", "auto", TransportKind.broadcast, "cpu", (0, 0)),
+        ("cpu", "in_process", TransportKind.in_process, "cpu", (0, 0)),
+        ("1gpu", "auto", TransportKind.in_process, "cuda", (1, 1)),
+        # Ray actors sharing the GPU (the plan's colocated fractions): frames through host memory
+        ("1gpu", "broadcast", TransportKind.broadcast, "cpu", (0.4, 0.2)),
+        ("2gpu", "auto", TransportKind.broadcast, "cuda", (1, 1)),
+        ("8gpu", "auto", TransportKind.broadcast, "cpu", (0.4, 0.2)),  # colocated
+        ("8gpu topology.placement=split topology.trainer_gpus=4 topology.rollout_gpus=4", "auto",
+         TransportKind.broadcast, "cuda", (1, 1)),
     ],
-)
+)  # fmt: skip
 def test_auto_transport_follows_the_placement(topology, transport, want, sync_device, gpus):
-    cfg, _ = compose_config([f"topology={topology}", f"rollout.weight_sync.transport={transport}"])
+    cfg, _ = compose_config([f"topology={topology}".split()[0], *topology.split()[1:],
+                             f"rollout.weight_sync.transport={transport}"])  # fmt: skip
     assert cfg.rollout.weight_sync.transport is TransportKind(transport)
     placement = placement_for(cfg.topology, cfg.rollout.weight_sync.transport)
     assert placement.transport is want
     assert placement.sync_device == sync_device
-    assert placement.trainer_gpus == placement.engine_gpus == gpus
+    assert (placement.trainer_gpus, placement.engine_gpus) == gpus
 
 
 @pytest.mark.parametrize(
