@@ -3,9 +3,10 @@
 vLLM 0.26's W4A16 MoE layers (compressed-tensors WNA16 through Marlin) hold activation-order tensors no
 checkpoint without act order fills (`compat.checkpoint_copies` counts them as vLLM's reload does). An
 engine booted with dummy W4A16 weights takes skyq's INT4 sync and then equals, bit for bit (greedy
-tokens, log-probs, every parameter), an engine booted from skyq's INT4 converter output of the same
-weights; a different version changes its outputs and syncing the first weights again (a reload into
-the Marlin-repacked layers) restores them. Needs CUDA and vLLM 0.26 (the staged GPU environment); the
+tokens, log-probs, every parameter and buffer, the attention layers' KV-cache scales included: see
+`dummy_loader`), an engine booted from skyq's INT4 converter output of the same weights; a different
+version changes its outputs and syncing the first weights again (a reload into the Marlin-repacked
+layers) restores them. Needs CUDA and vLLM 0.26 (the staged GPU environment); the
 engines run one at a time in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`).
 """
 

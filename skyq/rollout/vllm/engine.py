@@ -21,7 +21,7 @@ from skyq.config.schema import ModelConfig, PrecisionConfig
 from skyq.quant.plan import build_plan
 from skyq.rl.batch import FinishReason, Sample
 from skyq.rl.tokenizer import EOS_ID
-from skyq.rollout.vllm.compat import check_version, request_amx_tiles
+from skyq.rollout.vllm.compat import DUMMY_LOAD_FORMAT, check_version, request_amx_tiles
 from skyq.sync.errors import SyncError
 from skyq.sync.plan_wire import WireDigest, expected_units
 from skyq.sync.wire_dtypes import dtype_name
@@ -49,7 +49,7 @@ class VllmEngine:
         """Seconds the engine took to boot."""
         self.eos_token_id = eos_token_id
         self.expected = expected_units(build_plan(model_cfg, precision_cfg))
-        self._booted_version = NO_WEIGHTS if llm_kwargs.get("load_format") == "dummy" else 0
+        self._booted_version = NO_WEIGHTS if llm_kwargs.get("load_format") == DUMMY_LOAD_FORMAT else 0
         self._closed = False
 
     # generation ---------------------------------------------------------------------------------
@@ -133,8 +133,8 @@ class VllmEngine:
         return self._rpc("skyq_weight_version")
 
     def weight_checksums(self) -> dict[str, str]:
-        """sha256 of every vLLM parameter, for comparisons (the worker extension's: vLLM 0.26 has
-        no `compute_weight_checksums`)."""
+        """sha256 of every vLLM parameter and buffer, for comparisons (the worker extension's: vLLM
+        0.26 has no `compute_weight_checksums`)."""
         return self._rpc("skyq_weight_checksums")
 
     def first_wire_digest(self) -> WireDigest | None:

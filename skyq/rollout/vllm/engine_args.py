@@ -2,8 +2,9 @@
 
 The precision's strategy supplies the quantization side: a bf16 engine boots from the checkpoint;
 a quantized one boots either from a converted checkpoint (which carries its `quantization_config`)
-or from random weights in the configured format (`load_format="dummy"` and
-`hf_overrides={"quantization_config": ...}`), which the first sync overwrites.
+or from random weights in the configured format (`load_format=compat.DUMMY_LOAD_FORMAT`, vLLM's dummy
+weights with the KV-cache scales a checkpoint boot has, and `hf_overrides={"quantization_config": ...}`),
+which the first sync overwrites.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from skyq.config.schema import ModelConfig, PrecisionConfig, RolloutConfig
 from skyq.config.validate import precision_env_conflicts
 from skyq.quant.plan import build_plan
 from skyq.quant.strategies import get_strategy
+from skyq.rollout.vllm.compat import DUMMY_LOAD_FORMAT
 from skyq.rollout.vllm.transfer_names import BACKEND, EXTENSION
 
 MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
@@ -138,7 +140,7 @@ def engine_kwargs(
         kwargs["kv_cache_memory_bytes"] = options.kv_cache_bytes
     quant = get_strategy(precision_cfg).quantization_config(build_plan(model_cfg, precision_cfg))
     if options.dummy_weights:
-        kwargs["load_format"] = "dummy"
+        kwargs["load_format"] = DUMMY_LOAD_FORMAT
         if quant is not None:
             kwargs["hf_overrides"] = {"quantization_config": quant}
     return kwargs

@@ -8,7 +8,7 @@ variables at import), then boots the engine:
 - from `checkpoint.rollout_checkpoint` when given (a converted checkpoint that carries its own
   `quantization_config`, e.g. a W4A16 release);
 - else, for bf16, from the trainer's starting HF checkpoint;
-- else with random weights in the strategy's format (`load_format="dummy"` plus the strategy's
+- else with random weights in the strategy's format (`compat.DUMMY_LOAD_FORMAT` plus the strategy's
   `quantization_config`); the run's first sync, before any rollout, brings the trainer's weights.
 
 Weights reach it only through skyq's accounted sync (`skyq.rollout.vllm.transfer`), never as call

@@ -1,18 +1,21 @@
 """The worker extension vLLM mixes into its worker (`worker_extension_cls`): skyq's accounting RPCs.
 
 Importing this module, which vLLM does in every worker process before the model loads, registers
-skyq's weight-transfer backend there and asks Linux for the AMX tile state (`compat`). Methods are
+skyq's weight-transfer backend and dummy-weight loader (`dummy_loader`) there and asks Linux for the
+AMX tile state (`compat`). Methods are
 `skyq_`-prefixed so they can never shadow a vLLM worker method.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+from skyq.rollout.vllm import dummy_loader  # noqa: F401  (registers compat.DUMMY_LOAD_FORMAT)
 from skyq.rollout.vllm.compat import request_amx_tiles
 from skyq.rollout.vllm.transfer import BACKEND, SkyqWeightTransferEngine, checkpoint_numel
 
@@ -67,12 +70,13 @@ class SkyqWorkerExtension:
         return self._skyq_transfer().first_digest
 
     def skyq_weight_checksums(self) -> dict[str, str]:
-        """sha256 of every parameter's bytes, by name (vLLM 0.26 workers have no
-        `compute_weight_checksums`)."""
+        """sha256 of the bytes of every parameter and buffer of the model, by name (vLLM 0.26
+        workers have no `compute_weight_checksums`). Buffers count: vLLM keeps state there that
+        a boot sets and a sync never sends (attention layers' `_k_scale` / `_v_scale` / ...)."""
         model = self.model_runner.get_model()
         return {
-            name: hashlib.sha256(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
-            for name, p in model.named_parameters()
+            name: hashlib.sha256(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()).hexdigest()
+            for name, t in itertools.chain(model.named_parameters(), model.named_buffers())
         }
 
     def skyq_shutdown_transfer(self) -> None:
