@@ -118,16 +118,17 @@ def describe_plan(plan: PlacementPlan) -> str:
         f"{_span([r.slot for r in plan.trainer])}, rank r on slot {plan.trainer[0].slot} + r, "
         f"{plan.num_gpus(TRAINER):g} GPU each; CUDA_VISIBLE_DEVICES = its GPU (set by Ray)",
     ]
-    if vllm:
+    if plan.vllm_ray_workers:
         lines.append(
             f"  rollout: {len(plan.engines)} vLLM engine(s) x {gpe} GPU(s), {plan.num_gpus(ENGINE_WORKER):g} GPU per "
             "worker; each engine an actor without a GPU on its first slot, its workers started by vLLM's Ray "
             "executor on VLLM_RAY_BUNDLE_INDICES"
         )
     else:
+        inside = "vLLM in the actor's process (its uni executor, device 0), " if vllm else ""
         lines.append(
             f"  rollout: {len(plan.engines)} {plan.rollout_backend.value} engine(s) x 1 GPU, "
-            f"{plan.num_gpus(ENGINE):g} GPU each; CUDA_VISIBLE_DEVICES = its GPU (set by Ray)"
+            f"{plan.num_gpus(ENGINE):g} GPU each; {inside}CUDA_VISIBLE_DEVICES = its GPU (set by Ray)"
         )
     shown = plan.engines if len(plan.engines) <= 32 else (*plan.engines[:16], None, *plan.engines[-8:])
     for e in shown:
@@ -141,7 +142,7 @@ def describe_plan(plan: PlacementPlan) -> str:
             f"{e.sync_world_size} = trainer rank 0 + workers at ranks {_span(range(e.sync_rank_offset, e.sync_world_size))}; "
             f"one-group offset {e.global_sync_rank_offset}"
         )
-    if vllm:
+    if plan.vllm_ray_workers:
         lines.append(
             f"  env set at spawn: engine actor: {NOSET_VISIBLE_DEVICES}=1 VLLM_RAY_BUNDLE_INDICES=<the bundles of its "
             f"slots> VLLM_RAY_PER_WORKER_GPUS={plan.num_gpus(ENGINE_WORKER):g}; vLLM worker: CUDA_VISIBLE_DEVICES = the "

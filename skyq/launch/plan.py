@@ -35,14 +35,18 @@ Which backend runs how many ranks: trainer=megatron one per rank of tp * pp * cp
 dp null means 1); trainer=torch one process, rank 0 on slot 0, whatever the topology's trainer GPUs.
 
 Devices. A trainer rank is a Ray actor with a GPU fraction: Ray sets its CUDA_VISIBLE_DEVICES to the
-bundle's GPU (device 0 inside the process). A vLLM engine is an actor with no GPU of its own on the
-bundle of its first slot (`placement_group_capture_child_tasks`, so vLLM's workers land in the same
-group); it gets VLLM_RAY_BUNDLE_INDICES (its bundles, after the re-sort) and VLLM_RAY_PER_WORKER_GPUS
-and vLLM's Ray executor starts one worker per bundle with RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES,
-then sets each worker's CUDA_VISIBLE_DEVICES to the engine's GPUs on that node (sorted) and picks its
-device by local rank (vllm/v1/executor/ray_executor.py, 0.26-0.33). The engine actor itself gets the
-NOSET variable too, so Ray leaves its CUDA_VISIBLE_DEVICES alone for vLLM. An embedded engine is one
-GPU actor, like a trainer rank.
+bundle's GPU (device 0 inside the process). A vLLM engine of several GPUs is an actor with no GPU of
+its own on the bundle of its first slot (`placement_group_capture_child_tasks`, so vLLM's workers land
+in the same group); it gets VLLM_RAY_BUNDLE_INDICES (its bundles, after the re-sort) and
+VLLM_RAY_PER_WORKER_GPUS and vLLM's Ray executor (vLLM's default for a world above 1 inside a placement
+group) starts one worker per bundle with RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES, then sets each
+worker's CUDA_VISIBLE_DEVICES to the engine's GPUs on that node (sorted) and picks its device by local
+rank (vllm/v1/executor/ray_executor.py, 0.26-0.33). The engine actor itself gets the NOSET variable
+too, so Ray leaves its CUDA_VISIBLE_DEVICES alone for vLLM. A one-GPU vLLM engine (gpus_per_engine 1,
+so TP1 and DP1) is vLLM world 1, which vLLM runs in the calling process (its `uni` executor, on device 0;
+vllm/config/parallel.py, 0.26 and 0.32) and starts no Ray worker: its actor holds its GPU share itself,
+without NOSET, so Ray sets CUDA_VISIBLE_DEVICES to its GPU and device 0 is that GPU (with NOSET it
+would see the whole node and take GPU 0). An embedded engine is one GPU actor the same way.
 
 Weight sync: one NCCL group per engine, world 1 + gpus_per_engine: trainer rank 0 sends as group
 rank 0, engine worker w receives as group rank 1 + w (rank offset 1). `global_sync_rank_offset` is
@@ -191,7 +195,7 @@ class PlacementPlan:
     # ---- per worker ----------------------------------------------------------------------------
     def num_gpus(self, role: str) -> float:
         """The Ray GPU request of one `role` actor."""
-        if self.device is Device.cpu or (role == ENGINE and self.rollout_backend is RolloutBackend.vllm):
+        if self.device is Device.cpu or (role == ENGINE and self.vllm_ray_workers):
             return 0
         if self.layout is Placement.split:
             return 1
@@ -203,13 +207,13 @@ class PlacementPlan:
         if role == TRAINER:
             return {**self.resolved_env.get("trainer", {}), **self.trainer_env}
         if role == ENGINE_WORKER:
-            if not self._vllm_gpu():  # the embedded engine is its own (only) worker
+            if not self.vllm_ray_workers:  # a one-GPU engine is its own (only) worker
                 return self.env(ENGINE, index)
             # vLLM's workers are Ray actors started from the engine actor: Ray merges the engine's
             # env_vars into theirs, and the executor adds NOSET (already in the engine's).
             return self.env(ENGINE, index // self.gpus_per_engine)
         env = {**self.resolved_env.get("engine", {}), **self.engine_env}
-        if self._vllm_gpu():
+        if self.vllm_ray_workers:
             slots = self.engines[index].slots
             env[NOSET_VISIBLE_DEVICES] = "1"
             env["VLLM_RAY_BUNDLE_INDICES"] = ",".join(str(self.slot_bundle[s]) for s in slots)
@@ -218,8 +222,9 @@ class PlacementPlan:
 
     def visible_devices(self, role: str, index: int) -> str | None:
         """CUDA_VISIBLE_DEVICES the process will see (None: not set by Ray/vLLM). A trainer rank or an
-        embedded engine: its GPU (device 0). A vLLM worker: the engine's GPUs on its node, sorted."""
-        if self.device is Device.cpu or (role == ENGINE and self.rollout_backend is RolloutBackend.vllm):
+        one-GPU engine: its GPU (device 0). A worker of a wider vLLM engine: the engine's GPUs on its
+        node, sorted (its actor: None)."""
+        if self.device is Device.cpu or (role == ENGINE and self.vllm_ray_workers):
             return None
         if role == TRAINER:
             return str(self.slot_gpu[self.trainer[index].slot])
@@ -244,7 +249,7 @@ class PlacementPlan:
         sync: tuple[int | None, int | None] = (None, None)
         if role == TRAINER and index == 0 and self.engines:
             sync = (self.engines[0].sync_world_size, 0)  # the sender of every engine's group
-        elif role == ENGINE_WORKER or (role == ENGINE and not self._vllm_gpu()):
+        elif role == ENGINE_WORKER or (role == ENGINE and not self.vllm_ray_workers):
             engine, worker = divmod(index, max(self.gpus_per_engine, 1))
             e = self.engines[engine]
             sync = (e.sync_world_size, e.sync_rank_offset + worker)
@@ -304,8 +309,16 @@ class PlacementPlan:
         """The plan with the resolution's env (under the user's: `trainer.env` / `rollout.env` win)."""
         return dataclasses.replace(self, resolved_env={"trainer": dict(trainer), "engine": dict(engine)})
 
-    def _vllm_gpu(self) -> bool:
-        return self.device is not Device.cpu and self.rollout_backend is RolloutBackend.vllm
+    @property
+    def vllm_ray_workers(self) -> bool:
+        """Whether vLLM's Ray executor starts the engines' workers on their bundles (vLLM on GPUs, more
+        than one GPU per engine); otherwise each engine computes in its own actor on the GPU share the
+        plan gives that actor (a one-GPU vLLM engine, the embedded engine, any engine on the CPU)."""
+        return (
+            self.device is not Device.cpu
+            and self.rollout_backend is RolloutBackend.vllm
+            and self.gpus_per_engine > 1
+        )
 
 
 def plan_placement(

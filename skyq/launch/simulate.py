@@ -8,9 +8,10 @@ probe's re-sort is exercised. Everything else is the real code path: `probe.plac
 plan's placement group, probes every bundle (a stand-in reporting the fake node, GPU and a given
 capability), binds and resolves; then stand-ins are started with `plan.actor_options` exactly as
 the backends start their workers and report what they got: their GPU id, CUDA_VISIBLE_DEVICES and
-environment. A vLLM engine's stand-in does what vLLM's Ray executor does with its env: one worker
-per VLLM_RAY_BUNDLE_INDICES bundle with VLLM_RAY_PER_WORKER_GPUS and NOSET, CUDA_VISIBLE_DEVICES
-= the engine's GPUs on the node, sorted. `check` then requires every GPU used once per role, engines
+environment. A vLLM engine of several GPUs has a stand-in that does what vLLM's Ray executor does
+with its env: one worker per VLLM_RAY_BUNDLE_INDICES bundle with VLLM_RAY_PER_WORKER_GPUS and NOSET,
+CUDA_VISIBLE_DEVICES = the engine's GPUs on the node, sorted; a one-GPU vLLM engine computes in its
+actor (`PlacementPlan.vllm_ray_workers`), so its stand-in is a plain worker holding its GPU. `check` then requires every GPU used once per role, engines
 inside nodes (or whole nodes), disjoint sync ranks and every worker's env equal to the plan.
 
 Limits: one raylet, so PACK's spreading over real nodes, node loss and cross-node NCCL are not
@@ -28,7 +29,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from skyq.config.enums import RolloutBackend
 from skyq.config.resolve import Capability, WorkerResolution, resolve_worker
 from skyq.config.schema import PrecisionConfig, TrainConfig
 from skyq.launch.plan import (
@@ -185,7 +185,7 @@ def run_stand_ins(
         )
         for r in plan.trainer
     ]
-    if plan.rollout_backend is RolloutBackend.vllm:
+    if plan.vllm_ray_workers:
         engine = ray.remote(stand_in_vllm_engine)
         engine_calls = [
             lambda e=e: engine.options(**started.actor_options(ENGINE, e.index)).remote(
@@ -240,11 +240,10 @@ def check(plan: PlacementPlan, trainer: list[dict[str, Any]], engines: dict[int,
             plan.visible_devices(TRAINER, r.rank),
             seen["ray_visible"],
         )
-    vllm = plan.rollout_backend is RolloutBackend.vllm
     worker_slots: list[int] = []
     for index, seen in engines.items():
         e = plan.engines[index]
-        if not vllm:
+        if not plan.vllm_ray_workers:
             expect(
                 f"engine {e.index}",
                 seen,

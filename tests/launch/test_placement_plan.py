@@ -3,6 +3,7 @@ the probe's re-sort and per-GPU resolution, and what `actor_options` hands Ray."
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
@@ -66,7 +67,8 @@ def test_qwen3_8gpu_plans_colocate_trainer_and_engines(recipe, engines, gpe):
     plan = _plan(_cfg(f"recipe={recipe}"))
     assert [r.slot for r in plan.trainer] == list(range(8)) and plan.parallel == (1, 1, 1, 8)
     assert [e.slots for e in plan.engines] == [tuple(range(i * gpe, i * gpe + gpe)) for i in range(engines)]
-    assert plan.num_gpus(TRAINER) + plan.num_gpus(ENGINE_WORKER) <= 1 and plan.num_gpus(ENGINE) == 0
+    assert plan.num_gpus(TRAINER) + plan.num_gpus(ENGINE_WORKER) <= 1
+    assert plan.num_gpus(ENGINE) == (0 if gpe > 1 else 0.2)  # a one-GPU engine holds its GPU share itself
     assert plan.visible_devices(ENGINE_WORKER, 2 * gpe) == ",".join(str(2 * gpe + w) for w in range(gpe))
 
 
@@ -154,13 +156,17 @@ def test_mxfp8_on_hopper_names_the_gpu_that_cannot_run_it():
 
 def test_secret_user_env_stays_out_of_ray_runtime_env():
     plan = _plan(
-        _cfg("recipe=qwen3_30b_mxfp8_8gpu", "+rollout.env.HF_TOKEN=s3cret", "+trainer.env.NCCL_DEBUG=INFO")
+        _cfg(
+            "recipe=qwen3_30b_fp8_blockwise_8gpu",
+            "+rollout.env.HF_TOKEN=s3cret",
+            "+trainer.env.NCCL_DEBUG=INFO",
+        )
     )
     options = plan.actor_options(ENGINE, 2, object())
     assert "HF_TOKEN" not in options["runtime_env"]["env_vars"] and plan.secret_env(ENGINE, 2) == {
         "HF_TOKEN": "s3cret"
     }
-    assert plan.env(ENGINE_WORKER, 2)["HF_TOKEN"] == "s3cret"
+    assert plan.env(ENGINE_WORKER, 5)["HF_TOKEN"] == "s3cret"  # engine 2's second vLLM worker
     assert plan.actor_options(TRAINER, 0, object())["runtime_env"]["env_vars"] == {"NCCL_DEBUG": "INFO"}
     assert options["num_gpus"] == 0 and options["scheduling_strategy"].placement_group_capture_child_tasks
 
@@ -185,12 +191,60 @@ def test_the_native_trainer_is_one_rank_whatever_the_trainer_gpus():
     assert [e.slots for e in plan.engines] == [(4,), (5,), (6,), (7,)]
 
 
+PLAN_VLLM_ENV = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "VLLM_RAY_BUNDLE_INDICES", "VLLM_RAY_PER_WORKER_GPUS"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "overrides, engine, slot, share, gpu",
+    [
+        (["topology=8gpu", "rollout=vllm"], 5, 5, 0.2, 5),  # colocated: 8 engines beside the trainer
+        ([*SPLIT_2x8, "topology.rollout_gpus=12", "rollout=vllm"], 7, 11, 1, 3),  # after 4 trainer GPUs
+    ],
+)
+def test_a_one_gpu_vllm_engine_holds_its_own_gpu_on_a_multi_gpu_node(overrides, engine, slot, share, gpu):
+    """vLLM runs a world-1 engine in the calling process on device 0 (its uni executor, no Ray
+    worker): the engine actor itself holds its GPU share, without NOSET, so Ray's
+    CUDA_VISIBLE_DEVICES makes device 0 the plan's GPU; nothing is left to vLLM's Ray executor."""
+    plan = _plan(_cfg(*overrides))
+    assert not plan.vllm_ray_workers and plan.engines[engine].slots == (slot,)
+    options = plan.actor_options(ENGINE, engine, object())
+    assert (options["num_gpus"], options["scheduling_strategy"].placement_group_bundle_index) == (share, slot)
+    assert not PLAN_VLLM_ENV & set(plan.env(ENGINE, engine)) and "runtime_env" not in options
+    w = plan.worker(ENGINE, engine)
+    assert (w.gpu, w.num_gpus, w.visible_devices, w.sync_world_size, w.sync_rank) == (
+        gpu,
+        share,
+        str(gpu),
+        2,
+        1,
+    )
+    assert plan.worker(ENGINE_WORKER, engine) == dataclasses.replace(w, role=ENGINE_WORKER)
+    bound = bind(plan, _reports(plan.num_nodes, 8))  # the probe's re-sort moves the bundle, not the GPU
+    assert bound.visible_devices(ENGINE, engine) == str(gpu)
+    placed = bound.actor_options(ENGINE, engine, object())["scheduling_strategy"]
+    assert placed.placement_group_bundle_index == bound.slot_bundle[slot] != slot
+
+
+def test_a_two_gpu_vllm_engine_leaves_its_gpus_to_vllms_ray_workers():
+    plan = _plan(_cfg("topology=8gpu", "rollout=vllm", "rollout.gpus_per_engine=2"))
+    assert plan.vllm_ray_workers and plan.num_gpus(ENGINE) == 0 and plan.visible_devices(ENGINE, 2) is None
+    env = plan.env(ENGINE, 2)
+    assert (env["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"], env["VLLM_RAY_BUNDLE_INDICES"]) == (
+        "1",
+        "4,5",
+    )
+    assert env["VLLM_RAY_PER_WORKER_GPUS"] == "0.2" and plan.visible_devices(ENGINE_WORKER, 5) == "4,5"
+    assert plan.worker(ENGINE, 2).sync_rank is None and plan.worker(ENGINE_WORKER, 5).sync_rank == 2
+
+
 def test_one_gpu_colocated_puts_trainer_and_engine_on_one_bundle_with_fractions():
     plan = _plan(_cfg("topology=1gpu", "trainer=megatron"))
     assert plan.bundles == [{"GPU": 1, "CPU": 1}]
     trainer, engine = plan.worker(TRAINER, 0), plan.worker(ENGINE, 0)
     assert (trainer.bundle, engine.bundle) == (0, 0)
     assert (trainer.num_gpus, engine.num_gpus) == (0.4, 0.2)
+    vllm = _plan(_cfg("topology=1gpu", "trainer=megatron", "rollout=vllm")).worker(ENGINE, 0)
+    assert (vllm.bundle, vllm.num_gpus, vllm.visible_devices, vllm.env) == (0, 0.2, "0", {})
 
 
 def test_dry_run_prints_the_plan():

@@ -65,9 +65,23 @@ def test_kimi_256gpu_plan_end_to_end(cluster):
     assert _groups_alive() == 0
 
 
+def test_one_gpu_vllm_engines_hold_their_own_gpus(cluster):
+    """A one-GPU vLLM engine computes in its actor's process on device 0 (vLLM's uni executor): each
+    engine actor is given its own GPU by Ray (CUDA_VISIBLE_DEVICES = that GPU, no NOSET), not left
+    to see the whole node and take GPU 0."""
+    cfg = _cfg("recipe=qwen3_30b_mxfp8_8gpu", "precision.emulate=true")
+    result = simulate(cfg, engines=(0, 5))
+    for index in (0, 5):
+        seen = result.engines[index]
+        assert (seen["where"][0][1], seen["ray_visible"]) == (index, str(index)) and "workers" not in seen
+        assert "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES" not in seen["env"]
+    assert "vLLM in the actor's process" in render(result, cfg)
+    assert _groups_alive() == 0
+
+
 def test_check_catches_a_worker_on_another_gpu_or_with_another_env(cluster):
     """The check is not vacuous: a stand-in started from a different plan's options fails it."""
-    cfg = _cfg("recipe=qwen3_30b_mxfp8_8gpu", "precision.emulate=true")
+    cfg = _cfg("recipe=qwen3_30b_fp8_blockwise_8gpu")  # two-GPU engines: vLLM's Ray workers
     plan = plan_placement(topology=cfg.topology, rollout=cfg.rollout, trainer=cfg.trainer)
     with placement(
         plan, cfg.precision, timeout_s=60, report=sim_report, report_args=(8, (9, 0), {})
