@@ -24,6 +24,8 @@ from skyq.config.schema import TrainConfig
 from skyq.config.store import recipe_file_argv, register, strict
 from skyq.config.validate import ConfigValidationError, validate
 from skyq.launch.guards import MismatchError
+from skyq.launch.probe import PlacementError
+from skyq.launch.rundir import METRICS_FILE
 
 register()
 
@@ -101,13 +103,9 @@ def run(cfg: DictConfig, run_dir: Path) -> None:
         print(render_plan(obj, report, plan))
         return
     if obj.simulate:
-        from skyq.launch.probe import PlacementError
         from skyq.launch.simulate import run_simulation
 
-        try:
-            print(run_simulation(obj))
-        except PlacementError as exc:  # the cluster cannot hold the plan: one line, exit 2
-            raise HardwareMissingError(str(exc)) from None
+        print(run_simulation(obj))  # a PlacementError: one line, exit 2 (`main`)
         return
     check_hardware(obj)
     if obj.rollout.backend is RolloutBackend.vllm:
@@ -200,6 +198,12 @@ def main(cfg: DictConfig) -> None:
     except MismatchError as exc:  # the run stopped itself; its run dir holds the evidence
         print(f"error: run {run_dir} stopped: {exc}", file=sys.stderr)
         sys.exit(1)
+    except PlacementError as exc:
+        if (run_dir / METRICS_FILE).is_file():  # a node or worker lost mid-run: resume= continues it
+            print(f"error: run {run_dir} stopped: {exc}", file=sys.stderr)
+            sys.exit(1)
+        print(f"error: {exc}", file=sys.stderr)  # the cluster cannot hold the plan: nothing ran
+        sys.exit(2)
     finally:
         if run_dir.is_dir() and not any(run_dir.iterdir()):
             run_dir.rmdir()  # a dry run or a refused config leaves no empty run directory behind
