@@ -91,3 +91,17 @@ def test_engine_core_process_key_sets_vllm_multiprocessing_and_owns_it():
         ValueError, match=rf"^rollout.env.{MULTIPROCESSING}=1 contradicts rollout.engine_core_process"
     ):
         engine_env(bf16, Fp8Recipe.auto, RolloutConfig(env={MULTIPROCESSING: "1"}))
+
+
+def test_a_gpu_engine_boots_without_the_jit_compiles_rollout_env_can_bring_back():
+    """The boot-time JIT defaults reach GPU engines only (a CPU engine resolves `auto`), under any
+    precision, and a rollout.env entry wins over them."""
+    from skyq.rollout.vllm.engine_args import GPU_BOOT_DEFAULTS
+
+    bf16 = PrecisionConfig(name=Precision.bf16)
+    for precision in (bf16, _fp8(ScaleFormat.fp32)):
+        env = engine_env(precision, Fp8Recipe.blockwise, RolloutConfig())
+        assert GPU_BOOT_DEFAULTS.items() <= env.items()
+    assert not GPU_BOOT_DEFAULTS.keys() & engine_env(bf16, Fp8Recipe.auto, RolloutConfig()).keys()
+    mine = RolloutConfig(env={"VLLM_DEEP_GEMM_WARMUP": "full"})
+    assert engine_env(bf16, Fp8Recipe.blockwise, mine)["VLLM_DEEP_GEMM_WARMUP"] == "full"

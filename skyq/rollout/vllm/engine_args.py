@@ -23,6 +23,17 @@ from skyq.rollout.vllm.compat import DUMMY_LOAD_FORMAT
 from skyq.rollout.vllm.transfer_names import BACKEND, EXTENSION
 
 MULTIPROCESSING = "VLLM_ENABLE_V1_MULTIPROCESSING"
+
+GPU_BOOT_DEFAULTS = {
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",
+    "VLLM_BLOCKSCALE_FP8_GEMM_FLASHINFER": "0",
+    "VLLM_DEEP_GEMM_WARMUP": "skip",
+}
+"""A GPU engine's defaults against boot-time JIT compiles (vLLM 0.26 and 0.32 read all three; a fresh
+box has no compile cache, so every boot pays them): FlashInfer's sampler and its SM90 block-FP8 GEMM
+are JIT-built with nvcc at the first boot (the FP8 path then runs CUTLASS / DeepGEMM and the Triton
+fused MoE), and DeepGEMM's warm-up compiles a kernel for every GEMM shape and row count it may meet
+instead of the ones the run meets. `rollout.env` overrides any of them."""
 """vLLM's switch for its engine core in a child process (`rollout.engine_core_process` sets it)."""
 
 CPU_REFUSALS = {
@@ -155,7 +166,8 @@ def vllm_seed(seed: int) -> int:
 def engine_env(
     precision_cfg: PrecisionConfig, resolved_recipe: Fp8Recipe, rollout_cfg: RolloutConfig
 ) -> dict[str, str]:
-    """Environment of an engine process: the strategy's engine variables, rollout.env, and where
+    """Environment of an engine process: on a GPU `GPU_BOOT_DEFAULTS` and the strategy's engine
+    variables, then rollout.env, and where
     vLLM's engine core runs (`rollout.engine_core_process`: in the engine actor's process, or in a
     child of it). A rollout.env entry contradicting the strategy's value for the recipe this worker
     resolved (`validate.precision_env_conflicts`), or the engine core's place, is refused."""
@@ -169,7 +181,7 @@ def engine_env(
         )
         if conflicts:
             raise ValueError(conflicts[0])
-        env = dict(get_strategy(precision_cfg).env_vars(resolved_recipe)["engine"])
+        env = {**GPU_BOOT_DEFAULTS, **get_strategy(precision_cfg).env_vars(resolved_recipe)["engine"]}
     env.update(rollout_cfg.env)
     child = "1" if rollout_cfg.engine_core_process else "0"
     if env.setdefault(MULTIPROCESSING, child) != child:
