@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from skyq.config.enums import ModelFamily
-from skyq.config.schema import ModelConfig
+from skyq.config.enums import ModelFamily, RopeScaling
+from skyq.config.schema import ModelConfig, RopeScalingConfig
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -52,6 +52,52 @@ def _rope_theta(hf: dict[str, Any], fallback: float) -> float:
     return float(_optional(hf, fallback, "rope_theta"))
 
 
+YARN_KEYS = (
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+)
+"""`model.rope_scaling` fields, spelled as in HF `rope_parameters` / `rope_scaling`."""
+
+
+def _rope_scaling(hf: dict[str, Any]) -> RopeScalingConfig:
+    """YaRN from `rope_parameters` (transformers 5) or `rope_scaling` (older releases: Kimi-K2.x,
+    DeepSeek-V3, with `type` for `rope_type`); plain RoPE when neither names a scaling."""
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind == "default":
+        return RopeScalingConfig()
+    if kind != RopeScaling.yarn.value:
+        raise HFConfigError(
+            f"config.json ({hf.get('model_type')}): rope type {kind!r} is not supported; skyq builds plain "
+            "RoPE ('default') or 'yarn'"
+        )
+    defaults = RopeScalingConfig()
+    fields = {key: _optional(rope, getattr(defaults, key), key) for key in YARN_KEYS}
+    if rope.get("factor") is None:
+        raise HFConfigError(f"config.json ({hf.get('model_type')}): yarn rope scaling without its factor")
+    return RopeScalingConfig(
+        type=RopeScaling.yarn,
+        **{
+            key: int(v) if key == "original_max_position_embeddings" else float(v)
+            for key, v in fields.items()
+        },
+    )
+
+
+def rope_parameters(model_cfg: ModelConfig) -> dict[str, Any]:
+    """HF `rope_parameters` of `model_cfg`: what transformers 5 and vLLM read from config.json."""
+    rope: dict[str, Any] = {"rope_theta": model_cfg.rope_theta, "rope_type": "default"}
+    scaling = model_cfg.rope_scaling
+    if RopeScaling(scaling.type) is RopeScaling.yarn:
+        rope["rope_type"] = RopeScaling.yarn.value
+        rope.update({key: getattr(scaling, key) for key in YARN_KEYS})
+    return rope
+
+
 def _common(hf: dict[str, Any], defaults: ModelConfig) -> dict[str, Any]:
     heads = int(_required(hf, "num_attention_heads"))
     hidden = int(_required(hf, "hidden_size"))
@@ -69,6 +115,7 @@ def _common(hf: dict[str, Any], defaults: ModelConfig) -> dict[str, Any]:
             _optional(hf, defaults.max_position_embeddings, "max_position_embeddings")
         ),
         "rope_theta": _rope_theta(hf, defaults.rope_theta),
+        "rope_scaling": _rope_scaling(hf),
         "rms_norm_eps": float(_optional(hf, defaults.rms_norm_eps, "rms_norm_eps")),
         "tie_word_embeddings": bool(_optional(hf, False, "tie_word_embeddings")),
     }
@@ -198,8 +245,8 @@ def hf_config(model_cfg: ModelConfig) -> PretrainedConfig:
     DeepSeek-V3 / Kimi-K2.x: MLA with one key and value per head, sigmoid routing with the fp32
     `e_score_correction_bias` (the noaux_tc top-k), top-k weights renormalized and scaled by
     `model.routed_scaling_factor`, interleaved rotary dims (the released checkpoints' layout), the
-    first `model.first_k_dense_replace` layers dense. Only plain RoPE: a YaRN-scaled release
-    (Kimi-K2.6's 256k context) is described at its base frequencies.
+    first `model.first_k_dense_replace` layers dense. `model.rope_scaling` goes into `rope_parameters`
+    (YaRN: transformers scales the rotary frequencies and cos/sin, and DeepSeek-V3's softmax scale).
     """
     check_buildable(model_cfg)
     common = {
@@ -213,7 +260,7 @@ def hf_config(model_cfg: ModelConfig) -> PretrainedConfig:
         # Qwen3-MoE, DeepSeek-V3 and Kimi-K2.x releases renormalize the top-k routing weights.
         "norm_topk_prob": True,
         "max_position_embeddings": model_cfg.max_position_embeddings,
-        "rope_parameters": {"rope_theta": model_cfg.rope_theta, "rope_type": "default"},
+        "rope_parameters": rope_parameters(model_cfg),
         "rms_norm_eps": model_cfg.rms_norm_eps,
         "tie_word_embeddings": model_cfg.tie_word_embeddings,
         "attn_implementation": "sdpa",
@@ -287,8 +334,10 @@ def checkpoint_config_json(model_cfg: ModelConfig) -> dict[str, Any]:
 ARCHITECTURE_KEYS = (
     "family", "vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
     "moe_intermediate_size", "num_experts", "num_experts_per_tok", "tie_word_embeddings", "text_prefix",
+    "rope_scaling",
 )  # fmt: skip
-"""`ModelConfig` keys a checkpoint's config.json must agree on to be loaded into the model."""
+"""`ModelConfig` keys a checkpoint's config.json must agree on to be loaded into the model (the rotary
+scaling too: the weights load under any, but compute a different function)."""
 FAMILY_ARCHITECTURE_KEYS = {
     ModelFamily.qwen3_moe: ("head_dim",),
     ModelFamily.deepseek_v3: (

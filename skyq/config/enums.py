@@ -57,6 +57,13 @@ class ModelFamily(_Choice):
     deepseek_v3 = "deepseek_v3"
 
 
+class RopeScaling(_Choice):
+    """Rotary scaling of a long-context release (HF `rope_parameters.rope_type`)."""
+
+    none = "none"
+    yarn = "yarn"
+
+
 class Placement(_Choice):
     """Trainer and rollout engines on the same GPUs (colocated) or on separate ones (split)."""
 

@@ -26,6 +26,7 @@ from skyq.config.enums import (
     RecomputeMethod,
     RewardName,
     RolloutBackend,
+    RopeScaling,
     ScaleFormat,
     TaskName,
     TrainerBackend,
@@ -115,6 +116,26 @@ class PrecisionConfig:
 
 
 @dataclass
+class RopeScalingConfig:
+    """YaRN rotary scaling, HF `rope_parameters` (transformers 5) / `rope_scaling` (older releases)."""
+
+    type: RopeScaling = RopeScaling.none
+    """none = plain RoPE at `model.rope_theta`; yarn = YaRN (DeepSeek-V3, Kimi-K2.x long context)."""
+    factor: float = bounded(1.0, ge=1)
+    """Context extension factor (Kimi-K2.6: 64, DeepSeek-V3: 40)."""
+    original_max_position_embeddings: int = bounded(4096, ge=1)
+    """Context length the model was pre-trained at before the extension."""
+    beta_fast: float = bounded(32.0, gt=0)
+    """Rotations over the original context above which a frequency is kept unscaled (Kimi-K2.x: 1)."""
+    beta_slow: float = bounded(1.0, gt=0)
+    """Rotations below which a frequency is divided by `factor` (a linear ramp between the two)."""
+    mscale: float = bounded(1.0, gt=0)
+    """YaRN attention-temperature coefficient of the rotary cos/sin (0.1 * mscale * ln(factor) + 1)."""
+    mscale_all_dim: float = bounded(0.0, ge=0)
+    """Its divisor on cos/sin and, squared, the MLA softmax scale's factor (0 = DeepSeek's softmax scale unchanged)."""
+
+
+@dataclass
 class ModelConfig:
     name: str = "tiny_moe"
     """Model preset name."""
@@ -148,6 +169,8 @@ class ModelConfig:
     """Longest sequence (prompt + response) the model takes."""
     rope_theta: float = bounded(1000000.0, gt=0)
     """RoPE base."""
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    """Rotary scaling (YaRN) of a long-context release."""
     rms_norm_eps: float = bounded(1e-6, gt=0)
     """RMSNorm epsilon."""
     tie_word_embeddings: bool = False

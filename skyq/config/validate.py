@@ -23,9 +23,11 @@ from skyq.config.enums import (
     Device,
     Fp8Recipe,
     LoggerBackend,
+    ModelFamily,
     Placement,
     Precision,
     RolloutBackend,
+    RopeScaling,
     TaskName,
     TrainerBackend,
     WeightSyncMode,
@@ -307,6 +309,31 @@ def _model_errors(cfg: TrainConfig) -> list[str]:
         errors.append(
             f"model.first_k_dense_replace={m.first_k_dense_replace} exceeds model.num_layers={m.num_layers}."
         )
+    return errors + _rope_scaling_errors(cfg)
+
+
+def _rope_scaling_errors(cfg: TrainConfig) -> list[str]:
+    """YaRN that transformers, vLLM and Megatron would not compute alike, or that a backend lacks."""
+    y, errors = cfg.model.rope_scaling, []
+    if RopeScaling(y.type) is RopeScaling.none:
+        return errors
+    if not y.mscale_all_dim and y.mscale != 1:
+        errors.append(
+            f"model.rope_scaling.mscale={y.mscale} with model.rope_scaling.mscale_all_dim=0: transformers then "
+            "ignores mscale (Megatron does not). Fix: mscale=1, or a nonzero mscale_all_dim."
+        )
+    if cfg.trainer.backend is TrainerBackend.megatron:
+        family = ModelFamily(cfg.model.family)
+        if family is not ModelFamily.deepseek_v3:
+            errors.append(
+                f"model.rope_scaling.type=yarn with trainer=megatron and model.family={family.value}: "
+                "Megatron applies YaRN in MLA (deepseek_v3) only. Fix: trainer=native, or type=none."
+            )
+        elif cfg.topology.device is Device.cpu:
+            errors.append(
+                "model.rope_scaling.type=yarn with trainer=megatron on topology.device=cpu: megatron-core "
+                "0.16.1's YarnRotaryEmbedding runs on CUDA only. Fix: a GPU topology, or trainer=native."
+            )
     return errors
 
 
