@@ -115,9 +115,10 @@ class PrecisionConfig:
     """Keep trainer parameters persistently in FP8 (blockwise only)."""
 
 
-@dataclass
+@dataclass(unsafe_hash=True)
 class RopeScalingConfig:
-    """YaRN rotary scaling, HF `rope_parameters` (transformers 5) / `rope_scaling` (older releases)."""
+    """YaRN rotary scaling, HF `rope_parameters` (transformers 5) / `rope_scaling` (older releases).
+    Hashable by value: a `ModelConfig`'s field values key caches (`mapping.tables`)."""
 
     type: RopeScaling = RopeScaling.none
     """none = plain RoPE at `model.rope_theta`; yarn = YaRN (DeepSeek-V3, Kimi-K2.x long context)."""

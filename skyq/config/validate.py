@@ -329,11 +329,6 @@ def _rope_scaling_errors(cfg: TrainConfig) -> list[str]:
                 f"model.rope_scaling.type=yarn with trainer=megatron and model.family={family.value}: "
                 "Megatron applies YaRN in MLA (deepseek_v3) only. Fix: trainer=native, or type=none."
             )
-        elif cfg.topology.device is Device.cpu:
-            errors.append(
-                "model.rope_scaling.type=yarn with trainer=megatron on topology.device=cpu: megatron-core "
-                "0.16.1's YarnRotaryEmbedding runs on CUDA only. Fix: a GPU topology, or trainer=native."
-            )
     return errors
 
 

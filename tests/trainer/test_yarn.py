@@ -19,6 +19,7 @@ from skyq.checkpoint.hf_config import (
 from skyq.config.enums import RopeScaling
 from skyq.config.schema import RopeScalingConfig
 from skyq.config.store import compose, to_object
+from skyq.config.validate import ConfigValidationError, validate
 from skyq.trainer.native.model import build_model
 
 YARN = RopeScalingConfig(
@@ -102,17 +103,14 @@ def test_native_yarn_model_equals_transformers_deepseek_v3_from_the_kimi_style_c
 
 
 def _validation_errors(cfg) -> list[str]:
-    from skyq.config.validate import ConfigValidationError, validate
-
     with pytest.raises(ConfigValidationError) as refused:
         validate(cfg)
     return refused.value.errors
 
 
-def test_yarn_megatron_cannot_run_is_refused_at_validation_naming_the_key(yarn_model_cfg):
+def test_yarn_with_megatron_is_accepted_for_mla_and_refused_for_gqa_naming_the_key(yarn_model_cfg):
     cfg = to_object(compose(["model=tiny_deepseek", "trainer=megatron", "precision=bf16"]))
-    (error,) = _validation_errors(dataclasses.replace(cfg, model=yarn_model_cfg))
-    assert error.startswith("model.rope_scaling.type=yarn with trainer=megatron on topology.device=cpu")
+    validate(dataclasses.replace(cfg, model=yarn_model_cfg))  # MLA: megatron's own YaRN
     qwen = to_object(compose(["trainer=megatron", "precision=bf16"]))
     qwen = dataclasses.replace(qwen, model=dataclasses.replace(qwen.model, rope_scaling=YARN))
     (error,) = _validation_errors(qwen)

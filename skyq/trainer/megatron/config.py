@@ -21,8 +21,9 @@ The two families, as skyq's HF configs define them (`skyq.checkpoint.hf_config`)
   Kimi-K2 uses 1 / 1, i.e. no group limit, DeepSeek-V3 8 / 4) and `model.routed_scaling_factor`
   (-> `moe_router_topk_scaling_factor`) are read. `model.rope_scaling` type=yarn -> MLA's
   `rope_type="yarn"` with its factor, original length, betas and mscales (the same frequencies,
-  cos/sin factor and softmax scale as transformers' DeepseekV3); GPU only: megatron-core 0.16.1's
-  `YarnRotaryEmbedding` moves its frequencies to CUDA. qwen3_moe with YaRN is refused.
+  cos/sin factor and softmax scale as transformers' DeepseekV3; on the CPU `YarnRotaryEmbedding`'s
+  move to `torch.cuda.current_device()` lands on the CPU through `cpu_compat`). qwen3_moe with YaRN
+  is refused.
 
 FP8 (GPU only; Transformer Engine): precision=fp8_blockwise -> `fp8="e4m3"`, `fp8_recipe="blockwise"`
 (TE `Float8BlockScaling`; its fp32-vs-pow2 scales come from NVTE_FP8_BLOCK_SCALING_FP32_SCALES in the
@@ -145,7 +146,7 @@ def config_kwargs(
                 "gradient across the TP heads (without it that gradient holds this rank's heads only). "
                 "Fix: sequence_parallel=true"
             )
-        return "MLATransformerConfig", {**kwargs, **_mla(model_cfg, device)}
+        return "MLATransformerConfig", {**kwargs, **_mla(model_cfg)}
     if RopeScaling(model_cfg.rope_scaling.type) is not RopeScaling.none:
         raise MegatronConfigError(
             f"model.rope_scaling.type={RopeScaling(model_cfg.rope_scaling.type).value} with "
@@ -184,7 +185,7 @@ def _gqa(m: ModelConfig) -> dict[str, Any]:
     return {"num_query_groups": m.num_key_value_heads, "kv_channels": m.head_dim}
 
 
-def _mla(m: ModelConfig, device: str) -> dict[str, Any]:
+def _mla(m: ModelConfig) -> dict[str, Any]:
     if not (m.kv_lora_rank and m.qk_nope_head_dim and m.qk_rope_head_dim and m.v_head_dim):
         raise MegatronConfigError(
             f"model={m.name} (family deepseek_v3): MLA needs kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim "
@@ -199,21 +200,16 @@ def _mla(m: ModelConfig, device: str) -> dict[str, Any]:
         "qk_pos_emb_head_dim": m.qk_rope_head_dim,
         "v_head_dim": m.v_head_dim,
         "rotary_base": m.rope_theta,
-        **_mla_rope(m, device),
+        **_mla_rope(m),
     }
 
 
-def _mla_rope(m: ModelConfig, device: str) -> dict[str, Any]:
+def _mla_rope(m: ModelConfig) -> dict[str, Any]:
     """MLA's rotary fields: plain rope, or YaRN as `model.rope_scaling` gives it. With rope_type "rope"
     megatron still computes the softmax scale from `mscale_all_dim` (its default 0 leaves it unscaled)."""
     y = m.rope_scaling
     if RopeScaling(y.type) is RopeScaling.none:
         return {"rope_type": "rope"}
-    if device == "cpu":
-        raise MegatronConfigError(
-            "model.rope_scaling.type=yarn with trainer=megatron on the CPU: megatron-core 0.16.1's "
-            "YarnRotaryEmbedding moves its frequencies to CUDA. Fix: a GPU topology, or trainer=native"
-        )
     return {
         "rope_type": "yarn",
         "rotary_scaling_factor": y.factor,
