@@ -36,12 +36,8 @@ from skyq.trainer.megatron.config import (  # noqa: E402
 )
 
 
-def preset(name: str, *overrides: str) -> ModelConfig:
-    return to_object(compose([f"model={name}", *overrides])).model
-
-
-KIMI_PLAIN_ROPE = "model.rope_scaling.type=none"
-"""Kimi-K2.6 at its base rope: these CPU builds refuse YaRN (mapped in tests/megatron/test_yarn.py)."""
+def preset(name: str) -> ModelConfig:
+    return to_object(compose([f"model={name}"])).model
 
 
 def build(model_cfg: ModelConfig, device: str = "cpu", *, precision=None, trainer=None, parallel=None):
@@ -103,12 +99,14 @@ def test_qwen3_30b_key_fields():
 
 
 def test_kimi_k26_is_mla_with_shared_experts_dense_first_layer_and_sigmoid_routing():
-    model_cfg = preset("kimi_k26", KIMI_PLAIN_ROPE)
+    model_cfg = preset("kimi_k26")
     c = build(model_cfg)
     assert type(c).__name__ == "MLATransformerConfig" and c.multi_latent_attention
     assert (c.q_lora_rank, c.kv_lora_rank) == (1536, 512)
     assert (c.qk_head_dim, c.qk_pos_emb_head_dim, c.v_head_dim) == (128, 64, 128)
-    assert c.rope_type == "rope" and c.rotary_base == 50000.0
+    assert c.rope_type == "yarn" and c.rotary_base == 50000.0  # the 256k release's YaRN
+    assert (c.rotary_scaling_factor, c.original_max_position_embeddings) == (64.0, 4096)
+    assert (c.beta_fast, c.beta_slow, c.mscale, c.mscale_all_dim) == (1.0, 1.0, 1.0, 1.0)
     assert c.moe_layer_freq == [0] + [1] * 60
     assert c.ffn_hidden_size == 18432  # the dense first layer
     assert c.moe_shared_expert_intermediate_size == 2048
@@ -122,7 +120,7 @@ def test_kimi_k26_is_mla_with_shared_experts_dense_first_layer_and_sigmoid_routi
 def test_deepseek_v3_group_limited_routing_maps_to_megatron_groups():
     model_cfg = ModelConfig(
         **{
-            **vars(preset("kimi_k26", KIMI_PLAIN_ROPE)),
+            **vars(preset("kimi_k26")),
             "n_group": 8,
             "topk_group": 4,
             "routed_scaling_factor": 2.5,
@@ -133,7 +131,7 @@ def test_deepseek_v3_group_limited_routing_maps_to_megatron_groups():
 
 
 def test_mla_without_q_lora_keeps_q_lora_rank_none():
-    model_cfg = ModelConfig(**{**vars(preset("kimi_k26", KIMI_PLAIN_ROPE)), "q_lora_rank": None})
+    model_cfg = ModelConfig(**{**vars(preset("kimi_k26")), "q_lora_rank": None})
     assert build(model_cfg).q_lora_rank is None
 
 
@@ -217,7 +215,7 @@ def test_fp8_blockwise_on_all_linears_is_the_global_te_recipe_with_persistent_pa
 def test_routed_experts_only_fp8_keeps_every_other_te_linear_bf16(precision):
     from megatron.core.extensions.transformer_engine import TEQuantizationParams
 
-    _, kw = kwargs(preset("kimi_k26", KIMI_PLAIN_ROPE), precision=precision)
+    _, kw = kwargs(preset("kimi_k26"), precision=precision)
     recipe = "mxfp8" if precision.name is Precision.mxfp8 else "blockwise"
     assert (kw["fp8"], kw["fp8_recipe"]) == ("e4m3", recipe)
     q = kw["quant_recipe"]
@@ -250,11 +248,9 @@ def _context(path: str):
 
 
 def test_deepep_switches_the_flex_dispatcher_on_the_gpu():
-    _, kw = kwargs(preset("kimi_k26", KIMI_PLAIN_ROPE), trainer=TrainerConfig(deepep_max_dispatch_tokens=128))
+    _, kw = kwargs(preset("kimi_k26"), trainer=TrainerConfig(deepep_max_dispatch_tokens=128))
     assert kw["moe_token_dispatcher_type"] == "flex" and kw["moe_flex_dispatcher_backend"] == "deepep"
-    _, kw = kwargs(
-        preset("kimi_k26", KIMI_PLAIN_ROPE), trainer=TrainerConfig(moe_token_dispatcher="allgather")
-    )
+    _, kw = kwargs(preset("kimi_k26"), trainer=TrainerConfig(moe_token_dispatcher="allgather"))
     assert kw["moe_token_dispatcher_type"] == "allgather"
 
 
@@ -301,13 +297,13 @@ REFUSALS = [
 )
 def test_refusals_are_one_clear_line(overrides, device, needle):
     with pytest.raises(MegatronConfigError) as err:
-        kwargs(preset("kimi_k26", KIMI_PLAIN_ROPE), device, **overrides)
+        kwargs(preset("kimi_k26"), device, **overrides)
     message = str(err.value)
     assert needle in message and "\n" not in message
 
 
 def test_mla_needs_its_head_dims():
-    model_cfg = ModelConfig(**{**vars(preset("kimi_k26", KIMI_PLAIN_ROPE)), "kv_lora_rank": 0})
+    model_cfg = ModelConfig(**{**vars(preset("kimi_k26")), "kv_lora_rank": 0})
     with pytest.raises(MegatronConfigError, match="kv_lora_rank"):
         kwargs(model_cfg)
 
