@@ -24,8 +24,6 @@ from skyq.config.schema import TrainConfig
 from skyq.config.store import recipe_file_argv, register, strict
 from skyq.config.validate import ConfigValidationError, validate
 from skyq.launch.guards import MismatchError
-from skyq.launch.probe import PlacementError
-from skyq.launch.rundir import METRICS_FILE
 
 register()
 
@@ -184,6 +182,9 @@ def check_run_dir(run_dir: Path) -> None:
 def main(cfg: DictConfig) -> None:
     global _task_started
     _task_started = True
+    from skyq.launch.probe import PlacementError  # here, not at the top: `--help` imports neither
+    from skyq.launch.rundir import METRICS_FILE
+
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
