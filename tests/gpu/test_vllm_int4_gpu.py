@@ -46,15 +46,6 @@ MODEL = ModelConfig(head_dim=64, hidden_size=256, moe_intermediate_size=256)
 PROMPTS = [[1, 5, 7, 2], [3, 3, 9, 11, 4, 2], [(7 * i + 3) % 30 + 1 for i in range(40)]]
 
 
-def _random_weights(seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    plan = build_plan(MODEL, PrecisionConfig(name=Precision.bf16))
-    return {
-        p.name: (torch.randn(p.shape, generator=gen) * 0.1 + (p.role.value == "norm")).to(p.dtype)
-        for p in plan
-    }
-
-
 def _engine(path: Path, precision_cfg: PrecisionConfig, *, dummy: bool):
     from skyq.rollout.vllm.engine import VllmEngine
     from skyq.rollout.vllm.engine_args import VllmOptions, engine_kwargs
@@ -102,14 +93,14 @@ def _greedy(engine) -> list[tuple[list[int], list[float]]]:
 
 @pytest.mark.parametrize("scope", [QuantScope.routed_experts, QuantScope.all_linear])
 def test_int4_sync_matches_engine_booted_from_converted_checkpoint(tmp_path, scope):
-    from vllm_sync import SyncTrainer, perturbed
+    from vllm_sync import SyncTrainer, perturbed, random_weights
 
     from skyq.rollout.vllm.compat import check_version
 
     if check_version() != "0.26":
         pytest.skip("the W4A16 act-order accounting is checked on vLLM 0.26 (the GPU version)")
     precision_cfg = PrecisionConfig(name=Precision.int4_qat, qat_scope=scope)
-    base = _random_weights(0)
+    base = random_weights(MODEL, 0)
     new = perturbed(base, 1)
     write_hf_checkpoint(tmp_path / "base", base, MODEL)
     write_hf_checkpoint(tmp_path / "new", new, MODEL)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -45,3 +47,25 @@ def run(overrides: list[str], run_dir: Path, *, resume: bool = False) -> RunResu
         run_dir=run_dir,
         resume=resume,
     )
+
+
+@contextmanager
+def two_ray_nodes(num_gpus: int = 0) -> Iterator[tuple[Any, Any]]:
+    """A Ray cluster of two nodes on this machine (`ray.cluster_utils.Cluster`, loopback, one CPU
+    and `num_gpus` logical GPUs each), this process its driver; yields (cluster, the non-head node)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from skyq.launch.ray_local import _loopback_node
+
+    assert not ray.is_initialized(), "another test module left Ray running"
+    node = {"num_cpus": 1, "num_gpus": num_gpus}
+    with _loopback_node():
+        cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
+        other = cluster.add_node(**node)
+        ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        yield cluster, other
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

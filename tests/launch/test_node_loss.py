@@ -15,26 +15,15 @@ from skyq.config.store import compose, to_object
 from skyq.launch.plan import ENGINE, TRAINER, plan_placement
 from skyq.launch.probe import PlacementError, ProbeReport, check_intact, placement
 
+from .run_helpers import two_ray_nodes
+
 DETECT_WITHIN_S = 30.0
 
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    from ray.cluster_utils import Cluster
-
-    from skyq.launch.ray_local import _loopback_node
-
-    with _loopback_node():
-        cluster = Cluster(
-            initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 1, "include_dashboard": False}
-        )
-        other = cluster.add_node(num_cpus=1, num_gpus=1)
-        ray.init(address=cluster.address, log_to_driver=False)
-    try:
-        yield cluster, other
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    with two_ray_nodes(num_gpus=1) as nodes:
+        yield nodes
 
 
 def test_a_lost_node_stops_the_run_naming_the_node_and_its_workers(two_nodes):

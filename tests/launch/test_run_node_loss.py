@@ -15,27 +15,15 @@ import ray
 import skyq.launch.loop as loop
 from skyq.launch.probe import PlacementError
 
-from .run_helpers import run
+from .run_helpers import run, two_ray_nodes
 
 NUM_STEPS, LOST_AT = 3, 2
 
 
 @pytest.fixture()
 def two_nodes():
-    from ray.cluster_utils import Cluster
-
-    from skyq.launch.ray_local import _loopback_node
-
-    assert not ray.is_initialized(), "another test module left Ray running"
-    with _loopback_node():
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-        other = cluster.add_node(num_cpus=1)
-        ray.init(address=cluster.address, log_to_driver=False)
-    try:
-        yield cluster, other
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    with two_ray_nodes() as nodes:
+        yield nodes
 
 
 def test_a_run_that_loses_a_node_stops_naming_it_and_resume_finishes_it(

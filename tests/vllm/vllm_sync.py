@@ -7,6 +7,7 @@ import threading
 
 import torch
 
+from skyq.config.enums import Precision
 from skyq.config.schema import ModelConfig, PrecisionConfig
 from skyq.quant.plan import build_plan
 from skyq.quant.strategies import get_strategy
@@ -60,6 +61,16 @@ class SyncTrainer:
             thread.join()
             if "error" in result and not isinstance(result["error"], SyncRefused):
                 raise result["error"]
+
+
+def random_weights(model: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    """A random bf16 checkpoint of `model` by HF name (norms around 1, the rest around 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    plan = build_plan(model, PrecisionConfig(name=Precision.bf16))
+    return {
+        p.name: (torch.randn(p.shape, generator=gen) * 0.1 + (p.role.value == "norm")).to(p.dtype)
+        for p in plan
+    }
 
 
 def perturbed(weights: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
