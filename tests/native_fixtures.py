@@ -68,9 +68,13 @@ def make_trainer(run_cfg, tiny_checkpoint):
     return make
 
 
-def sync_in_process(trainer, engine, version: int, weights=None):
+def sync_in_process(
+    trainer, engine, version: int, weights=None, *, serialize=None, timeout_s=10.0, prepare=None
+):
     """Trainer worker -> engine worker over the in-process transport (the sender on this thread, the
-    receiver on another); returns (sender error, receiver error), None where that side succeeded."""
+    receiver on another); returns (sender error, receiver error), None where that side succeeded.
+    `serialize` replaces the trainer's; `prepare(send_end)` may wrap the sending end first (a test
+    corrupting frames)."""
     import threading
 
     from skyq.sync.errors import SyncError
@@ -78,7 +82,9 @@ def sync_in_process(trainer, engine, version: int, weights=None):
     from skyq.sync.receiver import WeightReceiver
     from skyq.sync.sender import WeightSender
 
-    send_end, recv_end = in_process_pair(timeout_s=10.0)
+    send_end, recv_end = in_process_pair(timeout_s=timeout_s)
+    if prepare is not None:
+        prepare(send_end)
     errors: dict[str, SyncError] = {}
 
     def receive() -> None:
@@ -93,7 +99,9 @@ def sync_in_process(trainer, engine, version: int, weights=None):
     thread.start()
     try:
         items = weights if weights is not None else trainer.trainer.hf_weight_items()
-        WeightSender(send_end, serialize=trainer.serialize, bucket_bytes=4096).sync(items, version)
+        WeightSender(send_end, serialize=serialize or trainer.serialize, bucket_bytes=4096).sync(
+            items, version
+        )
     except SyncError as exc:
         errors["send"] = exc
     thread.join(timeout=30)

@@ -5,18 +5,16 @@ weights, and every bad sync leaves the engine's weights and version untouched.""
 from __future__ import annotations
 
 import re
-import threading
 
 import pytest
 import torch
+from native_fixtures import sync_in_process
 
 from skyq.launch.actors import EngineWorker, TrainerWorker
 from skyq.rl.tokenizer import EOS_ID
 from skyq.sync.errors import SyncError, SyncRefused
-from skyq.sync.in_process import in_process_pair
 from skyq.sync.plan_wire import wire_digest
-from skyq.sync.receiver import WeightReceiver
-from skyq.sync.sender import WeightSender, build_units
+from skyq.sync.sender import build_units
 
 from .run_helpers import compose_config
 
@@ -46,9 +44,10 @@ def build_workers(overrides: list[str]) -> tuple[TrainerWorker, EngineWorker]:
 
 
 def sync(trainer, engine, version, *, serialize=None, weights=None, corrupt_bucket=None, timeout_s=10.0):
-    """Trainer -> engine over the in-process transport; returns (sender error, receiver error)."""
-    send_end, recv_end = in_process_pair(timeout_s=timeout_s)
-    if corrupt_bucket is not None:
+    """Trainer -> engine over the in-process transport; returns (sender error, receiver error).
+    `corrupt_bucket`: flip a bit in that bucket's frame on its way."""
+
+    def corrupt(send_end) -> None:
         sent = []
 
         def corrupting(original):
@@ -64,27 +63,11 @@ def sync(trainer, engine, version, *, serialize=None, weights=None, corrupt_buck
         # the manifest is sent, the buckets are handed over (`give_frame`): a flip in either
         send_end.send_frame = corrupting(send_end.send_frame)
         send_end.give_frame = corrupting(send_end.give_frame)
-    errors: dict = {}
 
-    def receive():
-        try:
-            WeightReceiver(recv_end, engine.expected, verify_checksum=True).receive(
-                current_version=engine.engine.weight_version, commit=engine.engine.load_weights
-            )
-        except SyncError as exc:
-            errors["recv"] = exc
-
-    thread = threading.Thread(target=receive)
-    thread.start()
-    try:
-        WeightSender(send_end, serialize=serialize or trainer.serialize, bucket_bytes=4096).sync(
-            weights if weights is not None else trainer.trainer.hf_weight_items(), version
-        )
-    except SyncError as exc:
-        errors["send"] = exc
-    thread.join(timeout=30)
-    assert not thread.is_alive()
-    return errors.get("send"), errors.get("recv")
+    return sync_in_process(
+        trainer, engine, version, weights, serialize=serialize, timeout_s=timeout_s,
+        prepare=None if corrupt_bucket is None else corrupt,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
