@@ -8,6 +8,8 @@
 #   bash scripts/gpu_box_megatron.sh a      # TE tests, training step per precision, GRPO fp8_blockwise
 #   bash scripts/gpu_box_megatron.sh b      # GRPO bf16 and int4_qat, then the mismatch table of a + b
 #   bash scripts/gpu_box_megatron.sh vllm   # trainer=megatron rollout=vllm, fp8_blockwise (vLLM 0.26 staged too)
+#   bash scripts/gpu_box_megatron.sh opt    # the optimizer's cpu_offload / overlap / precision_aware: their GPU
+#                                           # test, then GRPO fp8_blockwise with cpu_offload + precision_aware
 #
 # GRPO: recipe=small_moe_fp8_blockwise_1gpu (small_moe, arith) with trainer=megatron; trainer and engine
 # are Ray actors on the one GPU (colocated through the placement plan). mxfp8 is not run: TE's
@@ -79,5 +81,14 @@ case "$what" in
     TAG=_vllm rl fp8_blockwise 420 rollout=vllm rollout.gpu_memory_fraction=0.3 rollout.kv_cache_bytes=4294967296
     table
     ;;
-  *) echo "usage: $0 a|b|vllm" >&2; exit 2 ;;
+  opt)
+    SKYQ_GPU_REPORT="$OUT/optimizer.json" step test_optimizer 300 \
+      python3 -m pytest -q -x -s -p no:cacheprovider tests/gpu/test_megatron_optimizer.py
+    tail -4 "$OUT/test_optimizer.log"
+    rl fp8_blockwise 200
+    TAG=_offload rl fp8_blockwise 200 trainer.optimizer.cpu_offload=true trainer.optimizer.overlap_cpu_offload=true \
+      trainer.optimizer.precision_aware=true
+    table
+    ;;
+  *) echo "usage: $0 a|b|vllm|opt" >&2; exit 2 ;;
 esac

@@ -1,0 +1,249 @@
+"""trainer=megatron's optimizer settings on a GPU: `trainer.optimizer.cpu_offload`, `overlap_cpu_offload`
+and `precision_aware`, through the real `MegatronTrainer` (TE spec, megatron-core's distributed
+optimizer, world size 1 on NCCL).
+
+Needs CUDA, megatron-core and Transformer Engine (on the lent H200: staged, docs/gpu_box.md); skipped
+elsewhere (on the CPU the trainer refuses cpu_offload and precision_aware: tests/megatron/test_worker.py).
+
+One spawned process runs the four settings one after another from the same HF checkpoint and batch
+(three GRPO updates each) and reports, per setting: the log-probs after the updates, the grad norms,
+where the optimizer's state tensors live (device and dtype, bytes), the GPU memory the trainer holds
+after two updates, and the step time. Asserted:
+- cpu_offload: no optimizer state on the GPU, the GPU holds at least 7 of the 8 bytes per parameter
+  of the two fp32 moments less (megatron-core keeps its fp32 master copy on the GPU unless
+  precision_aware is on too), and the updates equal the GPU optimizer's within a hundredth of how
+  far they moved the log-probs (torch's AdamW on the CPU against TE's FusedAdam);
+- cpu_offload with precision_aware: the fp32 master copy moves to the host too (at least 11 of 12
+  bytes per parameter less on the GPU), the same updates within that hundredth;
+- overlap_cpu_offload: the same updates as cpu_offload without overlap, to float rounding (the same
+  CPU AdamW, one optimizer per parameter, its copies on side streams);
+- precision_aware: the moments are bf16 (the fp32 master copy stays), at least 3 bytes per parameter
+  less on the GPU, and the updates within a tenth of the movement.
+Every setting also saves a dist checkpoint after its second update, updates, loads it and updates
+again: the log-probs after the two third updates must agree to 1e-6 (the optimizer state survives the round trip).
+The run's numbers go to $SKYQ_GPU_REPORT (a JSON file) when it is set.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("transformer_engine.pytorch")
+pytest.importorskip("megatron.core")
+
+SHAPE = [
+    "model=tiny_moe", "model.hidden_size=512", "model.moe_intermediate_size=512", "model.num_layers=2",
+    "model.vocab_size=1024", "model.head_dim=64", "model.num_attention_heads=8", "model.num_key_value_heads=4",
+    "model.num_experts=8", "model.num_experts_per_tok=2", "topology=1gpu", "trainer=megatron",
+    "precision=bf16", "algorithm.lr=1e-4", "trainer.micro_batch_size=4",
+]  # fmt: skip
+SETTINGS = {
+    "gpu": [],
+    "cpu_offload": ["trainer.optimizer.cpu_offload=true"],
+    "cpu_offload_overlap": [
+        "trainer.optimizer.cpu_offload=true",
+        "trainer.optimizer.overlap_cpu_offload=true",
+    ],
+    "precision_aware": ["trainer.optimizer.precision_aware=true"],
+    "cpu_offload_precision_aware": [
+        "trainer.optimizer.cpu_offload=true",
+        "trainer.optimizer.precision_aware=true",
+    ],
+}
+STEPS = 3
+
+
+def _batch(vocab: int):
+    from skyq.rl.batch import RolloutBatch
+
+    g = torch.Generator().manual_seed(3)
+    rows, cols = 8, 48
+    lengths = torch.randint(24, cols + 1, (rows,), generator=g)
+    attn = (torch.arange(cols)[None] < lengths[:, None]).long()
+    response = attn.float()
+    response[:, :8] = 0
+    return RolloutBatch(
+        input_ids=torch.randint(0, vocab, (rows, cols), generator=g), attention_mask=attn,
+        response_mask=response, rollout_logprobs=-torch.rand(rows, cols, generator=g) * 3 * response,
+        advantages=torch.randn(rows, generator=g), rewards=torch.rand(rows, generator=g),
+    )  # fmt: skip
+
+
+def _state_bytes(optimizer) -> dict[str, int]:
+    """Bytes of the optimizer's state tensors (moments, master copies) by 'device/dtype'."""
+    out: dict[str, int] = {}
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = chained.optimizer
+        for state in inner.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor) and value.numel() > 1:
+                    key = f"{value.device.type}/{str(value.dtype).removeprefix('torch.')}"
+                    out[key] = out.get(key, 0) + value.numel() * value.element_size()
+    return out
+
+
+def _run(out_file: str, hf_dir: str) -> None:
+    try:
+        import gc
+        import time
+
+        from skyq.config.store import compose, to_object
+        from skyq.trainer.megatron.group import open_world_store
+        from skyq.trainer.megatron.trainer import MegatronTrainer
+        from skyq.trainer.megatron.worker import world_layout
+
+        results = {}
+        for name, overrides in SETTINGS.items():
+            cfg = to_object(compose([*SHAPE, *overrides]))
+            batch = _batch(cfg.model.vocab_size)
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            trainer = MegatronTrainer(
+                model_cfg=cfg.model, precision_cfg=cfg.precision, trainer_cfg=cfg.trainer,
+                algorithm_cfg=cfg.algorithm, parallel_cfg=world_layout(cfg.topology.parallel, device="cuda", trainer_gpus=1), checkpoint_path=hf_dir,
+                load_path=None, ref_load=None, device="cuda:0", seed=0, temperature=1.0, rank=0, world_size=1,
+                store=open_world_store(1, 120.0), timeout_s=120.0,
+            )  # fmt: skip
+            before = trainer.logprobs(batch.input_ids, batch.attention_mask)["logp"].cpu()
+            norms, times = [], []
+            for step in range(STEPS):
+                if step == STEPS - 1:
+                    torch.cuda.synchronize()
+                    held = torch.cuda.memory_allocated() - base  # after two updates: the state exists
+                    directory = Path(out_file).parent / f"ckpt_{name}"
+                    directory.mkdir()
+                    trainer.save_checkpoint(str(directory))
+                    trainer.train_step(batch)
+                    ahead = trainer.logprobs(batch.input_ids, batch.attention_mask)["logp"].cpu()
+                    assert trainer.load_checkpoint(str(directory)) == STEPS - 1
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                last = trainer.train_step(batch)
+                norms.append(last["grad_norm"])
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            after = trainer.logprobs(batch.input_ids, batch.attention_mask)["logp"].cpu()
+            torch.cuda.synchronize()
+            params = sum(p.numel() for p in trainer.model.module.parameters())
+            results[name] = {
+                "before": before, "after": after, "grad_norms": norms, "step_s": times,
+                "state_bytes": _state_bytes(trainer.optimizer), "gpu_bytes": held,
+                "params": params, "optimizer": type(trainer.optimizer).__name__,
+                "resume_diff": float((after - ahead).abs().max()),
+            }  # fmt: skip
+            trainer.close()
+            del trainer
+            gc.collect()
+            torch.cuda.empty_cache()
+        torch.save(results, out_file)
+    except BaseException:
+        Path(out_file + ".err").write_text(traceback.format_exc())
+        raise
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from safetensors.torch import save_file
+
+    from skyq.config.store import compose, to_object
+    from skyq.trainer.megatron.mapping.tables import hf_text_specs
+
+    tmp = tmp_path_factory.mktemp("optimizer")
+    model_cfg = to_object(compose(SHAPE)).model
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        name: (
+            torch.ones(spec.shape) if "norm" in name else torch.randn(spec.shape, generator=gen) * 0.05
+        ).to(spec.dtype)
+        for name, spec in hf_text_specs(model_cfg).items()
+    }
+    hf_dir = tmp / "hf"
+    hf_dir.mkdir()
+    save_file(tensors, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    (hf_dir / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    out = str(tmp / "results.pt")
+    process = mp.get_context("spawn").Process(target=_run, args=(out, str(hf_dir)))
+    process.start()
+    process.join(timeout=500)
+    if process.is_alive():
+        process.kill()
+        pytest.fail("the optimizer runs did not finish in 500 s")
+    if Path(out + ".err").exists():
+        pytest.fail(Path(out + ".err").read_text())
+    results = torch.load(out, weights_only=True)
+    report = {
+        name: {
+            "grad_norms": r["grad_norms"], "step_s": r["step_s"], "state_bytes": r["state_bytes"],
+            "gpu_bytes": r["gpu_bytes"], "params": r["params"], "optimizer": r["optimizer"],
+            "resume_diff": r["resume_diff"],
+            "max_dlogp_vs_gpu": float((r["after"] - results["gpu"]["after"]).abs().max()),
+            "max_moved": float((r["after"] - r["before"]).abs().max()),
+        }
+        for name, r in results.items()
+    }  # fmt: skip
+    print(json.dumps(report, indent=1))
+    if os.environ.get("SKYQ_GPU_REPORT"):
+        Path(os.environ["SKYQ_GPU_REPORT"]).write_text(json.dumps(report, indent=1))
+    return results, report
+
+
+def _on(report: dict, device: str) -> int:
+    return sum(b for key, b in report["state_bytes"].items() if key.startswith(device + "/"))
+
+
+def test_the_gpu_optimizer_keeps_fp32_state_on_the_gpu_and_moves_the_policy(runs):
+    results, report = runs
+    gpu = report["gpu"]
+    assert _on(gpu, "cpu") == 0 and _on(gpu, "cuda") >= 8 * gpu["params"], gpu["state_bytes"]
+    assert gpu["max_moved"] > 0.01, gpu  # three updates at lr 1e-4 move the log-probs visibly
+
+
+def test_cpu_offload_holds_the_state_in_host_memory_and_updates_like_the_gpu_optimizer(runs):
+    results, report = runs
+    gpu, off = report["gpu"], report["cpu_offload"]
+    assert off["optimizer"] == gpu["optimizer"]
+    assert _on(off, "cuda") == 0 and _on(off, "cpu") >= 8 * off["params"], off["state_bytes"]
+    assert gpu["gpu_bytes"] - off["gpu_bytes"] >= 7 * gpu["params"], (gpu["gpu_bytes"], off["gpu_bytes"])
+    assert off["max_dlogp_vs_gpu"] < 0.01 * gpu["max_moved"], (off["max_dlogp_vs_gpu"], gpu["max_moved"])
+    assert off["grad_norms"][0] == pytest.approx(gpu["grad_norms"][0], rel=1e-3)
+
+
+def test_cpu_offload_with_precision_aware_moves_the_fp32_master_copy_to_the_host_too(runs):
+    results, report = runs
+    gpu, both = report["gpu"], report["cpu_offload_precision_aware"]
+    assert _on(both, "cuda") == 0, both["state_bytes"]
+    assert gpu["gpu_bytes"] - both["gpu_bytes"] >= 11 * gpu["params"], (gpu["gpu_bytes"], both["gpu_bytes"])
+    assert both["max_dlogp_vs_gpu"] < 0.01 * gpu["max_moved"], (both["max_dlogp_vs_gpu"], gpu["max_moved"])
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_a_checkpoint_round_trip_restores_the_next_update_bit_for_bit(runs, name):
+    results, report = runs
+    assert report[name]["resume_diff"] <= 1e-6, report[name]
+
+
+def test_overlapped_offload_copies_give_the_same_updates(runs):
+    results, report = runs
+    overlap, off = results["cpu_offload_overlap"], results["cpu_offload"]
+    assert _on(report["cpu_offload_overlap"], "cuda") == 0
+    torch.testing.assert_close(overlap["after"], off["after"], rtol=0, atol=1e-5)
+    assert overlap["grad_norms"] == pytest.approx(off["grad_norms"], rel=1e-5)
+
+
+def test_precision_aware_keeps_bf16_moments_and_updates_close_to_fp32_moments(runs):
+    results, report = runs
+    gpu, aware = report["gpu"], report["precision_aware"]
+    assert aware["state_bytes"].get("cuda/bfloat16", 0) >= 2 * 2 * aware["params"] * 0.9, aware["state_bytes"]
+    assert gpu["gpu_bytes"] - aware["gpu_bytes"] >= 3 * gpu["params"], (gpu["gpu_bytes"], aware["gpu_bytes"])
+    assert aware["max_dlogp_vs_gpu"] < 0.1 * gpu["max_moved"], (aware["max_dlogp_vs_gpu"], gpu["max_moved"])
