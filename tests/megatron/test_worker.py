@@ -2,8 +2,9 @@
 
 World size 1 (the registry's pair: the Megatron trainer actor and a real embedded engine actor)
 scores and updates like the native trainer on the same HF checkpoint and batch; the two-rank
-layouts (TP2 + sequence parallel + ETP2, EP2, DP2 with the distributed optimizer sharded) equal world
-size 1 before and after a step; a save -> load restores the step and the next update bit for bit;
+layouts (TP2 + sequence parallel with the experts split (ETP2) or replicated (ETP1, with and without
+EP2) across the TP ranks, EP2, DP2 with the distributed optimizer sharded) equal world size 1 before
+and after a step; a save -> load restores the step and the next update bit for bit;
 a sync into the engine verifies. Comparisons run at trainer.compute_dtype=fp32, where both trainers
 compute the same function to float rounding (bf16 adds the two implementations' different bf16
 roundings on top).
@@ -207,6 +208,10 @@ def test_checkpoint_load_boots_the_saved_weights_and_the_kl_reference_is_them(
 
 LAYOUTS = {
     "tp2_sp_etp2": {"tp": 2, "sequence_parallel": True, "etp": 2},
+    # experts replicated across the TP ranks, each routing its half of the sequence: at ep = 1 their
+    # gradients reach the other TP rank only through model.mark_experts_expert_data_parallel
+    "tp2_sp_etp1": {"tp": 2, "sequence_parallel": True, "etp": 1},
+    "tp2_sp_ep2_etp1": {"tp": 2, "sequence_parallel": True, "ep": 2, "etp": 1},
     "ep2": {"ep": 2, "dp": 2},
     "dp2": {"dp": 2},
 }
@@ -272,7 +277,6 @@ def test_export_items_stack_each_projection_of_the_routed_experts_in_the_layout_
     ("change", "message"),
     [
         ({"parallel": {"cp": 2}}, "topology.parallel.cp=2"),
-        ({"parallel": {"tp": 2, "sequence_parallel": True}}, "set topology.parallel.etp=2"),
         ({"optimizer": {"cpu_offload": True}}, "trainer.optimizer.cpu_offload=true on topology.device=cpu"),
         (
             {"optimizer": {"precision_aware": True}},
@@ -289,6 +293,18 @@ def test_what_this_trainer_cannot_run_is_refused_naming_the_key(spec, change, me
     with pytest.raises(ValueError, match=message):
         check_supported(parallel_cfg=parallel, optimizer_cfg=optimizer, device="cpu")
     check_supported(parallel_cfg=spec.parallel, optimizer_cfg=spec.trainer.optimizer, device="cpu")
+
+
+@pytest.mark.parametrize("layout", ["tp2_sp_etp1", "tp2_sp_ep2_etp1"])
+def test_validate_and_the_trainer_take_the_replicated_expert_layouts(spec, layout):
+    from skyq.config.validate import validate
+    from skyq.trainer.megatron.trainer import check_supported
+
+    overrides = [f"topology.parallel.{k}={str(v).lower()}" for k, v in LAYOUTS[layout].items()]
+    cfg = to_object(compose(OVERRIDES + overrides))
+    validate(cfg)
+    assert (cfg.topology.parallel.tp, cfg.topology.parallel.etp) == (2, 1)
+    check_supported(parallel_cfg=cfg.topology.parallel, optimizer_cfg=cfg.trainer.optimizer, device="cpu")
 
 
 def test_a_peer_rank_that_fails_is_named_without_waiting_for_rank_0(cluster, spec):

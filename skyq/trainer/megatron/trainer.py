@@ -78,14 +78,6 @@ def check_supported(*, parallel_cfg: ParallelConfig, optimizer_cfg: OptimizerCon
             f"topology.parallel.cp={parallel_cfg.cp}: context parallel needs each sequence split across "
             "the CP ranks, which this trainer does not do; use cp=1"
         )
-    if parallel_cfg.tp > 1 and parallel_cfg.etp != parallel_cfg.tp:
-        problems.append(
-            f"topology.parallel.tp={parallel_cfg.tp} with etp={parallel_cfg.etp}: with the routed experts "
-            "replicated across the TP ranks, megatron-core 0.16.1 (local spec, distributed optimizer) "
-            "updates them differently from world size 1 (measured at TP2 ETP1: the reported grad norm "
-            "0.1% low, log-probs after one step off by 0.4; tests/megatron/test_worker.py); set "
-            f"topology.parallel.etp={parallel_cfg.tp}"
-        )
     if parallel_cfg.sequence_parallel and parallel_cfg.tp == 1:
         problems.append("topology.parallel.sequence_parallel=true needs topology.parallel.tp > 1")
     if optimizer_cfg.overlap_cpu_offload and not optimizer_cfg.cpu_offload:
