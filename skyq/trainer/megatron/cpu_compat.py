@@ -50,6 +50,15 @@ Each patch names the megatron-core version that needs it (0.16.1, the CPU pin) a
   itself. With tied embeddings and pp > 1, 0.16.1 copies the first stage's embedding into the last
   stage's output layer by `weight.data = weight.data.cuda()` and an all-reduce over the embedding
   group: on the CPU that line raised, so no tied model built in a pipeline. Only inside that call.
+- `DistributedOptimizer.state_dict` of an optimizer holding no parameter. 0.16.1 gives every rank
+  the same parameter groups (`_get_param_groups` gathers their keys over the world), so a pipeline
+  stage without routed experts (DeepSeek-V3's dense first layers, PP2 x EP2 of the tiny MLA model)
+  still gets an expert optimizer, with empty groups. Without Apex or Transformer Engine (always on
+  the CPU) `state_dict` reads the Adam step from the per-parameter state and asserts there is
+  exactly one value: with no parameter there is none, so every checkpoint save (and load, which
+  calls it too) of such a stage raised AssertionError. Here that optimizer's state is its groups'
+  settings with step 0 (the per-parameter state it would restore is empty); any optimizer holding a
+  parameter goes through 0.16.1's own method.
 """
 
 from __future__ import annotations
@@ -186,6 +195,27 @@ def _with_cpu_tensor_cuda(method: Any) -> Any:
     return run
 
 
+def _without_parameters_too(state_dict: Any) -> Any:
+    """`DistributedOptimizer.state_dict` that also answers for an optimizer holding no parameter."""
+
+    def run(self: Any) -> dict:
+        if any(group["params"] for group in self.optimizer.param_groups):
+            return state_dict(self)
+        inner = self.optimizer.state_dict()
+        groups = [
+            {**{k: v for k, v in group.items() if k != "params"}, "step": 0}
+            for group in inner["param_groups"]
+        ]
+        out: dict = {
+            "optimizer": {**{k: v for k, v in inner.items() if k != "state"}, "param_groups": groups}
+        }
+        if self.grad_scaler:
+            out["grad_scaler"] = self.grad_scaler.state_dict()
+        return out
+
+    return run
+
+
 def _have_te() -> bool:
     import importlib.util
 
@@ -199,6 +229,7 @@ def apply() -> None:
         return
     from megatron.core.fusions import fused_softmax
     from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.optimizer import distrib_optimizer
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer import multi_latent_attention
@@ -225,6 +256,9 @@ def apply() -> None:
     LanguageModule.setup_embeddings_and_output_layer = _with_cpu_tensor_cuda(
         LanguageModule.setup_embeddings_and_output_layer
     )
+    if not distrib_optimizer.HAVE_APEX_OR_TE:  # with them, 0.16.1 reads the step off the groups
+        optimizer = distrib_optimizer.DistributedOptimizer
+        optimizer.state_dict = _without_parameters_too(optimizer.state_dict)
     if not _have_te():
         if not hasattr(moe_utils, "te_general_gemm"):
             moe_utils.te_general_gemm = None
