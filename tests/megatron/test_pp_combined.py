@@ -9,7 +9,8 @@ Layouts (megatron-core's rank order tp-cp-ep-dp-pp: ranks 0, 1 are stage 0, rank
 For each, one spawned world of four ranks (megatron-core imported once per rank) checks:
 - HF -> Megatron: every rank's tensors are its stage's layers and its TP / ETP / EP shard of the
   pure `hf_to_megatron` tensors; the export gives the checkpoint back bit for bit, whole, in the
-  same order on all four ranks (the layout's order at ep 1).
+  same order on all four ranks (the layout's order at ep 1); also with uneven stages (3 layers: the
+  first stage 1 at TP2, the last stage 1 at EP2, where both stages hold routed experts).
 - `MegatronTrainer` scores, updates and reports the grad norm like world size 1 from the same
   checkpoint, within tests/megatron/test_pp.py's tolerances (every rank's share of the rows; the
   worker hands the run loop rank 0's); a dist-checkpoint save -> load restores the next update
@@ -52,12 +53,24 @@ CASES = [  # (model, layout); the MLA model's first layer is dense: stage 0 hold
 ]
 
 
-def _parallel(layout: str) -> ParallelConfig:
-    return ParallelConfig(pp=2, **LAYOUTS[layout])
+UNEVEN = {  # load / export only: (model, layout, first_stage_layers, last_stage_layers)
+    "qwen_3_layers_first_1/tp2": (qwen_cfg(num_layers=3), "tp2", 1, None),
+    "mla_3_layers_last_1/ep2": (deepseek_cfg(num_layers=3), "ep2", None, 1),  # experts on both stages
+}
+LOAD_CASES = {f"{m}/{x}": (MODELS[m], x, None, None) for m, x in CASES} | UNEVEN
+STAGE_LAYERS = {  # global decoder layers of each stage (ranks 0, 1 are stage 0)
+    **{case: ([0], [1]) for case in LOAD_CASES if case not in UNEVEN},
+    "qwen_3_layers_first_1/tp2": ([0], [1, 2]),
+    "mla_3_layers_last_1/ep2": ([0, 1], [2]),
+}
 
 
-def _load_export(rank: int, model_cfg: ModelConfig, layout: str, hf_dir: str) -> dict:
-    """At PP2 x `layout`: load, check every tensor against the pure conversion's shard, export;
+def _parallel(layout: str, first: int | None = None, last: int | None = None) -> ParallelConfig:
+    return ParallelConfig(pp=2, first_stage_layers=first, last_stage_layers=last, **LAYOUTS[layout])
+
+
+def _load_export(rank: int, model_cfg: ModelConfig, parallel: ParallelConfig, hf_dir: str) -> dict:
+    """At `parallel` (PP2): load, check every tensor against the pure conversion's shard, export;
     (this stage's global layers, exported names). Asserts the export equals the checkpoint."""
     from megatron.core import parallel_state as ps
     from safetensors.torch import load_file
@@ -72,7 +85,7 @@ def _load_export(rank: int, model_cfg: ModelConfig, layout: str, hf_dir: str) ->
     )
     from skyq.trainer.megatron.model import build_model
 
-    parallel = _parallel(layout)
+    layout = f"tp{parallel.tp} ep{parallel.ep}"
     init_parallel(tp=parallel.tp, ep=parallel.ep, etp=parallel.etp, pp=2)
     original: dict[str, torch.Tensor] = {}
     for file in sorted(Path(hf_dir).glob("*.safetensors")):
@@ -165,16 +178,18 @@ def combined_world(rank: int, hf_dirs: dict[str, str], ckpt: str) -> dict:
     from megatron.core import parallel_state as ps
 
     out: dict = {"load_export": {}, "trainer": {}, "ws1": {}}
-    for model, layout in CASES:
-        out["load_export"][f"{model}/{layout}"] = _load_export(rank, MODELS[model], layout, hf_dirs[model])
+    for case, (model_cfg, layout, first, last) in LOAD_CASES.items():
+        parallel = _parallel(layout, first, last)
+        out["load_export"][case] = _load_export(rank, model_cfg, parallel, hf_dirs[case.split("/")[0]])
     ps.destroy_model_parallel()
     store = _shared_store(rank)
     dist.destroy_process_group()  # each trainer joins its own world
     for model, layout in CASES:
         batch = make_batch(MODELS[model].vocab_size)
         prefixed = dist.PrefixStore(f"{model}/{layout}", store)
+        parallel = _parallel(layout)
         trainer = _trainer(
-            MODELS[model], hf_dirs[model], _parallel(layout), rank=rank, world_size=WORLD, store=prefixed
+            MODELS[model], hf_dirs[model], parallel, rank=rank, world_size=WORLD, store=prefixed
         )
         out["trainer"][f"{model}/{layout}"] = _steps(trainer, batch, f"{ckpt}/{model}_{layout}")
         trainer.close()
@@ -201,28 +216,26 @@ def combined_world(rank: int, hf_dirs: dict[str, str], ckpt: str) -> dict:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pp_combined")
+    models = MODELS | {case.split("/")[0]: cfg for case, (cfg, *_) in UNEVEN.items()}
     hf_dirs = {
         model: str(write_checkpoint(tmp / model, small_hf(cfg, seed=50 + i)))
-        for i, (model, cfg) in enumerate(MODELS.items())
+        for i, (model, cfg) in enumerate(models.items())
     }
     (tmp / "ckpt").mkdir()
     return run_ranks(combined_world, WORLD, hf_dirs, str(tmp / "ckpt"))
 
 
-STAGE_LAYERS = [[0], [0], [1], [1]]
-"""Global decoder layers of ranks 0..3 (ranks 0, 1 are stage 0)."""
-
-
-@pytest.mark.parametrize(("model", "layout"), CASES, ids=[f"{m}-{x}" for m, x in CASES])
-def test_each_stage_and_shard_loads_and_the_export_is_the_whole_checkpoint(results, model, layout):
+@pytest.mark.parametrize("case", LOAD_CASES, ids=[c.replace("/", "-") for c in LOAD_CASES])
+def test_each_stage_and_shard_loads_and_the_export_is_the_whole_checkpoint(results, case):
     from skyq.trainer.megatron.mapping.tables import hf_text_specs
 
-    case = f"{model}/{layout}"
+    model_cfg, layout, _, _ = LOAD_CASES[case]
     by_rank = [r["load_export"][case] for r in results]
-    assert [r["layers"] for r in by_rank] == STAGE_LAYERS, case
+    first, last = STAGE_LAYERS[case]
+    assert [r["layers"] for r in by_rank] == [first, first, last, last], case
     names = by_rank[0]["names"]
     assert all(r["names"] == names for r in by_rank), f"{case}: the ranks export in different orders"
-    layout_order = list(hf_text_specs(MODELS[model]))
+    layout_order = list(hf_text_specs(model_cfg))
     if LAYOUTS[layout].get("ep", 1) == 1:
         assert names == layout_order, case
     else:  # grouped by layer; local expert i of every EP rank before i + 1 (experts 0, 2, 1, 3)
