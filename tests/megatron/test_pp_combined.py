@@ -13,10 +13,12 @@ For each, one spawned world of four ranks (megatron-core imported once per rank)
   first stage 1 at TP2, the last stage 1 at EP2, where both stages hold routed experts).
 - `MegatronTrainer` scores, updates and reports the grad norm like world size 1 from the same
   checkpoint, within tests/megatron/test_pp.py's tolerances (every rank's share of the rows; the
-  worker hands the run loop rank 0's); a dist-checkpoint save -> load restores the next update
-  bit for bit.
+  step's loss from the shares the worker assembles); a dist-checkpoint save -> load restores the
+  next update bit for bit.
 The world-size-1 references run on rank 0 of the same spawned world after the four-rank trainers:
-the whole module is one spawn (~35 s on an idle 2-core CPU, ~70 s on a busy one; most of it four megatron-core imports).
+the module's CI tests are one spawn (~35 s on an idle 2-core CPU, ~70 s on a busy one, most of it
+four megatron-core imports). Marked slow (not in CI, ~70 s): PP2 x EP2 through the worker (rank 0
+a Ray actor with three peer actors) against a world-size-1 worker.
 
 Version detail: on megatron-core 0.16.1 (the CPU pin) the MLA model at PP2 x EP2 saves and loads
 only with `cpu_compat`'s `DistributedOptimizer.state_dict` patch: its first stage (one dense layer)
@@ -293,3 +295,32 @@ def test_validate_takes_the_combined_cpu_layouts_and_the_worker_starts_four_rank
         ConfigValidationError, match=r"ep\*etp = 2\*1 must divide tp\*cp\*dp = 1 .*dp=null means 1"
     ):
         validate(cfg("ep=2"))
+
+
+# --- through the worker (Ray actors) ---------------------------------------------------------------
+
+
+@pytest.mark.slow  # four Ray actors, each importing megatron-core: ~50 s on an idle 2-core CPU on top of
+# the module's spawned world; the trainer at both layouts is checked by the tests above in CI
+def test_rank_0_of_a_pp2_ep2_worker_returns_what_world_size_one_does(tmp_path):
+    """The run loop's view at PP2 x EP2 (dp 2, the tiny MLA model): rank 0 (a Ray actor) starts
+    three peer actors, assembles the two DP shares' log-probs and the step's metrics, and sends the
+    same wire as a world-size-1 worker."""
+    pytest.importorskip("ray")
+    from test_pp_worker import _run
+
+    from skyq.launch.ray_local import local_ray
+
+    model_cfg = MODELS["mla"]
+    hf_dir = str(write_checkpoint(tmp_path / "mla", small_hf(model_cfg, seed=60)))
+    with local_ray(num_cpus=2):
+        one = _run(model_cfg, hf_dir, ParallelConfig())
+        four = _run(model_cfg, hf_dir, ParallelConfig(pp=2, ep=2, dp=2))
+    assert four["digest"] == one["digest"]
+    mask = make_batch(model_cfg.vocab_size).attention_mask.float()
+    assert float(((four["before"] - one["before"]).abs() * mask).max()) < LOGP_TOL
+    for key in ("loss", "pg_loss", "mismatch_mean_abs"):
+        assert four["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5, abs=1e-6), key
+    assert four["metrics"]["grad_norm"] == pytest.approx(one["metrics"]["grad_norm"], rel=1e-5)
+    assert float(((four["after"] - one["after"]).abs() * mask).max()) < STEP_LOGP_TOL
+    assert float(((one["after"] - one["before"]).abs() * mask).max()) > 20 * STEP_LOGP_TOL
