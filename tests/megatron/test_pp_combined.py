@@ -5,6 +5,8 @@ Layouts (megatron-core's rank order tp-cp-ep-dp-pp: ranks 0, 1 are stage 0, rank
 - PP2 x TP2 with sequence parallelism and ETP2 (dp 1): TP groups {0, 1}, {2, 3}; pipelines {0, 2}, {1, 3}.
 - PP2 x EP2, dp 2 (the experts' EP group is the DP group of a stage): each stage's two ranks hold
   half of that stage's experts and half of its batch rows.
+- Qwen3-MoE also at PP2 x TP2 + SP with ETP1 (each TP rank holds whole experts) and with EP2 ETP1
+  (the TP pair splits the experts): the etp != tp layouts of tests/megatron/test_worker.py, staged.
 
 For each, one spawned world of four ranks (megatron-core imported once per rank) checks:
 - HF -> Megatron: every rank's tensors are its stage's layers and its TP / ETP / EP shard of the
@@ -16,7 +18,7 @@ For each, one spawned world of four ranks (megatron-core imported once per rank)
   step's loss from the shares the worker assembles); a dist-checkpoint save -> load restores the
   next update bit for bit.
 The world-size-1 references run on rank 0 of the same spawned world after the four-rank trainers:
-the module's CI tests are one spawn (~35 s on an idle 2-core CPU, ~70 s on a busy one, most of it
+the module's CI tests are one spawn (~45 s on an idle 2-core CPU, ~80 s on a busy one, most of it
 four megatron-core imports). Marked slow (not in CI, ~70 s): PP2 x EP2 through the worker (rank 0
 a Ray actor with three peer actors) against a world-size-1 worker.
 
@@ -45,6 +47,9 @@ WORLD = 4
 LAYOUTS = {
     "tp2": {"tp": 2, "etp": 2, "sequence_parallel": True, "dp": 1},
     "ep2": {"ep": 2, "dp": 2},
+    # the experts whole on each TP rank (model.mark_experts_expert_data_parallel), and split over them
+    "tp2_etp1": {"tp": 2, "etp": 1, "sequence_parallel": True, "dp": 1},
+    "tp2_ep2_etp1": {"tp": 2, "ep": 2, "etp": 1, "sequence_parallel": True, "dp": 1},
 }
 MODELS = {"qwen_tied": qwen_cfg(tie_word_embeddings=True), "mla": deepseek_cfg()}
 CASES = [  # (model, layout); the MLA model's first layer is dense: stage 0 holds no routed expert
@@ -52,6 +57,8 @@ CASES = [  # (model, layout); the MLA model's first layer is dense: stage 0 hold
     ("qwen_tied", "ep2"),
     ("mla", "tp2"),
     ("mla", "ep2"),
+    ("qwen_tied", "tp2_etp1"),
+    ("qwen_tied", "tp2_ep2_etp1"),
 ]
 
 
