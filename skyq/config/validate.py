@@ -334,6 +334,12 @@ def _rope_scaling_errors(cfg: TrainConfig) -> list[str]:
 
 def _topology_errors(cfg: TrainConfig) -> list[str]:
     t, par, r, m, errors = cfg.topology, cfg.topology.parallel, cfg.rollout, cfg.model, []
+    if cfg.trainer.backend is TrainerBackend.megatron and par.tp > 1 and not par.sequence_parallel:
+        errors.append(
+            f"topology.parallel.tp={par.tp} with sequence_parallel=false and trainer=megatron: megatron-core's MoE "
+            "layer refuses to train with tensor parallelism but no sequence parallelism (at the first update). "
+            "Fix: topology.parallel.sequence_parallel=true."
+        )
     if t.device is Device.cpu:
         if t.trainer_gpus or t.rollout_gpus or t.gpus_per_node:
             errors.append(

@@ -259,7 +259,19 @@ def test_what_the_gpu_stacks_cannot_do_on_a_cpu_topology_is_refused():
     GPU; vLLM has a CPU build (what it cannot serve there is refused before the run starts:
     tests/launch/test_vllm_choice.py)."""
     _refused(_cfg("trainer=megatron"), "precision=fp8_blockwise with trainer=megatron", "topology.device=cpu")
-    validate(_cfg("trainer=megatron", "precision=bf16", "topology.parallel.tp=2", "topology.parallel.ep=2"))
+    validate(
+        _cfg(
+            "trainer=megatron",
+            "precision=bf16",
+            "topology.parallel.tp=2",
+            "topology.parallel.ep=2",
+            "topology.parallel.sequence_parallel=true",
+        )
+    )
+    _refused(
+        _cfg("trainer=megatron", "precision=bf16", "topology.parallel.tp=2", "topology.parallel.ep=2"),
+        "Fix: topology.parallel.sequence_parallel=true",
+    )
     _refused(_cfg("trainer=megatron", "precision=bf16", "topology.parallel.ep=3"), "ep*etp = 3*1 must divide")
     _refused(_cfg("trainer=torch", "topology.parallel.tp=2"), "trainer=megatron for a parallel layout")
     validate(_cfg("rollout=vllm", "precision=bf16"))

@@ -29,6 +29,7 @@ MEGATRON_TP2 = [
     "precision=bf16",
     "topology.parallel.tp=2",
     "topology.parallel.etp=2",
+    "topology.parallel.sequence_parallel=true",
     "rollout.num_engines=2",
 ]
 PUBLIC_ENV = ["+trainer.env.NCCL_DEBUG=INFO", "+rollout.env.NCCL_DEBUG=WARN"]

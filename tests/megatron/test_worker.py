@@ -277,6 +277,7 @@ def test_export_items_stack_each_projection_of_the_routed_experts_in_the_layout_
     ("change", "message"),
     [
         ({"parallel": {"cp": 2}}, "topology.parallel.cp=2"),
+        ({"parallel": {"tp": 2, "etp": 2}}, "topology.parallel.tp=2 without sequence parallelism"),
         ({"optimizer": {"cpu_offload": True}}, "trainer.optimizer.cpu_offload=true on topology.device=cpu"),
         (
             {"optimizer": {"precision_aware": True}},

@@ -78,6 +78,12 @@ def check_supported(*, parallel_cfg: ParallelConfig, optimizer_cfg: OptimizerCon
             f"topology.parallel.cp={parallel_cfg.cp}: context parallel needs each sequence split across "
             "the CP ranks, which this trainer does not do; use cp=1"
         )
+    if parallel_cfg.tp > 1 and not parallel_cfg.sequence_parallel:
+        problems.append(
+            f"topology.parallel.tp={parallel_cfg.tp} without sequence parallelism: megatron-core's MoE layer "
+            "refuses to train so (MoELayer.forward, at the first update); set "
+            "topology.parallel.sequence_parallel=true"
+        )
     if parallel_cfg.sequence_parallel and parallel_cfg.tp == 1:
         problems.append("topology.parallel.sequence_parallel=true needs topology.parallel.tp > 1")
     if optimizer_cfg.overlap_cpu_offload and not optimizer_cfg.cpu_offload:
