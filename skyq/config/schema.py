@@ -325,7 +325,7 @@ class OptimizerConfig:
     lr_warmup_steps: int = bounded(0, ge=0)
     """Linear learning-rate warm-up steps."""
     cpu_offload: bool = False
-    """Keep optimizer state on the CPU."""
+    """Keep optimizer state (fp32 master weights and moments) on the CPU; needs precision_aware."""
     overlap_cpu_offload: bool = False
     """Overlap the optimizer's D2H/H2D copies with compute (with cpu_offload)."""
     precision_aware: bool = False

@@ -180,6 +180,22 @@ def _backend_errors(cfg: TrainConfig) -> list[str]:
     from skyq.checkpoint.hf_config import ModelBuildError, check_buildable
 
     errors = ignored_setting_errors(cfg)
+    o = cfg.trainer.optimizer
+    if cfg.trainer.backend is TrainerBackend.megatron and o.cpu_offload:
+        # megatron-core's HybridDeviceOptimizer reuses the precision-aware code path (Megatron-LM's own
+        # argument check requires both); without it, 0.19.2 raises KeyError loading a checkpoint
+        if not o.precision_aware:
+            errors.append(
+                "trainer.optimizer.cpu_offload=true without trainer.optimizer.precision_aware=true: "
+                "megatron-core's offloaded optimizer works through the precision-aware path (without it a "
+                "checkpoint does not load back). Fix: trainer.optimizer.precision_aware=true."
+            )
+        if cfg.precision.persistent_fp8_params:
+            errors.append(
+                "trainer.optimizer.cpu_offload=true with precision.persistent_fp8_params=true: megatron-core "
+                "offloads the optimizer of FP8 parameters only with delayed scaling, which skyq does not use. "
+                "Fix: persistent_fp8_params=false, or cpu_offload=false."
+            )
     if cfg.trainer.backend is TrainerBackend.torch or cfg.rollout.backend is RolloutBackend.embedded:
         try:
             check_buildable(cfg.model)

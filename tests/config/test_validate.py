@@ -496,11 +496,31 @@ def test_settings_the_embedded_backends_ignore_are_refused_naming_who_reads_them
 
 
 def test_settings_are_accepted_on_the_backend_that_reads_them():
-    validate(_cfg(*AT_SCALE, "trainer.recompute.granularity=full", "trainer.optimizer.cpu_offload=true"))
+    validate(
+        _cfg(
+            *AT_SCALE, "trainer.recompute.granularity=full", "trainer.optimizer.cpu_offload=true",
+            "trainer.optimizer.precision_aware=true",
+        )
+    )  # fmt: skip
     _refused(
         _cfg(*AT_SCALE, "rollout.cuda_graphs=false"),
         "rollout.cuda_graphs=false is read only by rollout=embedded",
     )
+
+
+def test_an_offloaded_megatron_optimizer_needs_the_precision_aware_path():
+    """megatron-core's HybridDeviceOptimizer reuses the precision-aware path: without it 0.19.2 cannot
+    load its checkpoint back (measured on the H200); with FP8 parameters it needs delayed scaling."""
+    _refused(
+        _cfg(*AT_SCALE, "trainer.optimizer.cpu_offload=true"), "Fix: trainer.optimizer.precision_aware=true."
+    )
+    _refused(
+        _cfg(
+            *AT_SCALE, "trainer.optimizer.cpu_offload=true", "trainer.optimizer.precision_aware=true",
+            "precision=fp8_blockwise", "precision.persistent_fp8_params=true",
+        ),
+        "with precision.persistent_fp8_params=true",
+    )  # fmt: skip
 
 
 def test_the_native_pair_refuses_a_model_it_cannot_build():

@@ -9,18 +9,18 @@ One spawned process runs the four settings one after another from the same HF ch
 (three GRPO updates each) and reports, per setting: the log-probs after the updates, the grad norms,
 where the optimizer's state tensors live (device and dtype, bytes), the GPU memory the trainer holds
 after two updates, and the step time. Asserted:
-- cpu_offload: no optimizer state on the GPU, the GPU holds at least 7 of the 8 bytes per parameter
-  of the two fp32 moments less (megatron-core keeps its fp32 master copy on the GPU unless
-  precision_aware is on too), and the updates equal the GPU optimizer's within a hundredth of how
-  far they moved the log-probs (torch's AdamW on the CPU against TE's FusedAdam);
-- cpu_offload with precision_aware: the fp32 master copy moves to the host too (at least 11 of 12
-  bytes per parameter less on the GPU), the same updates within that hundredth;
+- precision_aware: the moments are bf16 (TE's FusedAdam keeps the fp32 master copy instead of
+  megatron-core), at least 3 bytes per parameter less on the GPU, and the updates within a tenth of
+  how far they moved the log-probs;
+- cpu_offload (with precision_aware, which megatron-core's offloaded optimizer needs): no optimizer
+  state on the GPU, at least 11 of the 12 bytes per parameter of the fp32 master copy and the two
+  fp32 moments less on the GPU, and the updates equal the GPU optimizer's within a hundredth of the
+  movement (torch's AdamW on the CPU against TE's FusedAdam);
 - overlap_cpu_offload: the same updates as cpu_offload without overlap, to float rounding (the same
-  CPU AdamW, one optimizer per parameter, its copies on side streams);
-- precision_aware: the moments are bf16 (the fp32 master copy stays), at least 3 bytes per parameter
-  less on the GPU, and the updates within a tenth of the movement.
+  CPU AdamW, one optimizer per parameter, its copies on side streams).
 Every setting also saves a dist checkpoint after its second update, updates, loads it and updates
-again: the log-probs after the two third updates must agree to 1e-6 (the optimizer state survives the round trip).
+again: the log-probs after the two third updates must agree to 1e-6 (the optimizer state survives
+the round trip).
 The run's numbers go to $SKYQ_GPU_REPORT (a JSON file) when it is set.
 """
 
@@ -50,17 +50,14 @@ SHAPE = [
 ]  # fmt: skip
 SETTINGS = {
     "gpu": [],
-    "cpu_offload": ["trainer.optimizer.cpu_offload=true"],
+    "precision_aware": ["trainer.optimizer.precision_aware=true"],
+    # megatron-core's offloaded optimizer reuses the precision-aware path (validate refuses it alone)
+    "cpu_offload": ["trainer.optimizer.cpu_offload=true", "trainer.optimizer.precision_aware=true"],
     "cpu_offload_overlap": [
-        "trainer.optimizer.cpu_offload=true",
+        "trainer.optimizer.cpu_offload=true", "trainer.optimizer.precision_aware=true",
         "trainer.optimizer.overlap_cpu_offload=true",
     ],
-    "precision_aware": ["trainer.optimizer.precision_aware=true"],
-    "cpu_offload_precision_aware": [
-        "trainer.optimizer.cpu_offload=true",
-        "trainer.optimizer.precision_aware=true",
-    ],
-}
+}  # fmt: skip
 STEPS = 3
 
 
@@ -205,7 +202,7 @@ def _on(report: dict, device: str) -> int:
 def test_the_gpu_optimizer_keeps_fp32_state_on_the_gpu_and_moves_the_policy(runs):
     results, report = runs
     gpu = report["gpu"]
-    assert _on(gpu, "cpu") == 0 and _on(gpu, "cuda") >= 8 * gpu["params"], gpu["state_bytes"]
+    assert _on(gpu, "cpu") == 0 and _on(gpu, "cuda") >= 7 * gpu["params"], gpu["state_bytes"]
     assert gpu["max_moved"] > 0.01, gpu  # three updates at lr 1e-4 move the log-probs visibly
 
 
@@ -213,24 +210,10 @@ def test_cpu_offload_holds_the_state_in_host_memory_and_updates_like_the_gpu_opt
     results, report = runs
     gpu, off = report["gpu"], report["cpu_offload"]
     assert off["optimizer"] == gpu["optimizer"]
-    assert _on(off, "cuda") == 0 and _on(off, "cpu") >= 8 * off["params"], off["state_bytes"]
-    assert gpu["gpu_bytes"] - off["gpu_bytes"] >= 7 * gpu["params"], (gpu["gpu_bytes"], off["gpu_bytes"])
+    assert _on(off, "cuda") == 0 and _on(off, "cpu") >= 11 * off["params"], off["state_bytes"]
+    assert gpu["gpu_bytes"] - off["gpu_bytes"] >= 11 * gpu["params"], (gpu["gpu_bytes"], off["gpu_bytes"])
     assert off["max_dlogp_vs_gpu"] < 0.01 * gpu["max_moved"], (off["max_dlogp_vs_gpu"], gpu["max_moved"])
     assert off["grad_norms"][0] == pytest.approx(gpu["grad_norms"][0], rel=1e-3)
-
-
-def test_cpu_offload_with_precision_aware_moves_the_fp32_master_copy_to_the_host_too(runs):
-    results, report = runs
-    gpu, both = report["gpu"], report["cpu_offload_precision_aware"]
-    assert _on(both, "cuda") == 0, both["state_bytes"]
-    assert gpu["gpu_bytes"] - both["gpu_bytes"] >= 11 * gpu["params"], (gpu["gpu_bytes"], both["gpu_bytes"])
-    assert both["max_dlogp_vs_gpu"] < 0.01 * gpu["max_moved"], (both["max_dlogp_vs_gpu"], gpu["max_moved"])
-
-
-@pytest.mark.parametrize("name", list(SETTINGS))
-def test_a_checkpoint_round_trip_restores_the_next_update_bit_for_bit(runs, name):
-    results, report = runs
-    assert report[name]["resume_diff"] <= 1e-6, report[name]
 
 
 def test_overlapped_offload_copies_give_the_same_updates(runs):
@@ -247,3 +230,9 @@ def test_precision_aware_keeps_bf16_moments_and_updates_close_to_fp32_moments(ru
     assert aware["state_bytes"].get("cuda/bfloat16", 0) >= 2 * 2 * aware["params"] * 0.9, aware["state_bytes"]
     assert gpu["gpu_bytes"] - aware["gpu_bytes"] >= 3 * gpu["params"], (gpu["gpu_bytes"], aware["gpu_bytes"])
     assert aware["max_dlogp_vs_gpu"] < 0.1 * gpu["max_moved"], (aware["max_dlogp_vs_gpu"], gpu["max_moved"])
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_a_checkpoint_round_trip_restores_the_next_update_bit_for_bit(runs, name):
+    results, report = runs
+    assert report[name]["resume_diff"] <= 1e-6, report[name]

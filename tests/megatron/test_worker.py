@@ -278,7 +278,14 @@ def test_export_items_stack_each_projection_of_the_routed_experts_in_the_layout_
     [
         ({"parallel": {"cp": 2}}, "topology.parallel.cp=2"),
         ({"parallel": {"tp": 2, "etp": 2}}, "topology.parallel.tp=2 without sequence parallelism"),
-        ({"optimizer": {"cpu_offload": True}}, "trainer.optimizer.cpu_offload=true on topology.device=cpu"),
+        (
+            {"optimizer": {"cpu_offload": True, "precision_aware": True}},
+            "trainer.optimizer.cpu_offload=true on topology.device=cpu",
+        ),
+        (
+            {"optimizer": {"cpu_offload": True}},
+            "cpu_offload=true needs trainer.optimizer.precision_aware=true",
+        ),
         (
             {"optimizer": {"precision_aware": True}},
             "trainer.optimizer.precision_aware=true needs Transformer",

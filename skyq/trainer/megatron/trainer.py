@@ -91,6 +91,12 @@ def check_supported(*, parallel_cfg: ParallelConfig, optimizer_cfg: OptimizerCon
             "trainer.optimizer.overlap_cpu_offload=true overlaps the copies of an offloaded optimizer: "
             "set trainer.optimizer.cpu_offload=true too, or overlap_cpu_offload=false"
         )
+    if optimizer_cfg.cpu_offload and not optimizer_cfg.precision_aware:
+        problems.append(
+            "trainer.optimizer.cpu_offload=true needs trainer.optimizer.precision_aware=true: megatron-core's "
+            "HybridDeviceOptimizer reuses the precision-aware path (0.19.2 raises KeyError loading a "
+            "checkpoint of an offloaded optimizer without it)"
+        )
     if torch.device(device).type != "cuda":
         if optimizer_cfg.cpu_offload:
             problems.append(
