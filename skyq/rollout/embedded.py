@@ -58,7 +58,7 @@ from skyq.rollout.quantized_linear import (
     rows_stackable,
 )
 from skyq.rollout.sampling import check_sampling_args, draw_uniforms, sample_tokens
-from skyq.sync.wire_state import WireCopier
+from skyq.sync.wire_state import WireCopier, WireState
 
 NO_WEIGHTS = -1
 DECODERS_KEPT = 4
@@ -289,6 +289,15 @@ class EmbeddedEngine:
         if not self._values_pass(wire):
             self._check_values_each(wire)
 
+    def _on_device(self, wire: dict[str, Tensor]) -> dict[str, Tensor]:
+        """`wire` on the engine's device: a received `WireState` one copy per frame (host frames
+        from a trainer that shares this GPU, over gloo), any other mapping tensor by tensor (a
+        checkpoint read on the host). Its values are then checked and copied in where they are
+        used, not dequantized on the host and copied in one tensor at a time."""
+        if isinstance(wire, WireState):
+            return wire.to(self.device)
+        return {name: tensor.to(self.device) for name, tensor in wire.items()}
+
     def load_weights(self, wire: dict[str, Tensor], version: int) -> None:
         """Replace all weights with `wire` (every wire tensor of the plan) and set the version.
 
@@ -306,6 +315,7 @@ class EmbeddedEngine:
             raise WeightLoadError(
                 f"weight version {version} rejected, engine keeps version {self._version}: {shown}"
             )
+        wire = self._on_device(wire)
         self._check_values(wire)
         # A received `WireState` is copied as integer words, one multi-tensor copy per word size
         # (destination views kept per layout); any other dict as one multi-tensor copy per dtype.

@@ -105,10 +105,21 @@ class WeightReceiver:
     Keep one receiver per channel: it remembers the layout of the last sync it committed
     (`layout.ReceiverLayout`), which a later same-layout sync from the same sender refers to."""
 
-    def __init__(self, channel: Channel, expected: Sequence[ExpectedUnit], *, verify_checksum: bool) -> None:
+    def __init__(
+        self,
+        channel: Channel,
+        expected: Sequence[ExpectedUnit],
+        *,
+        verify_checksum: bool,
+        device: torch.device | str | None = None,
+    ) -> None:
+        """`device`: where the engine holds its weights; frames that arrive elsewhere (host memory,
+        over gloo from a trainer on the same GPU) are copied there, one copy per bucket, before they
+        are verified, so the checks and the commit run on it. None: where they arrive."""
         self._channel = channel
         self._expected = list(expected)
         self._verify_checksum = verify_checksum
+        self._device = None if device is None else torch.device(device)
         self._layout: ReceiverLayout | None = None
         """The layout of the last committed sync: accounted for against `expected` already."""
 
@@ -171,17 +182,19 @@ class WeightReceiver:
     def _verify(
         self, frames: Sequence[Tensor], layout: ReceiverLayout, checksums: Sequence[str], version: int
     ) -> WireState:
-        """The frames as a `WireState`, refused if a frame has the wrong size, (when enabled) its
-        checksum differs, or a value is non-finite / a NaN code. The device work of the checksums
-        and the value checks is queued first and read back in one host transfer, and the commit's
-        word views are made while the device runs it (one pass over the bytes with the Triton scan
-        kernel on CUDA, `scan.PendingScan`)."""
+        """The frames (moved to the receiver's device) as a `WireState`, refused if a frame has the
+        wrong size, (when enabled) its checksum differs, or a value is non-finite / a NaN code. The
+        device work of the checksums and the value checks is queued first and read back in one
+        host transfer, and the commit's word views are made while the device runs it (one pass over
+        the bytes with the Triton scan kernel on CUDA, `scan.PendingScan`)."""
         for i, (frame, nbytes) in enumerate(zip(frames, layout.bucket_nbytes)):
             if frame.dtype != torch.uint8 or frame.ndim != 1 or frame.numel() != nbytes:
                 raise SyncRefused(
                     f"weight version {version}, bucket {i}: received {frame.numel()} bytes ({frame.dtype}), "
                     f"the layout says {nbytes}"
                 )
+        if self._device is not None:
+            frames = [frame.to(self._device) for frame in frames]
         scan = PendingScan(
             frames,
             layout.spans,

@@ -63,6 +63,17 @@ class WireState(Mapping[str, Tensor]):
     def __contains__(self, name: object) -> bool:
         return name in self._index
 
+    def to(self, device: torch.device | str) -> WireState:
+        """The same state with its frames on `device`: one copy per frame, the runs and the layout
+        kept (so a commit's kept destination views still apply); `self` when they are there already.
+        An engine on a GPU that received host frames (gloo, from a trainer on the same GPU) verifies
+        and installs them there, rather than dequantizing every weight on the host and copying
+        tensor by tensor."""
+        frames = [frame.to(device) for frame in self._frames]  # `to` returns a frame already there
+        if all(moved is frame for moved, frame in zip(frames, self._frames)):
+            return self
+        return WireState(frames=frames, runs=self._runs, index=self._index, layout=self.layout)
+
     def word_runs(self) -> list[WordRun]:
         """The tensors (of more than 0 bytes, not bool) as flat integer-word views of their bytes, run
         by run (`byte_runs.word_runs`): the same bytes as the typed views. Made once, then kept (the
