@@ -8,19 +8,22 @@ elsewhere (on the CPU the trainer refuses cpu_offload and precision_aware: tests
 One spawned process runs the four settings one after another from the same HF checkpoint and batch
 (three GRPO updates each) and reports, per setting: the log-probs after the updates, the grad norms,
 where the optimizer's state tensors live (device and dtype, bytes), the GPU memory the trainer holds
-after two updates, and the step time. Asserted:
+after two updates, and the step time. The settings are compared on the optimizer's own fp32 master weights and moments (as megatron-core
+reads them for a checkpoint) after the first update, whose gradient is the same in every setting,
+not on log-probs: a one-ulp difference in a bf16 weight flips top-k expert choices, which moves this
+random MoE's log-probs by ~1 nat (measured), so later gradients differ by routing, not optimizer.
+Asserted:
 - precision_aware: the moments are bf16 (TE's FusedAdam keeps the fp32 master copy instead of
-  megatron-core), at least 3 bytes per parameter less on the GPU, and the updates within a tenth of
-  how far they moved the log-probs;
+  megatron-core), at least 3 bytes per parameter less on the GPU, and the master weights and moments
+  within 3% of the fp32-moment optimizer's;
 - cpu_offload (with precision_aware, which megatron-core's offloaded optimizer needs): no optimizer
   state on the GPU, at least 11 of the 12 bytes per parameter of the fp32 master copy and the two
-  fp32 moments less on the GPU, and the updates equal the GPU optimizer's within a hundredth of the
-  movement (torch's AdamW on the CPU against TE's FusedAdam);
+  fp32 moments less on the GPU, and the master weights and moments within 1e-3 of the GPU optimizer's
+  (torch's AdamW on the CPU against TE's FusedAdam);
 - overlap_cpu_offload: the same updates as cpu_offload without overlap, to float rounding (the same
   CPU AdamW, one optimizer per parameter, its copies on side streams).
 Every setting also saves a dist checkpoint after its second update, updates, loads it and updates
-again: the log-probs after the two third updates must agree to 1e-6 (the optimizer state survives
-the round trip).
+again: the master weights, the moments and the log-probs after the two third updates must be equal.
 The run's numbers go to $SKYQ_GPU_REPORT (a JSON file) when it is set.
 """
 
@@ -90,6 +93,23 @@ def _state_bytes(optimizer) -> dict[str, int]:
     return out
 
 
+def _master_state(trainer) -> dict[str, dict[str, torch.Tensor]]:
+    """{parameter name: {"param": fp32 master copy, "exp_avg", "exp_avg_sq"}} as the distributed
+    optimizer itself reads them for a checkpoint (`_get_main_param_and_optimizer_states`: megatron-core's
+    main params, TE FusedAdam's unscaled state or the HybridDeviceOptimizer's host copies), flat, fp32,
+    on the CPU. World size 1: every shard is the whole parameter."""
+    names = {p: n for n, p in trainer.model.module.named_parameters()}
+    out = {}
+    for chained in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
+        for model_param in chained.model_param_group_index_map:
+            tensors = chained._get_main_param_and_optimizer_states(model_param)
+            out[names[model_param]] = {
+                k: tensors[k].detach().float().flatten().cpu().clone()
+                for k in ("param", "exp_avg", "exp_avg_sq")
+            }
+    return out
+
+
 def _run(out_file: str, hf_dir: str) -> None:
     try:
         import gc
@@ -113,6 +133,10 @@ def _run(out_file: str, hf_dir: str) -> None:
                 store=open_world_store(1, 120.0), timeout_s=120.0,
             )  # fmt: skip
             before = trainer.logprobs(batch.input_ids, batch.attention_mask)["logp"].cpu()
+            initial = {
+                n: p.detach().float().flatten().cpu().clone()
+                for n, p in trainer.model.module.named_parameters()
+            }
             norms, times = [], []
             for step in range(STEPS):
                 if step == STEPS - 1:
@@ -120,14 +144,19 @@ def _run(out_file: str, hf_dir: str) -> None:
                     held = torch.cuda.memory_allocated() - base  # after two updates: the state exists
                     directory = Path(out_file).parent / f"ckpt_{name}"
                     directory.mkdir()
+                    saved_state = _master_state(trainer)
                     trainer.save_checkpoint(str(directory))
                     trainer.train_step(batch)
                     ahead = trainer.logprobs(batch.input_ids, batch.attention_mask)["logp"].cpu()
+                    ahead_state = _master_state(trainer)
                     assert trainer.load_checkpoint(str(directory)) == STEPS - 1
+                    loaded_state = _master_state(trainer)
                 torch.cuda.synchronize()
                 start = time.perf_counter()
                 last = trainer.train_step(batch)
                 norms.append(last["grad_norm"])
+                if step == 0:
+                    first = _master_state(trainer)
                 torch.cuda.synchronize()
                 times.append(time.perf_counter() - start)
             after = trainer.logprobs(batch.input_ids, batch.attention_mask)["logp"].cpu()
@@ -138,6 +167,15 @@ def _run(out_file: str, hf_dir: str) -> None:
                 "state_bytes": _state_bytes(trainer.optimizer), "gpu_bytes": held,
                 "params": params, "optimizer": type(trainer.optimizer).__name__,
                 "resume_diff": float((after - ahead).abs().max()),
+                "initial": initial, "first": first, "state": (state := _master_state(trainer)),
+                "load_state_diff": {
+                    k: max(float((loaded_state[n][k] - saved_state[n][k]).abs().max()) for n in state)
+                    for k in ("param", "exp_avg", "exp_avg_sq")
+                },
+                "resume_state_diff": {
+                    k: max(float((state[n][k] - ahead_state[n][k]).abs().max()) for n in state)
+                    for k in ("param", "exp_avg", "exp_avg_sq")
+                },
             }  # fmt: skip
             trainer.close()
             del trainer
@@ -183,7 +221,9 @@ def runs(tmp_path_factory):
         name: {
             "grad_norms": r["grad_norms"], "step_s": r["step_s"], "state_bytes": r["state_bytes"],
             "gpu_bytes": r["gpu_bytes"], "params": r["params"], "optimizer": r["optimizer"],
-            "resume_diff": r["resume_diff"],
+            "resume_diff": r["resume_diff"], "resume_state_diff": r["resume_state_diff"],
+            "load_state_diff": r["load_state_diff"],
+            "rel_vs_gpu": _relative(r, results["gpu"]),
             "max_dlogp_vs_gpu": float((r["after"] - results["gpu"]["after"]).abs().max()),
             "max_moved": float((r["after"] - r["before"]).abs().max()),
         }
@@ -193,6 +233,28 @@ def runs(tmp_path_factory):
     if os.environ.get("SKYQ_GPU_REPORT"):
         Path(os.environ["SKYQ_GPU_REPORT"]).write_text(json.dumps(report, indent=1))
     return results, report
+
+
+def _relative(run: dict, reference: dict) -> dict[str, float]:
+    """How far `run`'s optimizer state is from `reference`'s after the first update (the same
+    gradient in both: the same weights and batch): the master weights relative to how far the
+    reference's moved from the checkpoint, each moment relative to the reference's (norms over
+    every parameter)."""
+
+    def norm(pairs) -> float:
+        return float(sum(float((a - b).double().pow(2).sum()) for a, b in pairs) ** 0.5)
+
+    names = list(reference["state"])
+    out = {
+        "param": norm((run["first"][n]["param"], reference["first"][n]["param"]) for n in names)
+        / norm((reference["first"][n]["param"], reference["initial"][n]) for n in names)
+    }
+    for k in ("exp_avg", "exp_avg_sq"):
+        zero = torch.zeros(1)
+        out[k] = norm((run["first"][n][k], reference["first"][n][k]) for n in names) / norm(
+            (reference["first"][n][k], zero) for n in names
+        )
+    return out
 
 
 def _on(report: dict, device: str) -> int:
@@ -212,16 +274,18 @@ def test_cpu_offload_holds_the_state_in_host_memory_and_updates_like_the_gpu_opt
     assert off["optimizer"] == gpu["optimizer"]
     assert _on(off, "cuda") == 0 and _on(off, "cpu") >= 11 * off["params"], off["state_bytes"]
     assert gpu["gpu_bytes"] - off["gpu_bytes"] >= 11 * gpu["params"], (gpu["gpu_bytes"], off["gpu_bytes"])
-    assert off["max_dlogp_vs_gpu"] < 0.01 * gpu["max_moved"], (off["max_dlogp_vs_gpu"], gpu["max_moved"])
+    # torch's AdamW on the host against TE's FusedAdam, both fp32: the same updates to rounding
+    assert max(off["rel_vs_gpu"].values()) < 1e-3, off["rel_vs_gpu"]
     assert off["grad_norms"][0] == pytest.approx(gpu["grad_norms"][0], rel=1e-3)
 
 
 def test_overlapped_offload_copies_give_the_same_updates(runs):
     results, report = runs
-    overlap, off = results["cpu_offload_overlap"], results["cpu_offload"]
     assert _on(report["cpu_offload_overlap"], "cuda") == 0
-    torch.testing.assert_close(overlap["after"], off["after"], rtol=0, atol=1e-5)
-    assert overlap["grad_norms"] == pytest.approx(off["grad_norms"], rel=1e-5)
+    assert max(_relative(results["cpu_offload_overlap"], results["cpu_offload"]).values()) < 1e-6
+    assert report["cpu_offload_overlap"]["grad_norms"] == pytest.approx(
+        report["cpu_offload"]["grad_norms"], rel=1e-5
+    )
 
 
 def test_precision_aware_keeps_bf16_moments_and_updates_close_to_fp32_moments(runs):
@@ -229,10 +293,14 @@ def test_precision_aware_keeps_bf16_moments_and_updates_close_to_fp32_moments(ru
     gpu, aware = report["gpu"], report["precision_aware"]
     assert aware["state_bytes"].get("cuda/bfloat16", 0) >= 2 * 2 * aware["params"] * 0.9, aware["state_bytes"]
     assert gpu["gpu_bytes"] - aware["gpu_bytes"] >= 3 * gpu["params"], (gpu["gpu_bytes"], aware["gpu_bytes"])
-    assert aware["max_dlogp_vs_gpu"] < 0.1 * gpu["max_moved"], (aware["max_dlogp_vs_gpu"], gpu["max_moved"])
+    # bf16 moments: each within bf16's relative precision of the fp32 ones, the weights close
+    assert max(aware["rel_vs_gpu"].values()) < 3e-2, aware["rel_vs_gpu"]
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
-def test_a_checkpoint_round_trip_restores_the_next_update_bit_for_bit(runs, name):
+def test_a_checkpoint_round_trip_restores_the_optimizer_state_and_the_next_update(runs, name):
     results, report = runs
-    assert report[name]["resume_diff"] <= 1e-6, report[name]
+    assert report[name]["resume_state_diff"] == {"param": 0.0, "exp_avg": 0.0, "exp_avg_sq": 0.0}, report[
+        name
+    ]
+    assert report[name]["resume_diff"] == 0.0, report[name]
