@@ -303,7 +303,11 @@ class EngineWorker:
     def receive_weights(self, verify_checksum: bool) -> dict[str, float]:
         """Take part in one sync; the engine's weights and version change only if it fully succeeds."""
         if self._receiver is None or self._receiver_verifies != verify_checksum:
-            self._receiver = WeightReceiver(self._channel, self.expected, verify_checksum=verify_checksum)
+            # frames that cross on the host (gloo, trainer=megatron on the engine's GPU) are moved to
+            # the engine's device once per bucket, before the checksum and value scans
+            self._receiver = WeightReceiver(
+                self._channel, self.expected, verify_checksum=verify_checksum, device=self.engine.device
+            )
             self._receiver_verifies = verify_checksum
         stats = self._receiver.receive(
             current_version=self.engine.weight_version, commit=self.engine.load_weights

@@ -14,8 +14,8 @@ not on log-probs: a one-ulp difference in a bf16 weight flips top-k expert choic
 random MoE's log-probs by ~1 nat (measured), so later gradients differ by routing, not optimizer.
 Asserted:
 - precision_aware: the moments are bf16 (TE's FusedAdam keeps the fp32 master copy instead of
-  megatron-core), at least 3 bytes per parameter less on the GPU, and the master weights and moments
-  within 3% of the fp32-moment optimizer's;
+  megatron-core, as bf16 weight + int16 remainder), at least 3 bytes per parameter less on the GPU,
+  and the moments within 3% of the fp32-moment optimizer's;
 - cpu_offload (with precision_aware, which megatron-core's offloaded optimizer needs): no optimizer
   state on the GPU, at least 11 of the 12 bytes per parameter of the fp32 master copy and the two
   fp32 moments less on the GPU, and the master weights and moments within 1e-3 of the GPU optimizer's
@@ -110,6 +110,18 @@ def _master_state(trainer) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
+def _offloaded_steps(trainer) -> list[float]:
+    """The distinct Adam step counts of the host-side (offloaded) parameters; [] without offload."""
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    steps = set()
+    for chained in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):
+        if isinstance(chained.optimizer, HybridDeviceOptimizer):
+            for sub in chained.optimizer.sub_optimizers:
+                steps.update(float(s["step"]) for s in sub.state.values() if "step" in s)
+    return sorted(steps)
+
+
 def _run(out_file: str, hf_dir: str) -> None:
     try:
         import gc
@@ -151,6 +163,7 @@ def _run(out_file: str, hf_dir: str) -> None:
                     ahead_state = _master_state(trainer)
                     assert trainer.load_checkpoint(str(directory)) == STEPS - 1
                     loaded_state = _master_state(trainer)
+                    steps_after_load = _offloaded_steps(trainer)
                 torch.cuda.synchronize()
                 start = time.perf_counter()
                 last = trainer.train_step(batch)
@@ -166,7 +179,7 @@ def _run(out_file: str, hf_dir: str) -> None:
                 "before": before, "after": after, "grad_norms": norms, "step_s": times,
                 "state_bytes": _state_bytes(trainer.optimizer), "gpu_bytes": held,
                 "params": params, "optimizer": type(trainer.optimizer).__name__,
-                "resume_diff": float((after - ahead).abs().max()),
+                "resume_diff": float((after - ahead).abs().max()), "steps_after_load": steps_after_load,
                 "initial": initial, "first": first, "state": (state := _master_state(trainer)),
                 "load_state_diff": {
                     k: max(float((loaded_state[n][k] - saved_state[n][k]).abs().max()) for n in state)
@@ -222,7 +235,7 @@ def runs(tmp_path_factory):
             "grad_norms": r["grad_norms"], "step_s": r["step_s"], "state_bytes": r["state_bytes"],
             "gpu_bytes": r["gpu_bytes"], "params": r["params"], "optimizer": r["optimizer"],
             "resume_diff": r["resume_diff"], "resume_state_diff": r["resume_state_diff"],
-            "load_state_diff": r["load_state_diff"],
+            "load_state_diff": r["load_state_diff"], "steps_after_load": r["steps_after_load"],
             "rel_vs_gpu": _relative(r, results["gpu"]),
             "max_dlogp_vs_gpu": float((r["after"] - results["gpu"]["after"]).abs().max()),
             "max_moved": float((r["after"] - r["before"]).abs().max()),
@@ -294,7 +307,9 @@ def test_precision_aware_keeps_bf16_moments_and_updates_close_to_fp32_moments(ru
     assert aware["state_bytes"].get("cuda/bfloat16", 0) >= 2 * 2 * aware["params"] * 0.9, aware["state_bytes"]
     assert gpu["gpu_bytes"] - aware["gpu_bytes"] >= 3 * gpu["params"], (gpu["gpu_bytes"], aware["gpu_bytes"])
     # bf16 moments: each within bf16's relative precision of the fp32 ones, the weights close
-    assert max(aware["rel_vs_gpu"].values()) < 3e-2, aware["rel_vs_gpu"]
+    # (its "param" is TE's master in store_param_remainders form: the int16 low bits under the bf16
+    # weight, not an fp32 value, so only the moments compare here; the round trip checks it too)
+    assert max(aware["rel_vs_gpu"]["exp_avg"], aware["rel_vs_gpu"]["exp_avg_sq"]) < 3e-2, aware["rel_vs_gpu"]
 
 
 @pytest.mark.parametrize("name", list(SETTINGS))
@@ -304,3 +319,5 @@ def test_a_checkpoint_round_trip_restores_the_optimizer_state_and_the_next_updat
         name
     ]
     assert report[name]["resume_diff"] == 0.0, report[name]
+    if name.startswith("cpu_offload"):  # the updates the checkpoint had made (skyq sets them: trainer.py)
+        assert report[name]["steps_after_load"] == [float(STEPS - 1)], report[name]["steps_after_load"]
