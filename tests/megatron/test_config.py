@@ -247,6 +247,19 @@ def _context(path: str):
     return MatchContext(module_path=path, layer_number=3)
 
 
+def test_deepep_is_refused_where_its_package_is_missing():
+    """`deep_ep` is a CUDA/NVSHMEM build: absent here (and on the lent H200), so a GPU build with DeepEP
+    on stops before megatron-core's first dispatch, naming the key."""
+    import importlib.util
+
+    from skyq.trainer.megatron.config import MegatronConfigError, require_deepep
+
+    assert importlib.util.find_spec("deep_ep") is None
+    with pytest.raises(MegatronConfigError, match="trainer.deepep_max_dispatch_tokens=128: DeepEP"):
+        require_deepep(TrainerConfig(deepep_max_dispatch_tokens=128))
+    require_deepep(TrainerConfig())  # DeepEP off: nothing to check
+
+
 def test_deepep_switches_the_flex_dispatcher_on_the_gpu():
     _, kw = kwargs(preset("kimi_k26"), trainer=TrainerConfig(deepep_max_dispatch_tokens=128))
     assert kw["moe_token_dispatcher_type"] == "flex" and kw["moe_flex_dispatcher_backend"] == "deepep"

@@ -286,6 +286,19 @@ def _moe(m: ModelConfig, t: TrainerConfig, device: str) -> dict[str, Any]:
     return out
 
 
+def require_deepep(t: TrainerConfig) -> None:
+    """Refuse DeepEP (`trainer.deepep_max_dispatch_tokens > 0`) where its `deep_ep` package is not
+    installed: megatron-core would fail at the first MoE layer's dispatch, deep inside the run."""
+    import importlib.util
+
+    if t.deepep_max_dispatch_tokens > 0 and importlib.util.find_spec("deep_ep") is None:
+        raise MegatronConfigError(
+            f"trainer.deepep_max_dispatch_tokens={t.deepep_max_dispatch_tokens}: DeepEP (the `deep_ep` package, "
+            "a CUDA/NVSHMEM build) is not installed in the trainer's environment. Fix: install DeepEP there, "
+            "or trainer.deepep_max_dispatch_tokens=0 (moe_token_dispatcher=alltoall)"
+        )
+
+
 def _dispatcher(t: TrainerConfig, device: str) -> str:
     name = t.moe_token_dispatcher
     if t.deepep_max_dispatch_tokens > 0:

@@ -40,7 +40,7 @@ from torch import Tensor
 from skyq.config.enums import Precision, QuantScope
 from skyq.config.schema import ModelConfig, ParallelConfig, PrecisionConfig, TrainerConfig
 from skyq.trainer.megatron import fake_int4
-from skyq.trainer.megatron.config import MegatronConfigError, device_kind, transformer_config
+from skyq.trainer.megatron.config import MegatronConfigError, device_kind, require_deepep, transformer_config
 
 
 def build_model(
@@ -67,6 +67,8 @@ def build_model(
     With bf16 compute (`config.bf16`) the caller wraps the model in megatron's `Float16Module`.
     """
     device = device_kind(device)
+    if device == "cuda":
+        require_deepep(trainer_cfg)
     if device == "cpu":
         from skyq.trainer.megatron import cpu_compat
 
