@@ -215,3 +215,29 @@ def world_size_one(rank: int, cases: list[tuple[str, ModelConfig]], hf_dirs: dic
 def world_size_two(rank: int, cases: list[tuple[ModelConfig, int, int, str]]) -> None:
     """`load_and_export` over `cases` (pipeline parallel layouts: tests/megatron/test_pp.py)."""
     load_and_export(rank, cases)
+
+
+def cpu_trainer(
+    model_cfg: ModelConfig,
+    hf_dir: str,
+    parallel: ParallelConfig,
+    *,
+    rank: int,
+    world_size: int,
+    store,
+    micro_batch_size: int,
+):
+    """A CPU `MegatronTrainer` (fp32, bf16 precision, lr 1e-4) of this rank at `parallel`, from the HF
+    checkpoint in `hf_dir`; `store` is the world's rendezvous store."""
+    import dataclasses
+
+    from skyq.config.schema import AlgorithmConfig
+    from skyq.trainer.megatron.trainer import MegatronTrainer
+
+    return MegatronTrainer(
+        model_cfg=model_cfg, precision_cfg=PrecisionConfig(),
+        trainer_cfg=dataclasses.replace(TRAINER, micro_batch_size=micro_batch_size),
+        algorithm_cfg=AlgorithmConfig(lr=1e-4), parallel_cfg=parallel, checkpoint_path=hf_dir, load_path=None,
+        ref_load=None, device="cpu", seed=0, temperature=1.0, rank=rank, world_size=world_size, store=store,
+        timeout_s=120.0,
+    )  # fmt: skip

@@ -26,7 +26,7 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (dev extra, Python < 3.12)")
 
 from dist_helpers import init_parallel, run_ranks  # noqa: E402  (tests/megatron is on sys.path)
-from mapping_helpers import TRAINER, deepseek_cfg, qwen_cfg, random_hf, write_checkpoint  # noqa: E402
+from mapping_helpers import TRAINER, cpu_trainer, deepseek_cfg, qwen_cfg, random_hf, write_checkpoint  # noqa: E402
 
 from skyq.config.schema import AlgorithmConfig, ModelConfig, ParallelConfig, PrecisionConfig  # noqa: E402
 from skyq.rl.batch import RolloutBatch  # noqa: E402
@@ -144,19 +144,12 @@ def make_batch(vocab: int) -> RolloutBatch:
 
 
 def _trainer(model_cfg, hf_dir, parallel, *, rank, world_size, port):
-    import dataclasses
-
     import torch.distributed as dist
 
-    from skyq.trainer.megatron.trainer import MegatronTrainer
-
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, use_libuv=False)
-    return MegatronTrainer(
-        model_cfg=model_cfg, precision_cfg=PrecisionConfig(),
-        trainer_cfg=dataclasses.replace(TRAINER, micro_batch_size=2), algorithm_cfg=AlgorithmConfig(lr=1e-4),
-        parallel_cfg=parallel, checkpoint_path=hf_dir, load_path=None, ref_load=None, device="cpu", seed=0,
-        temperature=1.0, rank=rank, world_size=world_size, store=store, timeout_s=120.0,
-    )  # fmt: skip
+    return cpu_trainer(
+        model_cfg, hf_dir, parallel, rank=rank, world_size=world_size, store=store, micro_batch_size=2
+    )
 
 
 def _steps(trainer, batch: RolloutBatch) -> dict:

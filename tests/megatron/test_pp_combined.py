@@ -29,7 +29,6 @@ holds no routed expert, yet gets an expert optimizer with empty groups, whose st
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -38,10 +37,10 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (dev extra, Python < 3.12)")
 
 from dist_helpers import init_parallel, run_ranks  # noqa: E402  (tests/megatron is on sys.path)
-from mapping_helpers import TRAINER, deepseek_cfg, qwen_cfg, write_checkpoint  # noqa: E402
+from mapping_helpers import TRAINER, cpu_trainer, deepseek_cfg, qwen_cfg, write_checkpoint  # noqa: E402
 from test_pp import LOGP_TOL, STEP_LOGP_TOL, _losses, make_batch, small_hf  # noqa: E402
 
-from skyq.config.schema import AlgorithmConfig, ModelConfig, ParallelConfig, PrecisionConfig  # noqa: E402
+from skyq.config.schema import ModelConfig, ParallelConfig, PrecisionConfig  # noqa: E402
 
 WORLD = 4
 LAYOUTS = {
@@ -133,15 +132,10 @@ def _load_export(rank: int, model_cfg: ModelConfig, parallel: ParallelConfig, hf
 
 
 def _trainer(model_cfg, hf_dir, parallel, *, rank, world_size, store):
-    from skyq.trainer.megatron.trainer import MegatronTrainer
-
-    return MegatronTrainer(
-        model_cfg=model_cfg, precision_cfg=PrecisionConfig(),
-        # one row per micro-batch: every DP rank pipelines at least two micro-batches (1F1B)
-        trainer_cfg=dataclasses.replace(TRAINER, micro_batch_size=1), algorithm_cfg=AlgorithmConfig(lr=1e-4),
-        parallel_cfg=parallel, checkpoint_path=hf_dir, load_path=None, ref_load=None, device="cpu", seed=0,
-        temperature=1.0, rank=rank, world_size=world_size, store=store, timeout_s=120.0,
-    )  # fmt: skip
+    # one row per micro-batch: every DP rank pipelines at least two micro-batches (1F1B)
+    return cpu_trainer(
+        model_cfg, hf_dir, parallel, rank=rank, world_size=world_size, store=store, micro_batch_size=1
+    )
 
 
 def _shared_store(rank: int):
