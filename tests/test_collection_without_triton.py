@@ -25,7 +25,9 @@ def test_test_modules_collect_without_triton():
     modules = sorted(
         str(p.relative_to(ROOT))
         for p in (ROOT / "tests").rglob("test_*.py")
-        if p != Path(__file__).resolve() and re.search(r"triton|\.kernels\b", p.read_text())
+        if p != Path(__file__).resolve()
+        and p.parent != ROOT / "tests" / "vllm"  # collected only in .venv-vllm (its conftest skips them here)
+        and re.search(r"triton|\.kernels\b", p.read_text())
     )
     assert modules, "no test module names Triton or a kernels package: the selection above is stale"
     result = subprocess.run(
