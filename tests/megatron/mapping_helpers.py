@@ -241,3 +241,19 @@ def cpu_trainer(
         ref_load=None, device="cpu", seed=0, temperature=1.0, rank=rank, world_size=world_size, store=store,
         timeout_s=120.0,
     )  # fmt: skip
+
+
+def resumes_bit_for_bit(trainer, batch, directory: str, rank: int) -> bool:
+    """Save `trainer` (after its first update) into `directory` (rank 0 creates it), update, load the
+    checkpoint back and update again: whether the two updates agree bit for bit (log-probs, grad norm).
+    A collective of the trainer's world."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        Path(directory).mkdir()
+    dist.barrier()
+    trainer.save_checkpoint(directory)
+    ahead = trainer.train_step(batch)
+    assert trainer.load_checkpoint(directory) == 1
+    again = trainer.train_step(batch)
+    return bool(torch.equal(ahead["logp"], again["logp"])) and ahead["grad_norm"] == again["grad_norm"]

@@ -13,15 +13,13 @@ layout). tests/megatron/test_worker.py compares the layout's log-probs and grad 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (dev extra, Python < 3.12)")
 
 from dist_helpers import run_ranks  # noqa: E402  (tests/megatron is on sys.path)
-from mapping_helpers import qwen_cfg, write_checkpoint  # noqa: E402
+from mapping_helpers import qwen_cfg, resumes_bit_for_bit, write_checkpoint  # noqa: E402
 from test_pp import _free_ports, _trainer, make_batch, small_hf  # noqa: E402
 
 from skyq.config.schema import ModelConfig, ParallelConfig  # noqa: E402
@@ -41,16 +39,7 @@ def etp1_run(rank: int, model_cfg: ModelConfig, hf_dir: str, port: int, ckpt: st
     expert_marked = sorted(n for n, p in module.named_parameters() if not getattr(p, "allreduce", True))
     trainer.train_step(batch)
     experts = {n: p.detach().clone() for n, p in module.named_parameters() if ".mlp.experts." in n}
-    if rank == 0:
-        Path(ckpt).mkdir()
-    dist.barrier()
-    trainer.save_checkpoint(ckpt)
-    ahead = trainer.train_step(batch)
-    assert trainer.load_checkpoint(ckpt) == 1
-    again = trainer.train_step(batch)
-    resumed_equal = (
-        bool(torch.equal(ahead["logp"], again["logp"])) and ahead["grad_norm"] == again["grad_norm"]
-    )
+    resumed_equal = resumes_bit_for_bit(trainer, batch, ckpt, rank)
     names = [n for n, _ in module.named_parameters()]
     trainer.close()
     if not dist.is_initialized():  # dist_helpers' teardown destroys the default group

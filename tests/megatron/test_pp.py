@@ -26,7 +26,15 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (dev extra, Python < 3.12)")
 
 from dist_helpers import init_parallel, run_ranks  # noqa: E402  (tests/megatron is on sys.path)
-from mapping_helpers import TRAINER, cpu_trainer, deepseek_cfg, qwen_cfg, random_hf, write_checkpoint  # noqa: E402
+from mapping_helpers import (  # noqa: E402
+    TRAINER,
+    cpu_trainer,
+    deepseek_cfg,
+    qwen_cfg,
+    random_hf,
+    resumes_bit_for_bit,
+    write_checkpoint,
+)
 
 from skyq.config.schema import AlgorithmConfig, ModelConfig, ParallelConfig, PrecisionConfig  # noqa: E402
 from skyq.rl.batch import RolloutBatch  # noqa: E402
@@ -184,17 +192,7 @@ def pp_trainer_runs(
                 if n.startswith("decoder.layers.")
             }
         )
-        directory = f"{ckpt}/{label}"
-        if rank == 0:
-            Path(directory).mkdir()
-        dist.barrier()
-        trainer.save_checkpoint(directory)
-        ahead = trainer.train_step(batch)
-        assert trainer.load_checkpoint(directory) == 1
-        again = trainer.train_step(batch)
-        pp2["resumed_equal"] = bool(torch.equal(ahead["logp"], again["logp"])) and (
-            ahead["grad_norm"] == again["grad_norm"]
-        )
+        pp2["resumed_equal"] = resumes_bit_for_bit(trainer, batch, f"{ckpt}/{label}", rank)
         trainer.close()
         out[label] = {"pp2": pp2}
     for label, model_cfg, hf_dir in cases:

@@ -37,7 +37,14 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (dev extra, Python < 3.12)")
 
 from dist_helpers import init_parallel, run_ranks  # noqa: E402  (tests/megatron is on sys.path)
-from mapping_helpers import TRAINER, cpu_trainer, deepseek_cfg, qwen_cfg, write_checkpoint  # noqa: E402
+from mapping_helpers import (  # noqa: E402
+    TRAINER,
+    cpu_trainer,
+    deepseek_cfg,
+    qwen_cfg,
+    resumes_bit_for_bit,
+    write_checkpoint,
+)
 from test_pp import LOGP_TOL, STEP_LOGP_TOL, _losses, make_batch, small_hf  # noqa: E402
 
 from skyq.config.schema import ModelConfig, ParallelConfig, PrecisionConfig  # noqa: E402
@@ -155,22 +162,15 @@ def _shared_store(rank: int):
 
 def _steps(trainer, batch, directory: str) -> dict:
     """Log-probs, one update, log-probs after it; then save, step, load, step (the two agree)."""
-    import torch.distributed as dist
 
     before = trainer.logprobs(batch.input_ids, batch.attention_mask)
     step = trainer.train_step(batch)
     after = trainer.logprobs(batch.input_ids, batch.attention_mask)
-    if trainer.rank == 0:
-        Path(directory).mkdir()
-    dist.barrier()
-    trainer.save_checkpoint(directory)
-    ahead = trainer.train_step(batch)
-    assert trainer.load_checkpoint(directory) == 1
-    again = trainer.train_step(batch)
+    resumed_equal = resumes_bit_for_bit(trainer, batch, directory, trainer.rank)
     return {
         "dp_rank": step["dp_rank"], "start": step["start"], "before": before["logp"], "step_logp": step["logp"],
         "grad_norm": step["grad_norm"], "after": after["logp"],
-        "resumed_equal": bool(torch.equal(ahead["logp"], again["logp"])) and ahead["grad_norm"] == again["grad_norm"],
+        "resumed_equal": resumed_equal,
     }  # fmt: skip
 
 
